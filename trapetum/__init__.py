@@ -1,0 +1,10 @@
+"""Trapetum: compress LLM checkpoints into .cbk codebook files and run them fast."""
+__version__ = "0.1.0"
+
+from .errors import TrapetumError, FormatError, ConfigError, UnsupportedError  # noqa: F401
+
+
+def load(path=None, **kwargs):
+    """Load a model (HF directory, .gguf or .cbk; None = the embedded default). See trapetum.api.Model."""
+    from .api import load as _load
+    return _load(path, **kwargs)
