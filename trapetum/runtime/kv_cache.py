@@ -1,0 +1,26 @@
+"""Static KV cache: one preallocated [B, n_kv_heads, max_len, head_dim] pair per layer."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import TrapetumError
+from ..models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, batch: int = 1, max_len: int = 2048,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.batch = batch
+        self.max_len = max_len
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v [B, Hkv, T, hd] at positions start..start+T; return the filled prefix [B, Hkv, start+T, hd]."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise TrapetumError(f"context overflow: position {end} exceeds the KV cache size {self.max_len}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
