@@ -1,0 +1,852 @@
+"""The ``.cbk`` file: specification, writer and reader (see also docs/CBK.md).
+
+Specification, version 1
+------------------------
+A ``.cbk`` file is a valid safetensors file (any safetensors reader can list and load its tensors)::
+
+    [8 bytes]  N: little-endian unsigned 64-bit length of the header
+    [N bytes]  header: UTF-8 JSON object, padded with spaces so that 8 + N is a multiple of 8
+    [the rest] data: every tensor's bytes, back to back, no gaps, no trailing bytes
+
+The header maps each *stored* tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the first data byte; little-endian, row-major) and holds
+``"__metadata__"``, a string -> string map with two Trapetum keys:
+
+``trapetum``
+    JSON text of the Trapetum metadata::
+
+        {"format": "trapetum-cbk", "version": 1,
+         "config": ModelConfig.to_dict(),
+         "tokenizer": Tokenizer.to_dict() or null,
+         "generation": {default sampling settings} or null,
+         "layers": {canonical weight name: {"scheme": str, "shape": [out, in], "params": {...},
+                                            "tensors": {role: stored name}, "bias": stored name or null}},
+         "dense": [canonical names stored as plain tensors under the same name],
+         "recipe": {...} or null,
+         "provenance": {"source", "source_sha256", "tool_version", "created", ...} or null,
+         "checksum": "sha256",
+         "checksums": {stored name: hex sha256 of its bytes}}
+
+``trapetum_sha256``
+    hex sha256 of ``json.dumps([trapetum_text, rows], separators=(",", ":"))`` where ``rows`` is
+    ``[[name, dtype, shape, begin, end], ...]`` for every stored tensor, sorted by name. It guards
+    the metadata and the tensor table (a flipped dtype or shape would pass the byte checksums).
+
+The writer stores a quantized projection ``P.weight`` as ``P.<role>`` (``P.codes``,
+``P.codebook``, ...) and its bias as ``P.bias``; readers follow the ``layers`` map, not the names.
+Tensors are laid out by descending element size so every tensor is aligned to its element size.
+
+Readers refuse another ``version`` with "<file> has .cbk version X; this build reads version 1",
+ignore unknown top-level metadata keys (a change an older reader must not ignore bumps the version),
+and validate everything before use: header size against the file size, JSON (no duplicate keys,
+no NaN), dtypes, shapes, offsets (in range, contiguous, covering the data exactly), the metadata
+hash, the config, every tensor's shape against ``expected_shapes(config)``, that every tensor the
+config needs is present and every stored tensor is referenced once. Every failure is a
+``FormatError`` whose one-line message names the file and the problem. Tensors are then read
+lazily from a copy-on-write memory map (no pickle, nothing allocated from a declared size).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .. import __version__
+from ..errors import FormatError
+from ..models.config import ModelConfig
+from ..quant.record import QuantRecord
+from ..tokenizer import Tokenizer
+from .checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
+
+FORMAT_NAME = "trapetum-cbk"
+VERSION = 1
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+MAX_DIMS = 8
+MAX_ELEMENTS = 2**62
+_CHUNK = 64 * 2**20
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in [
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
+        ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"), ("F16", "float16"),
+        ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")] if hasattr(torch, attr)}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _itemsize(dtype_name: str) -> int:
+    return torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+
+
+def _one_line(x: Any, limit: int = 120) -> str:
+    s = " ".join(str(x).split())
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor and layer descriptions shared by the writer and the reader
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype (safetensors name, e.g. "F16") and shape of a stored tensor, known before its bytes."""
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {t.dtype} cannot be stored in a .cbk file")
+        return cls(DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = _itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class QuantSpec:
+    """Everything about a quantized projection except its bytes (see ``QuantRecord``)."""
+    scheme: str
+    shape: tuple[int, int]
+    params: dict[str, Any]
+    tensors: dict[str, TensorSpec]
+    bias: TensorSpec | None = None
+
+    @classmethod
+    def of(cls, r: QuantRecord) -> "QuantSpec":
+        return cls(r.scheme, tuple(int(d) for d in r.shape), dict(r.params),
+                   {role: TensorSpec.of(t) for role, t in r.tensors.items()},
+                   TensorSpec.of(r.bias) if r.bias is not None else None)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One entry of the safetensors table; ``begin``/``end`` are absolute file offsets."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class LayerEntry:
+    name: str  # canonical weight name
+    scheme: str
+    shape: tuple[int, int]
+    params: dict[str, Any]
+    tensors: dict[str, str]  # role -> stored name
+    bias: str | None = None
+
+
+def format_label(scheme: str, params: Mapping[str, Any]) -> str:
+    """Storage label of a quantized layer for ``LazyTensors.formats``: "codebook-4bit", "aqlm-2x8"..."""
+    bits = params.get("bits")
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return f"{scheme}-{bits}bit"
+    layout = params.get("layout")
+    return f"{scheme}-{layout}" if isinstance(layout, str) else scheme
+
+
+def _header_digest(trapetum_text: str, table: Mapping[str, tuple[str, tuple[int, ...], int, int]]) -> str:
+    rows = [[n, d, list(s), b, e] for n, (d, s, b, e) in sorted(table.items())]
+    blob = json.dumps([trapetum_text, rows], ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("ascii")).hexdigest()
+
+
+def _check_model(cfg: ModelConfig, layers: Mapping[str, LayerEntry], dense: list[str],
+                 table: Mapping[str, TensorSpec], fail: Callable[[str], Any]) -> None:
+    """Check names and shapes against the config; every stored tensor referenced exactly once."""
+    if cfg.num_layers > len(table):  # bound the work below by the file's own size
+        fail(f"config has {cfg.num_layers} layers but the file stores only {len(table)} tensors")
+    exp = expected_shapes(cfg)
+
+    def expected(name: str) -> tuple[int, ...] | None:
+        if name in exp:
+            return exp[name]
+        if name.endswith(".bias"):  # o_bias / mlp_bias projections: bias is [out_features]
+            w = exp.get(name[:-len(".bias")] + ".weight")
+            if w is not None and len(w) == 2:
+                return (w[0],)
+        return None
+
+    owner: dict[str, str] = {}
+
+    def claim(stored: str, what: str) -> TensorSpec:
+        if stored not in table:
+            fail(f"{what} names tensor {stored!r}, which is not in the file")
+        if stored in owner:
+            fail(f"tensor {stored!r} is used both as {owner[stored]} and as {what}")
+        owner[stored] = what
+        return table[stored]
+
+    seen: set[str] = set()
+    for name in dense:
+        if name in seen:
+            fail(f"dense tensor {name!r} is listed twice")
+        seen.add(name)
+        shape = expected(name)
+        if shape is None:
+            fail(f"dense tensor {name!r} is not a tensor of this model config")
+        spec = claim(name, f"dense tensor {name!r}")
+        if spec.shape != shape:
+            fail(f"dense tensor {name!r} has shape {list(spec.shape)}, config expects {list(shape)}")
+        if spec.dtype not in FLOAT_DTYPES:
+            fail(f"dense tensor {name!r} has dtype {spec.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    for name, layer in layers.items():
+        if name in seen:
+            fail(f"{name!r} is stored both dense and quantized")
+        seen.add(name)
+        shape = exp.get(name)
+        if shape is None or len(shape) != 2 or not name.endswith(".weight"):
+            fail(f"quantized layer {name!r} is not a projection of this model config")
+        if tuple(layer.shape) != shape:
+            fail(f"quantized layer {name!r} has shape {list(layer.shape)}, config expects {list(shape)}")
+        if not layer.tensors:
+            fail(f"quantized layer {name!r} has no tensors")
+        for role, stored in layer.tensors.items():
+            claim(stored, f"{role} of {name!r}")
+        if layer.bias is not None:
+            spec = claim(layer.bias, f"bias of {name!r}")
+            if spec.shape != (shape[0],) or spec.dtype not in FLOAT_DTYPES:
+                fail(f"bias of {name!r} is {spec.dtype} {list(spec.shape)}, expected a float vector "
+                     f"of {shape[0]}")
+    missing = [n for n in expected_names(cfg) if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        fail(f"tensor {missing[0]!r} required by the config is missing{more}")
+    unused = [n for n in table if n not in owner]
+    if unused:
+        fail(f"stored tensor {unused[0]!r} is not referenced by the metadata")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------
+class CbkWriter:
+    """Streams a ``.cbk`` file to disk atomically, one tensor at a time.
+
+    Declare every tensor first (``declare_dense`` / ``declare_quantized``: dtype and shape only),
+    then ``put_dense`` / ``put_quantized`` each in any order, then ``commit()``. Bytes go straight
+    to a temporary file in the target's directory while their sha256 is computed; ``commit``
+    rewrites the header with the checksums (same length as the placeholder), fsyncs, renames over
+    the target and fsyncs the directory. Any failure (or ``abort()``, or leaving the ``with`` block
+    by an exception) removes the temporary file and leaves the target untouched. Memory use is one
+    tensor, so a file bigger than RAM can be written from a source that is read lazily.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, config: ModelConfig, tokenizer: Tokenizer | None = None,
+                 recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None):
+        self.path = Path(path)
+        self.config = config
+        self.meta: dict[str, Any] = {
+            "format": FORMAT_NAME, "version": VERSION, "config": config.to_dict(),
+            "tokenizer": tokenizer.to_dict() if tokenizer is not None else None,
+            "generation": dict(generation) if generation else None,
+            "layers": {}, "dense": [], "recipe": dict(recipe) if recipe is not None else None,
+            "provenance": {"tool_version": __version__,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(provenance or {})},
+            "checksum": "sha256", "checksums": {}}
+        self.specs: dict[str, TensorSpec] = {}  # stored name -> spec, in declaration order
+        self._layers: dict[str, LayerEntry] = {}
+        self._rel: dict[str, tuple[int, int]] = {}  # stored name -> [begin, end) within the data
+        self._offsets: dict[str, tuple[int, int]] = {}  # stored name -> absolute [begin, end)
+        self._digests: dict[str, str] = {}
+        self._file = None
+        self._tmp: Path | None = None
+        self._header_len = 0
+        self._done = False
+        self._committed = False
+
+    # -- declarations --------------------------------------------------------------------------
+    def _add(self, stored: str, spec: TensorSpec) -> None:
+        if self._file is not None:
+            raise ValueError("declare every tensor before the first put")
+        if stored in self.specs:
+            raise ValueError(f"tensor name {stored!r} is declared twice")
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {spec.dtype!r} for {stored!r}")
+        self.specs[stored] = spec
+
+    def declare_dense(self, name: str, spec: TensorSpec) -> None:
+        self._add(name, spec)
+        self.meta["dense"].append(name)
+
+    def declare_quantized(self, name: str, spec: QuantSpec) -> None:
+        if not name.endswith(".weight"):
+            raise ValueError(f"quantized layer name {name!r} must end with '.weight'")
+        prefix = name[:-len(".weight")]
+        roles = {}
+        for role, ts in spec.tensors.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", role) or role in ("weight", "bias"):
+                raise ValueError(f"bad tensor role {role!r} for {name!r}")
+            self._add(f"{prefix}.{role}", ts)
+            roles[role] = f"{prefix}.{role}"
+        bias = None
+        if spec.bias is not None:
+            bias = f"{prefix}.bias"
+            self._add(bias, spec.bias)
+        self._layers[name] = LayerEntry(name, spec.scheme, tuple(spec.shape), dict(spec.params), roles, bias)
+        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(spec.shape), "params": dict(spec.params),
+                                     "tensors": roles, "bias": bias}
+
+    # -- writing -------------------------------------------------------------------------------
+    def _header(self) -> bytes:
+        table, rel = {}, {}
+        for n, (b, e) in self._rel.items():  # offsets relative to the data: independent of the header
+            s = self.specs[n]
+            table[n] = (s.dtype, s.shape, b, e)
+            rel[n] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [b, e]}
+        self.meta["checksums"] = {n: self._digests.get(n, "0" * 64) for n in self._rel}
+        text = json.dumps(self.meta, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        header = {"__metadata__": {"trapetum": text, "trapetum_sha256": _header_digest(text, table)}, **rel}
+        raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return raw + b" " * (-len(raw) % 8)
+
+    def _begin(self) -> None:
+        try:
+            self.config.validate(f"cannot write {self.path}: config")
+            if self.meta["tokenizer"] is not None:
+                json.dumps(self.meta["tokenizer"])
+            json.dumps([self.meta["recipe"], self.meta["provenance"], self.meta["generation"],
+                        self.meta["layers"]], allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot write {self.path}: metadata is not plain JSON ({e})") from None
+
+        def fail(msg: str) -> None:
+            raise ValueError(f"cannot write {self.path}: {msg}")
+        _check_model(self.config, self._layers, self.meta["dense"], self.specs, fail)
+        # Layout: descending element size keeps every tensor aligned to its element size.
+        order = sorted(self.specs, key=lambda n: -_itemsize(self.specs[n].dtype))
+        pos = 0
+        for n in order:
+            self._rel[n] = (pos, pos + self.specs[n].nbytes)
+            pos += self.specs[n].nbytes
+        self._header_len = len(self._header())  # placeholder digests have the final length
+        start = 8 + self._header_len
+        self._offsets = {n: (start + b, start + e) for n, (b, e) in self._rel.items()}
+        directory = self.path.parent
+        name = f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        self._tmp = directory / name
+        self._file = open(self._tmp, "xb")
+
+    def _put(self, stored: str, t: torch.Tensor) -> None:
+        if self._done:
+            raise ValueError("writer is already committed or aborted")
+        if stored not in self.specs:
+            raise ValueError(f"tensor {stored!r} was not declared")
+        if stored in self._digests:
+            raise ValueError(f"tensor {stored!r} is written twice")
+        got = TensorSpec.of(t)
+        if got != self.specs[stored]:
+            raise ValueError(f"tensor {stored!r} is {got.dtype} {list(got.shape)}, declared "
+                             f"{self.specs[stored].dtype} {list(self.specs[stored].shape)}")
+        if self._file is None:
+            self._begin()
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        h = hashlib.sha256()
+        self._file.seek(self._offsets[stored][0])
+        with memoryview(flat) as mv:
+            for i in range(0, len(mv), _CHUNK):
+                h.update(mv[i:i + _CHUNK])
+                self._file.write(mv[i:i + _CHUNK])
+        self._digests[stored] = h.hexdigest()
+
+    def put_dense(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.meta["dense"]:
+            raise ValueError(f"{name!r} was not declared dense")
+        self._put(name, tensor)
+
+    def put_quantized(self, name: str, record: QuantRecord) -> None:
+        layer = self._layers.get(name)
+        if layer is None:
+            raise ValueError(f"{name!r} was not declared quantized")
+        if (record.scheme, tuple(record.shape)) != (layer.scheme, layer.shape) or set(record.tensors) != set(layer.tensors):
+            raise ValueError(f"record for {name!r} does not match its declaration")
+        for role, t in record.tensors.items():
+            self._put(layer.tensors[role], t)
+        if (record.bias is None) != (layer.bias is None):
+            raise ValueError(f"record for {name!r}: bias presence does not match its declaration")
+        if record.bias is not None:
+            self._put(layer.bias, record.bias)
+
+    def commit(self) -> Path:
+        """Finish the file and move it into place; returns the path."""
+        if self._done:
+            raise ValueError("writer is already committed or aborted")
+        try:
+            if self._file is None:
+                self._begin()
+            missing = [n for n in self.specs if n not in self._digests]
+            if missing:
+                raise ValueError(f"cannot write {self.path}: tensor {missing[0]!r} was declared but not written")
+            header = self._header()
+            assert len(header) == self._header_len, "header length changed"
+            self._file.seek(0)
+            self._file.write(struct.pack("<Q", len(header)) + header)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self.path)
+            self._committed = self._done = True
+        except BaseException:
+            self.abort()
+            raise
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # some filesystems cannot fsync a directory; the rename itself is atomic
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the temporary file; the target path is left as it was."""
+        self._done = True
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if self._tmp is not None and not self._committed:
+            try:
+                self._tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "CbkWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        elif not self._done:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.abort()
+
+
+def write_cbk(path: str | os.PathLike, *, config: ModelConfig, dense: Mapping[str, torch.Tensor],
+              quantized: Mapping[str, QuantRecord], tokenizer: Tokenizer | None = None, recipe: dict | None = None,
+              provenance: dict | None = None, generation: dict | None = None) -> Path:
+    """Write a ``.cbk`` file atomically. ``dense``: canonical name -> tensor; ``quantized``: canonical
+    weight name -> QuantRecord. Values are read twice (spec, then bytes): for a source that is costly to
+    produce (quantized on the fly), use ``CbkWriter`` with the specs declared up front."""
+    w = CbkWriter(path, config=config, tokenizer=tokenizer, recipe=recipe, provenance=provenance,
+                  generation=generation)
+    try:
+        for name, t in dense.items():
+            w.declare_dense(name, TensorSpec.of(t))
+        for name, r in quantized.items():
+            w.declare_quantized(name, QuantSpec.of(r))
+        for name, t in dense.items():
+            w.put_dense(name, t)
+        for name, r in quantized.items():
+            w.put_quantized(name, r)
+        return w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------
+def _parse_json(text: str, what: str, fail: Callable[[str], Any]) -> Any:
+    def pairs(kv: list[tuple[str, Any]]) -> dict[str, Any]:
+        d: dict[str, Any] = {}
+        for k, v in kv:
+            if k in d:
+                fail(f"{what} has duplicate key {_one_line(repr(k), 60)}")
+            d[k] = v
+        return d
+
+    def constant(c: str) -> None:
+        fail(f"{what} contains {c}, which is not JSON")
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except RecursionError:
+        fail(f"{what} is nested too deeply")
+    except ValueError as e:  # JSONDecodeError, and integers with too many digits
+        fail(f"{what} is not valid JSON ({_one_line(e, 80)})")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class CbkFile:
+    """A validated, memory-mapped ``.cbk`` file. Opening checks everything (``FormatError`` otherwise);
+    ``verify()`` also recomputes every checksum. Tensors are views of a copy-on-write map of the file:
+    writing to one never changes the file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self.file_bytes = os.fstat(f.fileno()).st_size
+                self._read_header(f)
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                if len(self._mm) != self.file_bytes:
+                    self._fail("file changed size while it was being opened")
+        except FileNotFoundError:
+            self._fail("no such file")
+        except IsADirectoryError:
+            self._fail("is a directory, not a .cbk file")
+        except OSError as e:
+            self._fail(f"cannot read ({_one_line(e.strerror or e, 80)})")
+
+    def _fail(self, msg: str) -> None:
+        raise FormatError(f"{self.path}: {msg}")
+
+    # -- validation ------------------------------------------------------------------------------
+    def _read_header(self, f) -> None:
+        fail = self._fail
+        size = self.file_bytes
+        if size < 8:
+            fail(f"file is {size} bytes, too short for a .cbk header (truncated?)")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n == 0:
+            fail("header size is 0")
+        if n > size - 8:
+            fail(f"header size {n} is larger than the rest of the file ({size - 8} bytes; truncated?)")
+        if n > MAX_HEADER_BYTES:
+            fail(f"header size {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+        raw = f.read(n)
+        if len(raw) != n:
+            fail("file ended inside the header")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"header is not UTF-8 (byte {e.start})")
+        if not text.startswith("{"):
+            fail("header is not a JSON object")
+        header = _parse_json(text, "header", fail)
+        if not isinstance(header, dict):
+            fail("header is not a JSON object")
+        self.header_bytes = 8 + n
+        self._read_table(header, size - 8 - n)
+        self._read_metadata(header.get("__metadata__"))
+
+    def _read_table(self, header: dict, data_len: int) -> None:
+        fail = self._fail
+        entries: dict[str, StoredTensor] = {}
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            what = f"tensor {_one_line(repr(name), 80)}"
+            if not name:
+                fail("a tensor has an empty name")
+            if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+                fail(f"{what}: entry must be an object with exactly dtype, shape and data_offsets")
+            dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                fail(f"{what}: unknown dtype {_one_line(repr(dtype), 40)}")
+            if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) for d in shape):
+                fail(f"{what}: shape must be a list of at most {MAX_DIMS} integers")
+            count = 1
+            for d in shape:
+                if d < 0:
+                    fail(f"{what}: negative dimension {d} in shape")
+                count *= d
+                if count > MAX_ELEMENTS:
+                    fail(f"{what}: shape {_one_line(shape, 60)} has too many elements")
+            if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+                fail(f"{what}: data_offsets must be two integers")
+            begin, end = offs
+            if not 0 <= begin <= end:
+                fail(f"{what}: data_offsets [{_one_line(begin, 30)}, {_one_line(end, 30)}] are not an "
+                     f"increasing pair of non-negative offsets")
+            if end > data_len:
+                fail(f"{what}: data_offsets end {_one_line(end, 30)} is past the end of the data "
+                     f"({data_len} bytes; truncated?)")
+            if end - begin != count * _itemsize(dtype):
+                fail(f"{what}: {dtype} shape {shape} needs {count * _itemsize(dtype)} bytes but data_offsets "
+                     f"span {end - begin}")
+            entries[name] = StoredTensor(name, dtype, tuple(shape), self.header_bytes + begin, self.header_bytes + end)
+        pos = self.header_bytes
+        for t in sorted(entries.values(), key=lambda t: (t.begin, t.end)):
+            if t.begin < pos:
+                fail(f"tensor {_one_line(repr(t.name), 80)} overlaps the previous tensor")
+            if t.begin > pos:
+                fail(f"gap of {t.begin - pos} bytes before tensor {_one_line(repr(t.name), 80)}")
+            pos = t.end
+        if pos != self.file_bytes:
+            fail(f"{self.file_bytes - pos} bytes after the last tensor (tensors must cover the data exactly)")
+        self.tensors_table = entries
+
+    def _read_metadata(self, md: Any) -> None:
+        fail = self._fail
+        if md is None:
+            fail("not a .cbk file: safetensors header has no __metadata__ (a plain safetensors file?)")
+        if not isinstance(md, dict) or not all(isinstance(v, str) for v in md.values()):
+            fail("__metadata__ must be an object of strings")
+        if "trapetum" not in md:
+            fail("not a .cbk file: safetensors metadata has no 'trapetum' entry")
+        meta = _parse_json(md["trapetum"], "trapetum metadata", fail)
+        if not isinstance(meta, dict):
+            fail("trapetum metadata is not a JSON object")
+        if meta.get("format") != FORMAT_NAME:
+            fail(f"format is {_one_line(repr(meta.get('format')), 40)}, expected {FORMAT_NAME!r}")
+        version = meta.get("version")
+        if not _is_int(version):
+            fail(f"version is {_one_line(repr(version), 40)}, expected an integer")
+        if version != VERSION:
+            raise FormatError(f"{self.path} has .cbk version {version}; this build reads version {VERSION}")
+        table = {n: (t.dtype, t.shape, t.begin - self.header_bytes, t.end - self.header_bytes)
+                 for n, t in self.tensors_table.items()}
+        if md.get("trapetum_sha256") != _header_digest(md["trapetum"], table):
+            fail("metadata checksum mismatch: the header was edited or is corrupt")
+        for key in ("config", "layers", "dense", "checksums"):
+            if key not in meta:
+                fail(f"trapetum metadata has no {key!r}")
+        for key in ("tokenizer", "recipe", "provenance", "generation"):
+            if meta.get(key) is not None and not isinstance(meta[key], dict):
+                fail(f"{key} must be an object or null")
+        self.meta = meta
+        # config
+        if not isinstance(meta["config"], dict):
+            fail("config is not an object")
+        try:
+            self.config = ModelConfig.from_dict(meta["config"], where="config")
+        except Exception as e:  # ConfigError, or a TypeError from a field of the wrong type
+            fail(f"invalid config: {_one_line(e, 200)}")
+        # layers and dense
+        layers: dict[str, LayerEntry] = {}
+        if not isinstance(meta["layers"], dict):
+            fail("layers is not an object")
+        for name, d in meta["layers"].items():
+            what = f"quantized layer {_one_line(repr(name), 80)}"
+            if not isinstance(d, dict) or not {"scheme", "shape", "params", "tensors"} <= set(d):
+                fail(f"{what}: entry must be an object with scheme, shape, params, tensors")
+            if not isinstance(d["scheme"], str) or not d["scheme"]:
+                fail(f"{what}: scheme must be a non-empty string")
+            if not isinstance(d["shape"], list) or len(d["shape"]) != 2 or not all(_is_int(x) for x in d["shape"]):
+                fail(f"{what}: shape must be two integers")
+            if not isinstance(d["params"], dict):
+                fail(f"{what}: params must be an object")
+            if not isinstance(d["tensors"], dict) or not all(isinstance(v, str) for v in d["tensors"].values()):
+                fail(f"{what}: tensors must map roles to stored tensor names")
+            if d.get("bias") is not None and not isinstance(d["bias"], str):
+                fail(f"{what}: bias must be a stored tensor name or null")
+            layers[name] = LayerEntry(name, d["scheme"], tuple(d["shape"]), d["params"], dict(d["tensors"]),
+                                      d.get("bias"))
+        dense = meta["dense"]
+        if not isinstance(dense, list) or not all(isinstance(n, str) for n in dense):
+            fail("dense is not a list of tensor names")
+        specs = {n: TensorSpec(t.dtype, t.shape) for n, t in self.tensors_table.items()}
+        _check_model(self.config, layers, dense, specs, fail)
+        self.layers, self.dense = layers, list(dense)
+        # checksums
+        if meta.get("checksum") != "sha256":
+            fail(f"checksum algorithm is {_one_line(repr(meta.get('checksum')), 40)}, expected 'sha256'")
+        sums = meta["checksums"]
+        if not isinstance(sums, dict):
+            fail("checksums is not an object")
+        for n in self.tensors_table:
+            if n not in sums:
+                fail(f"no checksum for tensor {_one_line(repr(n), 80)}")
+            if not isinstance(sums[n], str) or not _HEX64.fullmatch(sums[n]):
+                fail(f"checksum of tensor {_one_line(repr(n), 80)} is not a sha256 hex digest")
+        extra = [n for n in sums if n not in self.tensors_table]
+        if extra:
+            fail(f"checksum listed for tensor {_one_line(repr(extra[0]), 80)}, which is not in the file")
+        self.checksums = dict(sums)
+        # tokenizer
+        self.tokenizer = None
+        tk = meta.get("tokenizer")
+        if tk is not None:
+            if not isinstance(tk.get("tokenizer_json"), str):
+                fail("tokenizer has no tokenizer_json string")
+            try:
+                self.tokenizer = Tokenizer.from_dict(tk)
+            except Exception as e:  # tokenizers raises plain Exception on a bad tokenizer.json
+                fail(f"tokenizer does not load: {_one_line(e, 160)}")
+        self.recipe = meta.get("recipe")
+        self.provenance = meta.get("provenance")
+        self.generation = meta.get("generation") or {}
+
+    # -- access ----------------------------------------------------------------------------------
+    def tensor(self, stored: str) -> torch.Tensor:
+        """The stored tensor ``stored`` as a CPU tensor viewing the file's memory map (no copy)."""
+        t = self.tensors_table[stored]
+        dtype = DTYPES[t.dtype]
+        count = (t.end - t.begin) // _itemsize(t.dtype)
+        if count == 0:
+            return torch.empty(t.shape, dtype=dtype)
+        if t.begin % _itemsize(t.dtype):  # misaligned (a foreign writer): copy the bytes
+            return torch.frombuffer(bytearray(self._mm[t.begin:t.end]), dtype=dtype).reshape(t.shape)
+        return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=t.begin).reshape(t.shape)
+
+    def record(self, name: str) -> QuantRecord:
+        """The quantized projection ``name`` (a canonical weight name) as a QuantRecord."""
+        layer = self.layers[name]
+        return QuantRecord(layer.scheme, tuple(layer.shape), dict(layer.params),
+                           {role: self.tensor(s) for role, s in layer.tensors.items()},
+                           self.tensor(layer.bias) if layer.bias is not None else None)
+
+    def to_checkpoint(self) -> Checkpoint:
+        """A Checkpoint whose tensors (dense tensors and QuantRecords) are read on access."""
+        getters: dict[str, Callable[[], Any]] = {}
+        formats: dict[str, str] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in self.dense:
+            getters[name] = lambda n=name: self.tensor(n)
+            formats[name] = self.tensors_table[name].dtype
+            shapes[name] = self.tensors_table[name].shape
+        for name, layer in self.layers.items():
+            getters[name] = lambda n=name: self.record(n)
+            formats[name] = format_label(layer.scheme, layer.params)
+            shapes[name] = tuple(layer.shape)
+        meta = {"cbk_version": VERSION, "recipe": self.recipe, "provenance": self.provenance,
+                "sizes": self.size_breakdown()}
+        return Checkpoint(config=self.config, tensors=LazyTensors(getters, formats, shapes),
+                          tokenizer=self.tokenizer, source=str(self.path), source_format="cbk",
+                          generation=dict(self.generation), meta=meta)
+
+    def verify(self) -> list[str]:
+        """Recompute every tensor's sha256; one line per problem (empty list: the file is intact)."""
+        problems = []
+        try:
+            if os.stat(self.path).st_size != self.file_bytes:
+                problems.append(f"{self.path}: file size changed since it was opened")
+        except OSError as e:
+            problems.append(f"{self.path}: cannot stat ({e.strerror})")
+        owners = {n: f"dense {n}" for n in self.dense}
+        for layer in self.layers.values():
+            owners.update({s: f"{role} of {layer.name}" for role, s in layer.tensors.items()})
+            if layer.bias is not None:
+                owners[layer.bias] = f"bias of {layer.name}"
+        with memoryview(self._mm) as mv:
+            for t in sorted(self.tensors_table.values(), key=lambda t: t.begin):
+                h = hashlib.sha256()
+                for i in range(t.begin, t.end, _CHUNK):
+                    with mv[i:min(i + _CHUNK, t.end)] as part:
+                        h.update(part)
+                if h.hexdigest() != self.checksums[t.name]:
+                    problems.append(f"{self.path}: tensor {t.name} ({owners.get(t.name, '?')}) checksum mismatch: "
+                                    f"recorded {self.checksums[t.name][:16]}..., computed {h.hexdigest()[:16]}...")
+        return problems
+
+    def size_breakdown(self) -> dict[str, Any]:
+        """Bytes and bits per weight by tensor kind (everything a layer stores, codebooks included).
+
+        Returns {"kinds": {kind: {"tensors", "bytes", "weights", "bits_per_weight", "formats": {label: n}}},
+        "tensor_bytes", "header_bytes", "file_bytes", "weights", "bits_per_weight", "file_bits_per_weight"}
+        with kind one of attention, mlp, embedding, lm_head, norms, other. "weights" counts logical
+        elements (biases included); bits_per_weight = 8 * bytes / weights.
+        """
+        kinds: dict[str, dict[str, Any]] = {}
+
+        def add(name: str, nbytes: int, weights: int, label: str) -> None:
+            k = kinds.setdefault(tensor_kind(name), {"tensors": 0, "bytes": 0, "weights": 0, "formats": {}})
+            k["tensors"] += 1
+            k["bytes"] += nbytes
+            k["weights"] += weights
+            k["formats"][label] = k["formats"].get(label, 0) + 1
+
+        def numel(shape: tuple[int, ...]) -> int:
+            n = 1
+            for d in shape:
+                n *= d
+            return n
+        for name in self.dense:
+            t = self.tensors_table[name]
+            add(name, t.end - t.begin, numel(t.shape), t.dtype)
+        for name, layer in self.layers.items():
+            stored = list(layer.tensors.values()) + ([layer.bias] if layer.bias else [])
+            nbytes = sum(self.tensors_table[s].end - self.tensors_table[s].begin for s in stored)
+            bias = numel(self.tensors_table[layer.bias].shape) if layer.bias else 0
+            add(name, nbytes, numel(layer.shape) + bias, format_label(layer.scheme, layer.params))
+        for k in kinds.values():
+            k["bits_per_weight"] = 8 * k["bytes"] / k["weights"] if k["weights"] else 0.0
+        tensor_bytes = sum(k["bytes"] for k in kinds.values())
+        weights = sum(k["weights"] for k in kinds.values())
+        order = ["attention", "mlp", "embedding", "lm_head", "norms", "other"]
+        return {"kinds": {k: kinds[k] for k in order if k in kinds}, "tensor_bytes": tensor_bytes,
+                "header_bytes": self.header_bytes, "file_bytes": self.file_bytes, "weights": weights,
+                "bits_per_weight": 8 * tensor_bytes / weights if weights else 0.0,
+                "file_bits_per_weight": 8 * self.file_bytes / weights if weights else 0.0}
+
+    def close(self) -> None:
+        """Release the memory map (only possible once no tensor views it; otherwise it stays until they go)."""
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> "CbkFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def tensor_kind(name: str) -> str:
+    """attention | mlp | embedding | lm_head | norms | other, from a canonical tensor name."""
+    if "embed_tokens" in name:
+        return "embedding"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return "norms"
+    if ".self_attn." in name:
+        return "attention"
+    if ".mlp." in name:
+        return "mlp"
+    return "other"
+
+
+def open_cbk(path: str | os.PathLike) -> CbkFile:
+    """Open and validate a ``.cbk`` file (FormatError if anything is wrong)."""
+    return CbkFile(path)
+
+
+def load_cbk(path: str | os.PathLike) -> Checkpoint:
+    """Open a ``.cbk`` file as a lazily read Checkpoint."""
+    return CbkFile(path).to_checkpoint()
+
+
+def size_breakdown(cbk: CbkFile | str | os.PathLike) -> dict[str, Any]:
+    """Size breakdown for ``trapetum info`` (see ``CbkFile.size_breakdown``)."""
+    return (cbk if isinstance(cbk, CbkFile) else CbkFile(cbk)).size_breakdown()
+
+
+def verify_cbk(path: str | os.PathLike) -> tuple[CbkFile | None, list[str]]:
+    """Open and verify; returns (file or None, problems). An unreadable file is one problem."""
+    try:
+        f = CbkFile(path)
+    except FormatError as e:
+        return None, [str(e)]
+    return f, f.verify()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, or of a directory's regular files (relative name and bytes, sorted)."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+    outer = hashlib.sha256()
+    for q in files:
+        h = hashlib.sha256()
+        with open(q, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        if p.is_file():
+            return h.hexdigest()
+        outer.update(f"{q.relative_to(p).as_posix()}\0{h.hexdigest()}\n".encode())
+    return outer.hexdigest()
