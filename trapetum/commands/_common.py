@@ -1,0 +1,29 @@
+"""Arguments shared by several commands (model selection, sampling settings)."""
+from __future__ import annotations
+
+import argparse
+
+from ..runtime.sampling import GenerationSettings
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+
+
+def add_sampling(p: argparse.ArgumentParser, temperature: float = 0.0, max_new: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=max_new, metavar="N")
+    g.add_argument("--temperature", type=float, default=temperature, metavar="T", help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R")
+    g.add_argument("--seed", type=int, default=None, metavar="S")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def settings_from(args: argparse.Namespace) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos).validate()

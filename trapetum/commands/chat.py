@@ -1,0 +1,54 @@
+"""trapetum chat [MODEL]: interactive chat in the terminal, streamed, with the model's chat template."""
+from __future__ import annotations
+
+import sys
+
+from ._common import add_device, add_sampling, settings_from
+
+HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
+
+
+def register(sub) -> None:
+    p = sub.add_parser("chat", help="interactive chat", description="Chat with a model in the terminal.")
+    p.add_argument("model", nargs="?", default=None, help="HF directory, .gguf or .cbk (default: embedded model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_device(p)
+    add_sampling(p, temperature=0.7, max_new=512)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..api import load
+    s = settings_from(args)
+    m = load(args.model, device=args.device)
+    m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(base)
+    print(f"trapetum chat: {m.name} ({m.config.family}). {HELP}", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(base)
+            print("(conversation cleared)")
+            continue
+        messages.append({"role": "user", "content": text})
+        answer = []
+        try:
+            for ev in m.chat_stream(messages, s):
+                if ev.text:
+                    answer.append(ev.text)
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+        print(flush=True)
+        messages.append({"role": "assistant", "content": "".join(answer)})

@@ -1,0 +1,54 @@
+"""trapetum info [MODEL]: architecture, parameter count, tensor formats, memory estimate."""
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="describe a model file", description="Describe a model without running it.")
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def run(args) -> int:
+    from ..api import describe, load_checkpoint
+    ckpt = load_checkpoint(args.model)
+    info = describe(ckpt)
+    if ckpt.source_format == "cbk":
+        from ..formats import cbk
+        info["sizes"] = cbk.open_cbk(ckpt.source).size_breakdown()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    cfg = ckpt.config
+    print(f"model        {info['source']}")
+    print(f"format       {info['format']}")
+    print(f"architecture {cfg.family}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"ffn {cfg.intermediate_size}, heads {info['heads']}, vocab {cfg.vocab_size}")
+    quirks = [k for k in ("qkv_bias", "qk_norm", "sandwich_norms", "tie_word_embeddings") if getattr(cfg, k)]
+    if cfg.sliding_window:
+        quirks.append(f"sliding window {cfg.sliding_window} on {cfg.layer_types.count('sliding')} layers")
+    if cfg.attn_softcap or cfg.final_softcap:
+        quirks.append(f"softcaps {cfg.attn_softcap}/{cfg.final_softcap}")
+    if cfg.rope_scaling:
+        quirks.append(f"rope {cfg.rope_scaling.get('rope_type')}")
+    print(f"quirks       {', '.join(quirks) or 'none'}; act {cfg.hidden_act}; rope theta {cfg.rope_theta:g}")
+    print(f"parameters   {info['parameters']:,}")
+    print(f"context      {cfg.max_position_embeddings} positions")
+    print("formats      " + ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_formats"].items())))
+    print(f"memory       {_size(info['memory_fp16_weights_bytes'])} as fp16 weights; KV cache "
+          f"{_size(info['kv_cache_fp16_bytes_per_token'] * 1024)} per 1k positions (fp16)")
+    if "sizes" in info:
+        print("sizes        " + json.dumps(info["sizes"], default=str))
+    if ckpt.meta.get("recipe"):
+        print("recipe       " + json.dumps(ckpt.meta["recipe"], default=str))
+    return 0
