@@ -1,0 +1,69 @@
+"""``trapetum serve [MODEL ...]``: the OpenAI-compatible HTTP server and the chat/compare page."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..errors import TrapetumError
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve models over an OpenAI-compatible HTTP API with a chat/compare web page",
+        description="Serve one or more models over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                    "/v1/completions, /v1/models, /health) with a web page at / to chat with them and "
+                    "compare two side by side. MODEL is a .cbk file, a .gguf file or a Hugging Face "
+                    "directory, optionally named as ALIAS=PATH; none (or 'default') serves the embedded "
+                    "SmolLM2-135M-Instruct.",
+        epilog="example: trapetum serve fp16=llama.gguf q4=llama.cbk --port 8000")
+    p.add_argument("models", nargs="*", metavar="MODEL", help="model path or ALIAS=PATH (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (the page asks for it)")
+    p.add_argument("--queue", type=_positive, default=64, metavar="N",
+                   help="requests allowed to wait per engine; past it, 429 with Retry-After (default 64)")
+    p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
+                   help="largest request body accepted, else 413 (default 1 MiB)")
+    p.add_argument("--device", default=None,
+                   help="device for every model, or a comma list with one per model (for example "
+                        "cuda:0,cuda:1). Models on one device share one engine and take turns.")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..serve.server import ModelSpec, run as serve
+
+    models = args.models or ["default"]
+    devices: list[str | None]
+    if args.device is None:
+        devices = [None] * len(models)
+    else:
+        devices = [d.strip() or None for d in args.device.split(",")]
+        if len(devices) == 1:
+            devices = devices * len(models)
+        elif len(devices) != len(models):
+            raise TrapetumError(f"--device lists {len(devices)} devices for {len(models)} models; give one, "
+                                "or one per model")
+    if not 0 <= args.port <= 65535:
+        raise TrapetumError(f"--port must be in 0..65535, got {args.port}")
+    specs = [ModelSpec.parse(m, d) for m, d in zip(models, devices)]
+    for s in specs:      # fail now, not later in the background loader
+        if s.path is not None and not os.path.exists(s.path):
+            raise TrapetumError(f"{s.path}: file not found")
+    serve(specs, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.queue,
+          max_body=args.max_body, log_level=args.log_level, access_log=not args.no_access_log)
+    return 0

@@ -1,0 +1,454 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) and the web page at ``/``.
+
+    app = create_app([ModelSpec("model.cbk"), ModelSpec(None)], api_key=None, max_waiting=64)
+    run(specs, host="127.0.0.1", port=8000)            # what ``trapetum serve`` calls
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming),
+``GET /v1/models[/{id}]``, ``GET /health`` (503 while loading), ``GET /`` (chat + compare page).
+
+Threads: uvicorn's event loop answers HTTP; each engine ``Worker`` (worker.py) owns its models on
+its own thread. Models given the same device share one worker, so they take turns and their
+speeds are honest; models on different devices get a worker each and run at the same time.
+Tokenizing for the context check happens in the request handler (a threadpool thread), so a
+prompt that cannot fit is refused at once instead of after the queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import TrapetumError
+from . import protocol as P
+from .protocol import APIError
+from .worker import Job, NotReady, QueueFull, Worker
+
+log = logging.getLogger("trapetum.serve")
+STATIC = Path(__file__).parent / "static"
+DEFAULT_MAX_BODY = 1 << 20          # 1 MiB: ~250k tokens of text, far past any context we serve
+SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
+                   "ignore_eos", "max_new_tokens")
+
+
+@dataclass
+class ModelSpec:
+    """One model to serve: ``path`` (None = the embedded default), optional ``alias`` (the id in
+    the API) and ``device``. ``loader`` replaces ``trapetum.load`` (tests, embedding)."""
+    path: str | None = None
+    alias: str | None = None
+    device: str | None = None
+    loader: Callable[[], Any] | None = None
+
+    def load(self) -> tuple[str | None, Any]:
+        if self.loader is not None:
+            return self.alias, self.loader()
+        import trapetum
+        kw = {} if self.device is None else {"device": self.device}
+        return self.alias, trapetum.load(self.path, **kw)
+
+    @staticmethod
+    def parse(text: str, device: str | None = None) -> "ModelSpec":
+        """``PATH`` or ``ALIAS=PATH`` (``default`` or ``-`` = the embedded default model)."""
+        alias = None
+        if "=" in text and not os.path.exists(text):
+            a, p = text.split("=", 1)
+            if a and all(c.isalnum() or c in "._-:" for c in a):
+                alias, text = a, p
+        path = None if text in ("", "-", "default") else text
+        return ModelSpec(path=path, alias=alias, device=device)
+
+
+class Registry:
+    """Model name -> (worker, model); filled as workers finish loading."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.names: list[str] = []
+        self.owner: dict[str, Worker] = {}
+        self.info: dict[str, dict] = {}
+
+    def claim(self, want: str) -> str:
+        with self.lock:
+            name, i = want, 2
+            while name in self.names:
+                name, i = f"{want}-{i}", i + 1
+            self.names.append(name)
+            return name
+
+    def ready(self, w: Worker) -> None:
+        for name, m in w.models.items():
+            info = _model_info(m)
+            with self.lock:
+                self.owner[name] = w
+                self.info[name] = info
+
+
+def _model_info(m) -> dict:
+    info: dict[str, Any] = {}
+    try:
+        info = dict(m.info())
+    except Exception as e:  # noqa: BLE001 -- info is decoration; a failure must not stop serving
+        info = {"error": f"info() failed: {e}"}
+    info.setdefault("context_size", getattr(m, "context_size", None))
+    if getattr(m, "path", None) is not None:
+        info.setdefault("path", str(m.path))
+    return _jsonable(info)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_body`` bytes with 413 (before parsing)."""
+
+    def __init__(self, app, max_body: int):
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    return await _send_error(send, APIError(400, "Bad Content-Length header."))
+                if n > self.max_body:
+                    return await _send_error(send, _too_large(n, self.max_body))
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":          # disconnected while sending the body
+                return
+            size += len(msg.get("body", b""))
+            if size > self.max_body:
+                return await _send_error(send, _too_large(size, self.max_body, at_least=True))
+            chunks.append(msg.get("body", b""))
+            if not msg.get("more_body"):
+                break
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _too_large(n: int, cap: int, at_least: bool = False) -> APIError:
+    more = "at least " if at_least else ""
+    return APIError(413, f"Request body too large: {more}{n} bytes, the limit is {cap} bytes "
+                    "(trapetum serve --max-body).", code="request_too_large")
+
+
+async def _send_error(send, e: APIError) -> None:
+    r = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    await send({"type": "http.response.start", "status": r.status_code, "headers": r.raw_headers})
+    await send({"type": "http.response.body", "body": r.body})
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class _Channel:
+    """Carries a job's events from the engine thread onto the event loop."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.q: asyncio.Queue = asyncio.Queue()
+
+    def sink(self, kind: str, payload) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, (kind, payload))
+
+
+def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+    """Build the ASGI app; engines start (and load their models) when the app starts."""
+    if not specs:
+        specs = [ModelSpec()]
+    registry = Registry()
+    groups: dict[str, list[ModelSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.device or "default", []).append(s)
+    workers = [Worker([s.load for s in g], max_waiting=max_waiting, name=f"engine-{dev}", claim=registry.claim)
+               for dev, g in groups.items()]
+    for w in workers:
+        w.on_ready = registry.ready
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        for w in workers:
+            w.start()
+        try:
+            yield
+        finally:
+            for w in workers:
+                await run_in_threadpool(w.stop, 3.0)
+
+    app = FastAPI(title="Trapetum", version=P.SYSTEM_FINGERPRINT, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.workers = workers
+    app.state.registry = registry
+    app.add_middleware(BodyLimit, max_body=max_body)
+
+    # ------------------------------------------------------------------ errors, all in OpenAI's shape
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        msg = {404: f"Unknown URL: {request.method} {request.url.path}",
+               405: f"Method {request.method} is not allowed for {request.url.path}"}.get(e.status_code, str(e.detail))
+        return _error_response(APIError(e.status_code, msg, code="not_found" if e.status_code == 404 else None,
+                                        headers=dict(e.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, e: RequestValidationError):
+        errs = e.errors()
+        loc = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
+        return _error_response(APIError(400, "; ".join(er.get("msg", "") for er in errs) or "Invalid request.",
+                                        param=loc or None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e: Exception):
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"Internal server error ({type(e).__name__}).", type="server_error"))
+
+    # ------------------------------------------------------------------ helpers
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        h = request.headers.get("authorization", "")
+        given = h[7:].strip() if h[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not given or not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer KEY'.",
+                           type="invalid_request_error", code="invalid_api_key")
+
+    def loading_error() -> APIError:
+        failed = [w for w in workers if w.state == "failed"]
+        if failed:
+            return APIError(503, f"Model loading failed: {failed[0].error}", code="model_load_failed")
+        return APIError(503, "The model is still loading; retry shortly.", code="model_loading",
+                        headers={"Retry-After": "1"})
+
+    def resolve(name: str | None) -> tuple[str, Worker, Any]:
+        if name is None or name == "":
+            with registry.lock:
+                ready = [n for n in registry.names if n in registry.owner]
+            if not ready:
+                raise loading_error()
+            name = ready[0]
+        w = registry.owner.get(name)
+        if w is None:
+            if any(x.state == "loading" for x in workers):
+                raise loading_error()
+            raise APIError(404, f"The model '{name}' does not exist. Served models: "
+                           f"{', '.join(registry.owner) or 'none'}.", param="model", code="model_not_found")
+        return name, w, w.models[name]
+
+    async def read_body(request: Request) -> dict:
+        return P.parse_json_body(await request.body())
+
+    def validate_settings(settings: dict) -> None:
+        try:
+            from ..api import GenerationSettings
+        except ImportError:
+            return
+        try:
+            GenerationSettings(**settings).validate()
+        except TrapetumError as e:
+            msg = str(e)
+            param = next((f for f in SETTINGS_FIELDS if f in msg), None)
+            if param == "max_new_tokens":
+                param = "max_tokens"
+            raise APIError(400, msg, param=param) from None
+
+    async def prepare(name: str | None, req: P.GenRequest, kind: str, inputs) -> tuple[str, Worker, int, dict]:
+        name, w, model = resolve(name)
+        try:
+            if kind == "chat":
+                n_prompt = len(await run_in_threadpool(model.encode_chat, inputs))
+            elif isinstance(inputs, list):
+                n_prompt = len(inputs)
+            else:
+                n_prompt = await run_in_threadpool(model.count_tokens, inputs)
+        except TrapetumError as e:
+            raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
+        ctx = int(model.context_size)
+        where = "messages" if kind == "chat" else "prompt"
+        if req.max_tokens is None:
+            if n_prompt >= ctx:
+                raise P.context_error(ctx, n_prompt, 1, where=where)
+            max_new = ctx - n_prompt
+        else:
+            max_new = req.max_tokens
+            if n_prompt + max_new > ctx:
+                raise P.context_error(ctx, n_prompt, max_new, where=where)
+        settings = {**req.settings, "max_new_tokens": max_new}
+        validate_settings(settings)
+        return name, w, n_prompt, settings
+
+    def submit(w: Worker, job: Job) -> None:
+        try:
+            w.submit(job)
+        except QueueFull as e:
+            raise APIError(429, f"The server is busy: {e.waiting} requests are queued (limit {w.max_waiting}). "
+                           f"Retry in about {e.retry_after_s} s.", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        except NotReady:
+            raise loading_error() from None
+
+    async def generate(request: Request, req: P.GenRequest, kind: str, inputs):
+        name, w, _, settings = await prepare(req.model, req, kind, inputs)
+        ch = _Channel()
+        job = Job(model=name, kind=kind, inputs=inputs, settings=settings, sink=ch.sink)
+        submit(w, job)
+        rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        created = P.now()
+        if req.stream:
+            return StreamingResponse(_stream(ch, job, rid, name, created, kind, req.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _wait(request, ch, job, rid, name, created, kind)
+
+    async def _wait(request, ch, job, rid, name, created, kind):
+        try:
+            while True:
+                try:
+                    ev, payload = await asyncio.wait_for(ch.q.get(), 0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancel.set()
+                        return Response(status_code=499)
+                    continue
+                if ev == "done":
+                    make = P.chat_response if kind == "chat" else P.completion_response
+                    return JSONResponse(make(rid, name, created, payload, job.queue_s))
+                if ev == "error":
+                    raise _engine_error(payload)
+        finally:
+            job.cancel.set()
+
+    async def _stream(ch, job, rid, name, created, kind, include_usage):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(text=None, finish=None, delta=None):
+            if kind == "chat":
+                d = delta if delta is not None else ({} if text is None else {"content": text})
+                return P.sse(P.chat_chunk(rid, name, created, d, finish, with_usage_field=include_usage))
+            return P.sse(P.completion_chunk(rid, name, created, text or "", finish, with_usage_field=include_usage))
+
+        try:
+            while True:
+                ev, payload = await ch.q.get()
+                if ev == "start":
+                    if kind == "chat":
+                        yield chunk(delta={"role": "assistant", "content": ""})
+                elif ev == "token":
+                    if payload.text:
+                        yield chunk(payload.text)
+                elif ev == "done":
+                    yield chunk(finish=payload.finish_reason)
+                    if include_usage:
+                        yield P.sse(P.usage_chunk(rid, name, created, obj, payload, job.queue_s))
+                    yield P.sse("[DONE]")
+                    return
+                elif ev == "error":
+                    yield P.sse(_engine_error(payload).body())
+                    yield P.sse("[DONE]")
+                    return
+        finally:
+            job.cancel.set()      # client gone (the task is cancelled) or finished: free the engine
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health():
+        snaps = [w.snapshot() for w in workers]
+        states = {s["state"] for s in snaps}
+        status = "ok" if states == {"ready"} else ("error" if "failed" in states else "loading")
+        body = {"status": status, "models": list(registry.owner), "engines": snaps}
+        if status == "error":
+            body["error"] = next(w.error for w in workers if w.state == "failed")
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_auth(request)
+        with registry.lock:
+            names = [n for n in registry.names if n in registry.owner]
+        return {"object": "list", "data": [P.model_object(n, created, {"info": registry.info[n]}) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        check_auth(request)
+        name, _, _ = resolve(model_id)
+        return P.model_object(name, created, {"info": registry.info[name]})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req = P.parse_chat_request(await read_body(request))
+        return await generate(request, req, "chat", req.messages)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        req = P.parse_completion_request(await read_body(request))
+        return await generate(request, req, "text", req.prompt)
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    created = P.now()
+    return app
+
+
+def _engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, TrapetumError):
+        return APIError(400, str(e))
+    return APIError(500, f"Generation failed ({type(e).__name__}: {e}).", type="server_error")
+
+
+def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+        max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
+        access_log: bool = True) -> None:
+    """Serve until interrupted (what ``trapetum serve`` runs)."""
+    import uvicorn
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
+          f"GET /health is 200 once ready)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                timeout_graceful_shutdown=3, timeout_keep_alive=5)
