@@ -3,7 +3,38 @@ from __future__ import annotations
 
 import torch
 
-VOCAB = 256
+VOCAB = 300
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+TEXT = "/work/shared/data/tinyshakespeare/input.txt"
+
+
+def save_tokenizer(path, vocab=VOCAB):
+    """Train a small byte-level BPE tokenizer and save HF tokenizer files next to a tiny model."""
+    import json
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    try:
+        text = Path(TEXT).read_text()[:60000]
+    except OSError:
+        text = "the quick brown fox jumps over the lazy dog. " * 200
+    tk.train_from_iterator([text], trainer)
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                      special_tokens=[("<s>", 1)])
+    path = Path(path)
+    tk.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
+    return tk
 
 
 def family_configs():
@@ -31,7 +62,7 @@ def family_configs():
 FAMILIES = list(family_configs())
 
 
-def build(family: str, path, seed: int = 0):
+def build(family: str, path, seed: int = 0, tokenizer: bool = False):
     """Save a tiny random model of ``family`` to ``path``; return the HF model (fp32, eval)."""
     cfg_cls, model_cls, kw = family_configs()[family]
     torch.manual_seed(seed)
@@ -45,4 +76,6 @@ def build(family: str, path, seed: int = 0):
             elif "bias" in n:
                 p.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        save_tokenizer(path)
     return model
