@@ -1,0 +1,383 @@
+"""Per-row codebook GEMV: y[M, out] = x[M, in] @ W.T (+ residual), W[r, c] = codebook[r, idx(r, c)].
+
+Canonical weight layouts (the .cbk file keeps these; kernels read them as they are):
+  bits=4: codes uint8 [out, ceil(in/2)], column 2j in the low nibble, 2j+1 in the high nibble;
+          codebook fp16 [out, 16].
+  bits=8: codes uint8 [out, in]; codebook fp16 [out, 256]            (LM head)
+  bits=2: codes uint8 [out, ceil(in/4)], column 4j+k at bits 2k..2k+1; codebook fp16 [out, 4].
+
+Backends (``codebook_gemv(..., backend=None)`` picks one):
+  "mma"    CUDA C++ tensor-core kernel (``cuda/codebook_gemv_mma.cu``): bits 4 and 8, M <= 16,
+           in % 128 == 0 (4-bit) or in % 64 == 0 (8-bit), compute capability >= 8.0. Per-row 256-entry pair tables in shared
+           memory, replicated 4x so that a warp's lookups hit 32 distinct banks, dequantized
+           straight into mma.sync m16n8k16 operands, fp32 accumulation, fixed-order reduction.
+           Reads the canonical layout directly (no repacking). Off with TRAPETUM_TC=0.
+  "triton" Triton kernel, any bits in {2, 4, 8}, any M and shape; also runs on the CPU under
+           TRITON_INTERPRET=1. fp32 accumulation, fixed reduction order, no atomics.
+  "torch"  dequantize + fp32 matmul (CPU fallback when Triton cannot run).
+
+Gate/up fusion: ``interleave_gate_up`` builds (once, at load time) a matrix whose rows come in
+groups of 16: 8 gate rows then the same 8 up rows; ``codebook_gemv_gate_up`` returns
+act(gate) * up computed in the kernel's epilogue (act = "silu" or "gelu_tanh").
+q/k/v fusion needs no kernel: per-row codebooks let q, k and v rows be concatenated.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+try:  # Triton is optional on CPU-only installs
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - exercised only without triton
+    triton = None
+    tl = None
+
+_BITS = (2, 4, 8)
+
+
+# ----------------------------------------------------------------------------- references
+def unpack_indices(codes: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Codebook indices int64 [out, in] from canonical packed codes uint8 [out, ceil(in*bits/8)]."""
+    if bits not in _BITS:
+        raise ValueError(f"bits: must be one of {_BITS}, got {bits}")
+    per = 8 // bits
+    c = codes.to(torch.int64)
+    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
+    idx = (c.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [out, KB, per]
+    return idx.reshape(codes.shape[0], -1)[:, :in_features]
+
+
+def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of unpack_indices: int [out, in] -> canonical uint8 codes [out, ceil(in*bits/8)]."""
+    if bits not in _BITS:
+        raise ValueError(f"bits: must be one of {_BITS}, got {bits}")
+    per = 8 // bits
+    n, k = idx.shape
+    kb = -(-k // per)
+    full = torch.zeros(n, kb * per, dtype=torch.int64, device=idx.device)
+    full[:, :k] = idx.to(torch.int64)
+    full = full.reshape(n, kb, per)
+    shifts = torch.arange(per, device=idx.device, dtype=torch.int64) * bits
+    return (full << shifts).sum(-1).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Dense W [out, in] in the codebook's dtype."""
+    idx = unpack_indices(codes, bits, in_features)
+    return torch.gather(codebook, 1, idx)
+
+
+def codebook_gemv_reference(x, codes, codebook, bits, residual=None) -> torch.Tensor:
+    """float64 reference: dequantize, then matmul in float64 (+ residual). Returns float64."""
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    w = dequantize(codes, codebook, bits, x2.shape[1]).double()
+    y = x2 @ w.T
+    if residual is not None:
+        y = y + residual.reshape(y.shape).double()
+    return y.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def _act_ref(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return g * torch.sigmoid(g)
+    if act == "gelu_tanh":
+        return torch.nn.functional.gelu(g, approximate="tanh")
+    raise ValueError(f"act: must be 'silu' or 'gelu_tanh', got {act!r}")
+
+
+def interleave_gate_up(gate_codes, gate_codebook, up_codes, up_codebook):
+    """Load-time repack for ``codebook_gemv_gate_up``: rows in groups of 16 (8 gate, then the same 8
+    up rows); F is padded to a multiple of 8 with zero rows. Returns (codes, codebook, F)."""
+    if gate_codes.shape != up_codes.shape or gate_codebook.shape != up_codebook.shape:
+        raise ValueError("up_codes: gate and up projections must have the same shapes")
+    f, kb = gate_codes.shape
+    fp = -(-f // 8) * 8
+    nc = gate_codebook.shape[1]
+
+    def pad(t):
+        out = torch.zeros(fp, t.shape[1], dtype=t.dtype, device=t.device)
+        out[:f] = t
+        return out.reshape(fp // 8, 8, t.shape[1])
+
+    codes = torch.stack([pad(gate_codes), pad(up_codes)], 1).reshape(2 * fp, kb).contiguous()
+    cb = torch.stack([pad(gate_codebook), pad(up_codebook)], 1).reshape(2 * fp, nc).contiguous()
+    return codes, cb, f
+
+
+def codebook_gemv_gate_up_reference(x, codes, codebook, bits, f, act="silu") -> torch.Tensor:
+    """float64 reference of the fused gate/up GEMV on the interleaved layout. Returns [M, f]."""
+    y = codebook_gemv_reference(x, codes, codebook, bits)  # [M, 2*fp]
+    y = y.reshape(y.shape[0], -1, 2, 8)
+    g = y[:, :, 0, :].reshape(y.shape[0], -1)[:, :f]
+    u = y[:, :, 1, :].reshape(y.shape[0], -1)[:, :f]
+    return _act_ref(g, act) * u
+
+
+# ----------------------------------------------------------------------------- triton kernel
+if triton is not None:
+
+    @triton.jit
+    def _gelu_tanh(g):
+        # 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))); tanh(u) = 1 - 2 / (exp(2u) + 1)
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        u = tl.minimum(tl.maximum(u, -15.0), 15.0)  # tanh(15) == 1 in fp32; avoids exp overflow
+        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        return 0.5 * g * (1.0 + t)
+
+    @triton.jit
+    def _cb_gemv_kernel(x_ptr, codes_ptr, cb_ptr, res_ptr, y_ptr,
+                        M, N, K, KB, stride_xm, stride_ym, stride_rm,
+                        BITS: tl.constexpr, HAS_RES: tl.constexpr, EPI: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # EPI 0: y = x W^T (+res); EPI 1/2: rows interleaved 8 gate / 8 up, y = act(gate) * up
+        PER: tl.constexpr = 8 // BITS
+        NC: tl.constexpr = 1 << BITS
+        MASK: tl.constexpr = NC - 1
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if EPI == 0:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        else:
+            # BLOCK_N == 16: program owns output rows [8*pid, 8*pid+8), i.e. weight rows 16*pid + 0..15
+            rn = pid_n * 16 + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        mmask = rm < M
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            wmask = nmask[:, None] & kmask[None, :]
+            byte = tl.load(codes_ptr + rn[:, None] * KB + rk[None, :] // PER, mask=wmask, other=0)
+            idx = (byte.to(tl.int32) >> ((rk[None, :] % PER) * BITS)) & MASK
+            w = tl.load(cb_ptr + rn[:, None] * NC + idx, mask=wmask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                         mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
+        if EPI == 0:
+            if HAS_RES:
+                r = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :],
+                            mask=mmask[:, None] & nmask[None, :], other=0.0)
+                acc += r.to(tl.float32)
+            tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(tl.float16),
+                     mask=mmask[:, None] & nmask[None, :])
+        else:
+            a3 = tl.reshape(acc, [BLOCK_M, 2, 8])
+            a3 = tl.permute(a3, [0, 2, 1])  # [BM, 8, 2]
+            g, u = tl.split(a3)
+            if EPI == 1:
+                h = g / (1.0 + tl.exp(-g)) * u
+            else:
+                h = _gelu_tanh(g) * u
+            ro = pid_n * 8 + tl.arange(0, 8)
+            # N here is F (output features)
+            tl.store(y_ptr + rm[:, None] * stride_ym + ro[None, :], h.to(tl.float16),
+                     mask=mmask[:, None] & (ro[None, :] < stride_rm))
+
+
+def _triton_ok(device: torch.device) -> bool:
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _triton_gemv(x2, codes, codebook, bits, residual, y, epi=0, f=0):
+    M, K = x2.shape
+    N, KB = codes.shape
+    if epi == 0:
+        BLOCK_N = 16 if M <= 2 else 8
+    else:
+        BLOCK_N = 16
+    BLOCK_M = 1 if M == 1 else min(16, triton.next_power_of_2(M))
+    BLOCK_K = max(16, min(256 if BLOCK_M == 1 else 64, triton.next_power_of_2(K)))
+    if x2.device.type == "cpu":  # interpreter: fewer, larger steps
+        BLOCK_K = max(16, min(512, triton.next_power_of_2(K)))
+    if epi == 0:
+        grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))
+        res = residual if residual is not None else y
+        srm = res.stride(0)
+    else:
+        grid = (N // 16, triton.cdiv(M, BLOCK_M))
+        res = y
+        srm = f  # passes F for the epilogue's store mask
+    _cb_gemv_kernel[grid](x2, codes, codebook, res, y, M, N, K, KB,
+                          x2.stride(0), y.stride(0), srm,
+                          BITS=bits, HAS_RES=residual is not None, EPI=epi,
+                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                          num_warps=4)
+    return y
+
+
+# ----------------------------------------------------------------------------- CUDA (mma) path
+_EXT = None
+_EXT_LOCK = threading.Lock()
+_EXT_ERR: str | None = None
+_CU_PATH = Path(__file__).with_name("cuda") / "codebook_gemv_mma.cu"
+
+
+def _load_ext():
+    """Compile (first use) and return the tensor-core extension, or None if unavailable."""
+    global _EXT, _EXT_ERR
+    if _EXT is not None or _EXT_ERR is not None:
+        return _EXT
+    with _EXT_LOCK:
+        if _EXT is not None or _EXT_ERR is not None:
+            return _EXT
+        try:
+            from torch.utils.cpp_extension import load_inline
+            src = _CU_PATH.read_text()
+            cpp = ("void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, "
+                   "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f);")
+            _EXT = load_inline(name="trapetum_cb_gemv_mma_v1", cpp_sources=cpp,
+                               cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + src,
+                               functions=["cb_gemv_mma"],
+                               extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
+        except Exception as e:  # keep Triton as the fallback, but say why
+            _EXT_ERR = f"{type(e).__name__}: {e}"
+            import warnings
+            warnings.warn(f"trapetum: tensor-core GEMV unavailable, using Triton ({_EXT_ERR[:300]})")
+    return _EXT
+
+
+def mma_available(device: torch.device | None = None) -> bool:
+    """True if the CUDA tensor-core GEMV can run on `device` (and TRAPETUM_TC is not 0)."""
+    if os.environ.get("TRAPETUM_TC", "1") == "0" or not torch.cuda.is_available():
+        return False
+    device = device or torch.device("cuda")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return _CU_PATH.exists()
+
+
+def _mma_shape_ok(M, K, bits):
+    # the kernel streams 64 code bytes per row per warp step with no tail handling
+    return bits in (4, 8) and 1 <= M <= 16 and (K * bits // 8) % 64 == 0
+
+
+# ----------------------------------------------------------------------------- public API
+def _check(x, codes, codebook, bits):
+    if bits not in _BITS:
+        raise ValueError(f"bits: must be one of {_BITS}, got {bits!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (1, 2):
+        raise ValueError(f"x: expected a 1-D [in] or 2-D [M, in] tensor, got shape {tuple(getattr(x, 'shape', ()))}")
+    if x.dtype != torch.float16:
+        raise ValueError(f"x: expected float16, got {x.dtype}")
+    if x.shape[-1] < 1 or (x.dim() == 2 and x.shape[0] < 1):
+        raise ValueError(f"x: empty shape {tuple(x.shape)}")
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.dtype != torch.uint8:
+        raise ValueError("codes: expected a 2-D uint8 tensor [out, ceil(in*bits/8)]")
+    K = x.shape[-1]
+    kb = -(-K * bits // 8)
+    if codes.shape[1] != kb:
+        raise ValueError(f"codes: {bits}-bit codes for in={K} need {kb} bytes per row, got {codes.shape[1]}")
+    n = codes.shape[0]
+    if n < 1:
+        raise ValueError("codes: no output rows")
+    if not isinstance(codebook, torch.Tensor) or codebook.dtype != torch.float16 or \
+            tuple(codebook.shape) != (n, 1 << bits):
+        raise ValueError(f"codebook: expected float16 [{n}, {1 << bits}], got "
+                         f"{getattr(codebook, 'dtype', None)} {tuple(getattr(codebook, 'shape', ()))}")
+    if codes.device != x.device or codebook.device != x.device:
+        raise ValueError(f"codes: x, codes and codebook must be on one device "
+                         f"({x.device}, {codes.device}, {codebook.device})")
+
+
+def _pick_backend(backend, x2, K, bits):
+    if backend is None:
+        if x2.device.type == "cuda" and _mma_shape_ok(x2.shape[0], K, bits) and mma_available(x2.device) \
+                and _load_ext() is not None:
+            return "mma"
+        return "triton" if _triton_ok(x2.device) else "torch"
+    if backend not in ("mma", "triton", "torch"):
+        raise ValueError(f"backend: must be 'mma', 'triton', 'torch' or None, got {backend!r}")
+    if backend == "mma":
+        if not _mma_shape_ok(x2.shape[0], K, bits):
+            raise ValueError("backend: 'mma' needs bits 4 or 8, M <= 16 and 64 code bytes per row | in")
+        if x2.device.type != "cuda" or _load_ext() is None:
+            raise ValueError(f"backend: 'mma' unavailable ({_EXT_ERR or 'needs a CUDA device'})")
+    if backend == "triton" and not _triton_ok(x2.device):
+        raise ValueError("backend: 'triton' needs a CUDA device or TRITON_INTERPRET=1")
+    return backend
+
+
+def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+                  residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                  backend: str | None = None) -> torch.Tensor:
+    """y = x @ W.T (+ residual) with W given by per-row codebooks (canonical layout, see module doc).
+
+    x: fp16 [in] or [M, in]; codes: uint8 [out, ceil(in*bits/8)]; codebook: fp16 [out, 2**bits];
+    residual: fp16 shaped like y (added in fp32 before rounding). Returns fp16 [M, out] (or [out]).
+    fp32 accumulation, fixed-order reductions: results are bitwise reproducible run to run.
+    """
+    _check(x, codes, codebook, bits)
+    squeeze = x.dim() == 1
+    x2 = x.reshape(1, -1) if squeeze else x
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    N = codes.shape[0]
+    if residual is not None:
+        if residual.dtype != torch.float16 or residual.numel() != M * N or residual.device != x.device:
+            raise ValueError(f"residual: expected float16 with {M}x{N} elements on {x.device}")
+        residual = residual.reshape(M, N)
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    if out is None:
+        y = torch.empty(M, N, dtype=torch.float16, device=x.device)
+    else:
+        if out.dtype != torch.float16 or out.numel() != M * N or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous float16 tensor with {M}x{N} elements")
+        y = out.view(M, N)
+    codes = codes if codes.is_contiguous() else codes.contiguous()
+    codebook = codebook if codebook.is_contiguous() else codebook.contiguous()
+    be = _pick_backend(backend, x2, K, bits)
+    if be == "mma":
+        x2 = x2.contiguous()
+        _EXT.cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
+                         bits, 0, int(residual is not None), 0)
+    elif be == "triton":
+        _triton_gemv(x2, codes, codebook, bits, residual, y)
+    else:
+        w = dequantize(codes, codebook, bits, K).float()
+        r = x2.float() @ w.T
+        if residual is not None:
+            r = r + residual.float()
+        y.copy_(r)
+    return y.view(N) if squeeze else y
+
+
+def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+                          f: int, act: str = "silu", *, out: torch.Tensor | None = None,
+                          backend: str | None = None) -> torch.Tensor:
+    """act(x @ Wg.T) * (x @ Wu.T) in one launch, on the layout made by ``interleave_gate_up``.
+
+    codes/codebook: [2*ceil(f/8)*8, ...]; f: number of output features; act: 'silu' | 'gelu_tanh'.
+    Returns fp16 [M, f] (or [f] for 1-D x).
+    """
+    _check(x, codes, codebook, bits)
+    if act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"act: must be 'silu' or 'gelu_tanh', got {act!r}")
+    n = codes.shape[0]
+    if n % 16 != 0 or not (0 < f <= n // 2) or f <= n // 2 - 8:
+        raise ValueError(f"f: {f} does not match an interleaved gate/up matrix of {n} rows")
+    squeeze = x.dim() == 1
+    x2 = x.reshape(1, -1) if squeeze else x
+    x2 = x2.contiguous()
+    M, K = x2.shape
+    y = torch.empty(M, f, dtype=torch.float16, device=x.device) if out is None else out.view(M, f)
+    epi = 1 if act == "silu" else 2
+    be = _pick_backend(backend, x2, K, bits)
+    if be == "mma":
+        _EXT.cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f)
+    elif be == "triton":
+        _triton_gemv(x2, codes.contiguous(), codebook.contiguous(), bits, None, y, epi=epi, f=f)
+    else:
+        r = codebook_gemv_gate_up_reference(x2, codes, codebook, bits, f, act)
+        y.copy_(r)
+    return y.view(f) if squeeze else y

@@ -1,0 +1,300 @@
+// Tensor-core per-row codebook GEMV (4-bit and 8-bit), batch M = 1..16.
+//
+// y[m, r] = sum_c x[m, c] * codebook[r, idx(r, c)]  (+ residual[m, r]), fp32 accumulation.
+//
+// Design (see NOTES-kernels.md for the instruction budget):
+//  * One block = 16 weight rows x the whole input dimension; 8 warps split the input dimension
+//    and their partial sums are added in a fixed order (no atomics: bitwise reproducible).
+//  * Per block a lookup table in shared memory, [entry e][half h][lane] 32-bit words (64 KB):
+//      4-bit: entry e = one code byte -> half2 (codebook[e & 15], codebook[e >> 4]), i.e. the
+//             two weights of columns 2j, 2j+1 in one lookup;
+//      8-bit: entry e -> codebook[e] in the low half.
+//    Lane (g, t) of every warp reads row (g + 8h)'s table at word e*64 + h*32 + lane: each row's
+//    table is stored 4 times (once per t), so the 32 lanes of one LDS hit 32 distinct banks.
+//    The byte address (e << 8) | (lane << 2) comes from the code word with one PRMT.
+//  * The looked-up half2 words are exactly the A operand of mma.sync.m16n8k16 (rows g and g+8,
+//    k pairs); x is the B operand (n = activation row), so M <= 8 costs one mma per 256 weights
+//    and M <= 16 two. The mma's k order is a permutation of the input columns, applied to x
+//    identically, so the canonical code layout is read as stored (no repacking).
+//  * Codes are streamed with 16-byte loads (ld.global.nc.L1::no_allocate), two chunks ahead.
+// Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for
+// 4-bit, in % 64 == 0 for 8-bit), M <= 16, sm_80+.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+// Dynamic shared memory, named at file scope so PTX can take its address as a constant
+// (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
+extern __shared__ __align__(16) uint32_t trapetum_cbgemv_smem[];
+
+namespace trapetum_mma {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = 8;
+constexpr int kTabWords = 2 * 256 * 32;  // 64 KB
+
+__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of table entry (byte k of w) for this lane: (byte << 8) | lane*4, one PRMT.
+// Table layout: word e*64 + h*32 + lane  (entry e, row half h), so byte offset e*256 + h*128 + lane*4.
+__device__ __forceinline__ uint32_t sel_byte(uint32_t w, uint32_t lane4, int k) {
+  return __byte_perm(w, lane4, 0x5504 | (k << 4));
+}
+__device__ __forceinline__ uint32_t lds(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ float act_silu(float g) { return g / (1.0f + __expf(-g)); }
+__device__ __forceinline__ float act_gelu_tanh(float g) {
+  float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  u = fminf(fmaxf(u, -15.0f), 15.0f);
+  float t = 1.0f - 2.0f / (__expf(2.0f * u) + 1.0f);
+  return 0.5f * g * (1.0f + t);
+}
+
+// One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
+template <int BITS, int NT>
+__device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
+                                              const uint32_t sb, const uint32_t lane4,
+                                              const half* __restrict__ x, int M, int K, int g,
+                                              int off) {
+  constexpr int XW = (BITS == 4) ? 16 : 8;  // x words (half2) per lane per activation row
+  constexpr int TILES = XW / 2;
+  const int col0 = (BITS == 4) ? 2 * off : off;
+  uint32_t xw[NT][XW];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    // Columns n >= M of the mma result are never read, so lanes past M may load any valid row.
+    const int m = min(nt * 8 + g, M - 1);
+    const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + col0);
+#pragma unroll
+    for (int i = 0; i < XW / 4; ++i) {
+      uint4 v = __ldg(xp + i);
+      xw[nt][4 * i + 0] = v.x; xw[nt][4 * i + 1] = v.y;
+      xw[nt][4 * i + 2] = v.z; xw[nt][4 * i + 3] = v.w;
+    }
+  }
+  const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
+  const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    uint32_t A[4];
+    if (BITS == 4) {
+      const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
+      const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
+      A[0] = lds(sb + sel_byte(wa, lane4, k0));
+      A[2] = lds(sb + sel_byte(wa, lane4, k0 + 1));
+      A[1] = lds(sb + 128 + sel_byte(wb, lane4, k0));
+      A[3] = lds(sb + 128 + sel_byte(wb, lane4, k0 + 1));
+    } else {
+      const uint32_t wa = wa4[j], wb = wb4[j];
+      A[0] = __byte_perm(lds(sb + sel_byte(wa, lane4, 0)), lds(sb + sel_byte(wa, lane4, 1)), 0x5410);
+      A[2] = __byte_perm(lds(sb + sel_byte(wa, lane4, 2)), lds(sb + sel_byte(wa, lane4, 3)), 0x5410);
+      A[1] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 0)), lds(sb + 128 + sel_byte(wb, lane4, 1)), 0x5410);
+      A[3] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 2)), lds(sb + 128 + sel_byte(wb, lane4, 3)), 0x5410);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, xw[nt][2 * j], xw[nt][2 * j + 1]);
+  }
+}
+
+// EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per
+// 16-row tile; y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F.
+template <int BITS, int NT, int EPI>
+__global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
+cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
+                   const half* __restrict__ cb, const half* __restrict__ res,
+                   half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
+  uint32_t* smem = trapetum_cbgemv_smem;
+  __shared__ half cbs[16 * 16];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int ra = row0 + g, rb = row0 + g + 8;
+  // Rows past N load row N-1 and chunks past the end load the last chunk: the loads stay valid
+  // and unpredicated; their results are never stored (rows) or never computed (chunks).
+  const uint8_t* pa = codes + (size_t)min(ra, N - 1) * KB + t * 16;
+  const uint8_t* pb = codes + (size_t)min(rb, N - 1) * KB + t * 16;
+  const int nchunks = (KB + 63) >> 6;  // 64 bytes per row per warp step (16 per lane)
+
+  auto load = [&](int c, uint4& qa, uint4& qb) {
+    const int cc = min(c, nchunks - 1);
+    qa = ld_stream(pa + cc * 64);
+    qb = ld_stream(pb + cc * 64);
+  };
+
+  // Two chunks in flight before the table build, so DRAM latency overlaps it.
+  uint4 qa0, qb0, qa1, qb1;
+  load(warp, qa0, qb0);
+  load(warp + kWarps, qa1, qb1);
+
+  if (BITS == 4) {
+    {
+      const int r = row0 + (tid >> 4);
+      cbs[tid] = r < N ? cb[(size_t)r * 16 + (tid & 15)] : __float2half(0.0f);
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int i = tid; i < 4096; i += kThreads) {
+      const int gg = i & 7, h = (i >> 3) & 1, e = i >> 4;
+      const int rr = h * 8 + gg;
+      const uint32_t lo = __half_as_ushort(cbs[rr * 16 + (e & 15)]);
+      const uint32_t hi = __half_as_ushort(cbs[rr * 16 + (e >> 4)]);
+      const uint32_t v = lo | (hi << 16);
+      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+    }
+  } else {
+#pragma unroll 4
+    for (int i = tid; i < 4096; i += kThreads) {
+      const int gg = i & 7, h = (i >> 3) & 1, e = i >> 4;
+      const int r = row0 + h * 8 + gg;
+      const uint32_t v = r < N ? (uint32_t)__half_as_ushort(cb[(size_t)r * 256 + e]) : 0u;
+      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+    }
+  }
+  __syncthreads();
+
+  uint32_t sb;
+  asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
+  const uint32_t lane4 = (uint32_t)lane * 4u;
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+  for (int c = warp; c < nchunks; c += 2 * kWarps) {
+    uint4 qa2, qb2, qa3, qb3;
+    load(c + 2 * kWarps, qa2, qb2);
+    compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, x, M, K, g, c * 64 + t * 16);
+    load(c + 3 * kWarps, qa3, qb3);
+    if (c + kWarps < nchunks)
+      compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, x, M, K, g, (c + kWarps) * 64 + t * 16);
+    qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
+  }
+
+  // Fixed-order reduction of the 8 warps' partial sums through shared memory.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);  // [warp][nt][reg][lane]
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) red[((warp * NT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
+  __syncthreads();
+
+  if (EPI == 0) {
+    if (tid < 16 * NT * 8) {
+      const int rr = tid & 15, m = tid >> 4;
+      const int nt = m >> 3, n = m & 7;
+      const int ln = (rr & 7) * 4 + (n >> 1);
+      const int reg = ((rr >> 3) << 1) | (n & 1);
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red[((w * NT + nt) * 4 + reg) * 32 + ln];
+      const int row = row0 + rr;
+      if (row < N && m < M) {
+        if (has_res) s += __half2float(res[(size_t)m * N + row]);
+        y[(size_t)m * N + row] = __float2half(s);
+      }
+    }
+  } else {
+    if (tid < 8 * NT * 8) {
+      const int rr = tid & 7, m = tid >> 3;
+      const int nt = m >> 3, n = m & 7;
+      const int ln = rr * 4 + (n >> 1);
+      const int rg = n & 1, ru = 2 | (n & 1);
+      float sg = 0.0f, su = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        sg += red[((w * NT + nt) * 4 + rg) * 32 + ln];
+        su += red[((w * NT + nt) * 4 + ru) * 32 + ln];
+      }
+      const int o = blockIdx.x * 8 + rr;
+      if (o < F && m < M) {
+        const float a = (EPI == 1) ? act_silu(sg) : act_gelu_tanh(sg);
+        y[(size_t)m * F + o] = __float2half(a * su);
+      }
+    }
+  }
+}
+
+}  // namespace trapetum_mma
+
+#ifdef TRAPETUM_SASS_ONLY
+// Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 1>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+#endif
+
+#ifdef TRAPETUM_TORCH_LAUNCHER
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+namespace trapetum_mma {
+template <int BITS, int NT, int EPI>
+static void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
+                   const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
+                   int has_res, int F, cudaStream_t stream) {
+  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI>;
+  const int smem_bytes = kTabWords * 4;
+  static bool attr_set = false;
+  if (!attr_set) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    attr_set = true;
+  }
+  const int grid = (N + 15) / 16;
+  kern<<<grid, kThreads, smem_bytes, stream>>>(
+      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
+      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
+      reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
+      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int BITS>
+static void dispatch_nt_epi(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
+                            const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
+                            int has_res, int F, int epi, cudaStream_t s) {
+  if (M <= 8) {
+    if (epi == 0) launch<BITS, 1, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) launch<BITS, 1, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else launch<BITS, 1, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+  } else {
+    if (epi == 0) launch<BITS, 2, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) launch<BITS, 2, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else launch<BITS, 2, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+  }
+}
+}  // namespace trapetum_mma
+
+void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
+                 torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
+  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
+  TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf, "codebook");
+  const int M = x.size(0), K = x.size(1), N = codes.size(0), KB = codes.size(1);
+  TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
+  TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
+  const at::cuda::CUDAGuard guard(x.device());
+  cudaStream_t s = at::cuda::getCurrentCUDAStream();
+  if (bits == 4)
+    trapetum_mma::dispatch_nt_epi<4>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+  else
+    trapetum_mma::dispatch_nt_epi<8>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+}
+#endif
