@@ -1,0 +1,86 @@
+"""The web page in real headless Chromium (Debian's /usr/bin/chromium driven by Playwright).
+
+Sends a chat message and waits for the streamed answer to appear token by token, then runs the
+compare view on two served models; screenshots of both views go to out/screenshots/.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import serve_fixtures as F
+
+CHROMIUM = os.environ.get("TRAPETUM_CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="needs `pip install playwright`")
+if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def server():
+    # Two names for the embedded model, so the compare view has two columns to fill.
+    srv = F.start_serve(["smollm2=default", "smollm2-copy=default", "--queue", "8"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def page():
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        pg = browser.new_page(viewport={"width": 1280, "height": 800})
+        yield pg
+        browser.close()
+
+
+def test_chat_streams_and_compare(server, page):
+    F.SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(server.url + "/")
+    page.wait_for_function("document.querySelector('#chat-model').options.length === 2")
+    page.wait_for_selector("#health.ok", timeout=10_000)
+    assert "smollm2" in page.inner_text("#chat-info") or page.inner_text("#chat-info")  # model info shown
+
+    page.fill("#set-temp", "0")
+    page.fill("#set-max", "48")
+    page.fill("#chat-input", "What is the capital of France? Answer in one sentence.")
+    page.click("#chat-send")
+    # Streaming: the answer bubble is visibly growing while it still has the streaming cursor.
+    page.wait_for_function("""() => { const m = document.querySelector('.msg.assistant.streaming .body');
+                                      return m && m.textContent.length > 0; }""", timeout=60_000)
+    partial = page.inner_text(".msg.assistant .body")
+    page.wait_for_selector(".msg.assistant .meta", timeout=60_000)      # finished
+    final = page.inner_text(".msg.assistant .body")
+    assert final.strip(), "no answer text"
+    assert final.startswith(partial) and len(final) >= len(partial)
+    assert "error" not in page.get_attribute(".msg.assistant", "class")
+    assert page.inner_text("#chat-tps") not in ("", "–")
+    assert page.inner_text("#chat-ttft") not in ("", "–")
+    meta = page.inner_text(".msg.assistant .meta")
+    assert "tok/s" in meta and "TTFT" in meta
+    chat_png = F.SCREENSHOTS / "chat.png"
+    page.screenshot(path=str(chat_png))
+
+    page.click("#tab-compare")
+    assert page.input_value("#cmp-a .cmp-model") == "smollm2"
+    assert page.input_value("#cmp-b .cmp-model") == "smollm2-copy"
+    page.fill("#cmp-input", "Name three colors.")
+    page.click("#cmp-send")
+    page.wait_for_function("""() => [...document.querySelectorAll('.cmp-col .state')]
+                                     .every(s => s.textContent.startsWith('done'))""", timeout=90_000)
+    for col in ("#cmp-a", "#cmp-b"):
+        assert page.inner_text(f"{col} .out").strip()
+        assert page.inner_text(f"{col} .tps") not in ("", "–")
+        assert page.inner_text(f"{col} .ttft") not in ("", "–")
+    # Greedy on the same weights: the two columns must agree.
+    assert page.inner_text("#cmp-a .out") == page.inner_text("#cmp-b .out")
+    cmp_png = F.SCREENSHOTS / "compare.png"
+    page.screenshot(path=str(cmp_png))
+    assert not errors, errors
+    print(f"\nscreenshots: {chat_png} {cmp_png}")
