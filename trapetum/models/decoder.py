@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, FormatError
@@ -51,13 +50,11 @@ class Attention(nn.Module):
         allowed = kpos <= qpos  # [T, S]
         if self.sliding:
             allowed = allowed & (qpos - kpos < cfg.sliding_window)
-        if cfg.attn_softcap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=cfg.scale)
-        else:
-            s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * cfg.scale  # [B, H, T, S]
+        s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * cfg.scale  # [B, H, T, S]
+        if cfg.attn_softcap is not None:
             s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
-            s = s.masked_fill(~allowed, float("-inf"))
-            out = torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
+        s = s.masked_fill(~allowed, float("-inf"))
+        out = torch.matmul(torch.softmax(s, dim=-1), v.float()).to(q.dtype)
         out = out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
         return self.o_proj(out)
 
