@@ -1,0 +1,179 @@
+"""Codebook GEMV kernels vs the float64 reference (CPU: Triton interpreter, small shapes; GPU: full size)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels_conftest import DEVICE, ON_GPU, TOL, codebook_gemv as cg, rel_err, requires_cuda
+from shapes import AWKWARD, BENCH_GEMV_4BIT, MODELS, gemv_shapes
+
+N_RANDOM = 90
+
+
+def _weights(n, k, bits, gen, device=DEVICE):
+    kb = -(-k * bits // 8)
+    codes = torch.randint(0, 256, (n, kb), dtype=torch.uint8, generator=gen)
+    cb = torch.randn(n, 1 << bits, generator=gen).half()
+    return codes.to(device), cb.to(device)
+
+
+def _case(seed):
+    r = random.Random(seed)
+    bits = r.choice([2, 4, 4, 8])
+    m = r.choice([1, 1, 1, 2, 3, 5, 8, 9, 16])
+    if ON_GPU:
+        k = r.choice(AWKWARD + [r.randint(1, 9000), 128 * r.randint(1, 90)])
+        n = r.choice(AWKWARD + [r.randint(1, 5000)])
+    else:
+        k = r.choice(AWKWARD + [r.randint(1, 600)])
+        n = r.choice(AWKWARD[:5] + [r.randint(1, 80)])
+    return bits, m, k, n, r.random() < 0.3
+
+
+@pytest.mark.parametrize("seed", range(N_RANDOM))
+def test_gemv_random_shapes(seed):
+    bits, m, k, n, with_res = _case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    codes, cb = _weights(n, k, bits, gen)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    res = torch.randn(m, n, generator=gen).half().to(DEVICE) if with_res else None
+    ref = cg.codebook_gemv_reference(x.cpu(), codes.cpu(), cb.cpu(), bits, None if res is None else res.cpu())
+    backends = ["triton"] + (["mma"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
+    for be in backends:
+        y = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)  # poisoned
+        cg.codebook_gemv(x, codes, cb, bits, res, out=y, backend=be)
+        err = rel_err(y, ref)
+        assert err < TOL[torch.float16], (be, bits, m, k, n, err)
+
+
+def test_gemv_1d_input_and_default_backend():
+    gen = torch.Generator().manual_seed(1)
+    codes, cb = _weights(37, 256, 4, gen)
+    x = torch.randn(256, generator=gen).half().to(DEVICE)
+    y = cg.codebook_gemv(x, codes, cb, 4)
+    assert y.shape == (37,)
+    assert rel_err(y, cg.codebook_gemv_reference(x.cpu(), codes.cpu(), cb.cpu(), 4)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("f,k,m,bits", [(13, 64, 1, 4), (24, 256, 3, 4), (8, 128, 16, 8), (53, 97, 2, 2)])
+def test_gate_up_fused(act, f, k, m, bits):
+    gen = torch.Generator().manual_seed(f * k + m)
+    gc, gcb = _weights(f, k, bits, gen)
+    uc, ucb = _weights(f, k, bits, gen)
+    codes, cb, ff = cg.interleave_gate_up(gc, gcb, uc, ucb)
+    x = torch.randn(m, k, generator=gen).half().to(DEVICE)
+    g = cg.codebook_gemv_reference(x.cpu(), gc.cpu(), gcb.cpu(), bits)
+    u = cg.codebook_gemv_reference(x.cpu(), uc.cpu(), ucb.cpu(), bits)
+    ref = cg._act_ref(g, act) * u
+    backends = ["triton"] + (["mma"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
+    for be in backends:
+        y = cg.codebook_gemv_gate_up(x, codes, cb, bits, ff, act, backend=be)
+        assert y.shape == (m, f)
+        assert rel_err(y, ref) < TOL[torch.float16], be
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_pack_unpack_roundtrip(bits):
+    idx = torch.randint(0, 1 << bits, (7, 53))
+    codes = cg.pack_indices(idx, bits)
+    assert codes.shape == (7, -(-53 * bits // 8))
+    assert torch.equal(cg.unpack_indices(codes, bits, 53), idx)
+
+
+def test_canonical_nibble_order():
+    # column 2j in the low nibble, 2j+1 in the high nibble
+    codes = torch.tensor([[0x21]], dtype=torch.uint8)
+    cb = torch.arange(16, dtype=torch.float16).reshape(1, 16)
+    w = cg.dequantize(codes, cb, 4, 2)
+    assert w.tolist() == [[1.0, 2.0]]
+
+
+def test_bad_shapes_raise():
+    gen = torch.Generator().manual_seed(0)
+    codes, cb = _weights(8, 64, 4, gen)
+    x = torch.randn(2, 64).half().to(DEVICE)
+    with pytest.raises(ValueError, match="codes"):
+        cg.codebook_gemv(torch.randn(2, 66).half().to(DEVICE), codes, cb, 4)
+    with pytest.raises(ValueError, match="codebook"):
+        cg.codebook_gemv(x, codes, cb[:, :8], 4)
+    with pytest.raises(ValueError, match="x"):
+        cg.codebook_gemv(x.float(), codes, cb, 4)
+    with pytest.raises(ValueError, match="bits"):
+        cg.codebook_gemv(x, codes, cb, 3)
+    with pytest.raises(ValueError, match="residual"):
+        cg.codebook_gemv(x, codes, cb, 4, residual=torch.zeros(2, 9, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="x"):
+        cg.codebook_gemv(torch.randn(2, 2, 64).half().to(DEVICE), codes, cb, 4)
+    with pytest.raises(ValueError, match="codes"):
+        cg.codebook_gemv(x, codes.view(torch.int8), cb, 4)
+    with pytest.raises(ValueError, match="f"):
+        c2, cb2, f = cg.interleave_gate_up(codes, cb, codes, cb)
+        cg.codebook_gemv_gate_up(x, c2, cb2, 4, 99)
+    with pytest.raises(ValueError, match="act"):
+        c2, cb2, f = cg.interleave_gate_up(codes, cb, codes, cb)
+        cg.codebook_gemv_gate_up(x, c2, cb2, 4, f, act="relu")
+
+
+# ----------------------------------------------------------------------------- GPU, full size
+@requires_cuda
+@pytest.mark.parametrize("model", list(MODELS))
+def test_gemv_real_shapes_gpu(model):
+    gen = torch.Generator().manual_seed(7)
+    for k, n in gemv_shapes(model):
+        codes, cb = _weights(n, k, 4, gen)
+        for m in (1, 2, 8, 9, 16):
+            x = torch.randn(m, k, generator=gen).half().cuda()
+            ref = cg.codebook_gemv_reference(x.cpu(), codes.cpu(), cb.cpu(), 4)
+            for be in ["triton"] + (["mma"] if cg._mma_shape_ok(m, k, 4) and cg.mma_available() else []):
+                y = cg.codebook_gemv(x, codes, cb, 4, backend=be)
+                assert rel_err(y, ref) < TOL[torch.float16], (model, k, n, m, be)
+
+
+@requires_cuda
+def test_gemv_lm_head_8bit_gpu():
+    gen = torch.Generator().manual_seed(3)
+    codes, cb = _weights(32000, 4096, 8, gen)
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    ref = cg.codebook_gemv_reference(x.cpu(), codes.cpu(), cb.cpu(), 8)
+    for be in ("triton", "mma"):
+        assert rel_err(cg.codebook_gemv(x, codes, cb, 8, backend=be), ref) < TOL[torch.float16], be
+
+
+@requires_cuda
+@pytest.mark.parametrize("k,n", BENCH_GEMV_4BIT[:3])
+def test_gemv_bitwise_reproducible_and_batch_invariant_gpu(k, n):
+    gen = torch.Generator().manual_seed(11)
+    codes, cb = _weights(n, k, 4, gen)
+    x = torch.randn(8, k, generator=gen).half().cuda()
+    for be in ["triton"] + (["mma"] if cg.mma_available() else []):
+        y0 = cg.codebook_gemv(x, codes, cb, 4, backend=be)
+        for _ in range(20):
+            assert torch.equal(cg.codebook_gemv(x, codes, cb, 4, backend=be), y0), be
+        if be == "mma":  # row 0 alone gives the same bits as row 0 of a batch of 8
+            assert torch.equal(cg.codebook_gemv(x[:1], codes, cb, 4, backend=be), y0[:1])
+
+
+@requires_cuda
+def test_gemv_cuda_graph_gpu():
+    gen = torch.Generator().manual_seed(5)
+    codes, cb = _weights(4096, 4096, 4, gen)
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    res = torch.randn(1, 4096, generator=gen).half().cuda()
+    y = torch.empty(1, 4096, dtype=torch.float16, device="cuda")
+    cg.codebook_gemv(x, codes, cb, 4, res, out=y)  # warm-up: compile, set attributes
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cg.codebook_gemv(x, codes, cb, 4, res, out=y)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cg.codebook_gemv(x, codes, cb, 4, res, out=y)
+    eager = cg.codebook_gemv(x, codes, cb, 4, res)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
