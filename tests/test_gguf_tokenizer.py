@@ -1,0 +1,112 @@
+"""Tokenizers built from GGUF vocabularies agree with transformers' GGUF tokenizer, id for id.
+
+SmolLM2 (byte-level BPE, "smollm" split) runs in CI; Gemma-3 (SentencePiece BPE, merges derived
+from the vocabulary) and Qwen2.5 (byte-level BPE, "qwen2" split) are marked slow.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from real_models import require
+
+transformers = pytest.importorskip("transformers")
+
+TEXTS = [
+    "Hello world",
+    " leading space",
+    "  two leading spaces",
+    "trailing spaces  ",
+    "The year 2024: 1234567 items cost $3.14159 (approx.), 10,000,000 or 1e-9!",
+    "def f(x):\n    return x**2  # square\n\n\tif x:\n\t\tpass\n",
+    "naïve café Ünïcödé — “quotes” ‘x’ «ok» 日本語のテキスト 中文 한국어 עברית العربية Ελληνικά",
+    "emoji 😀👍🏽🇫🇷 👨‍👩‍👧 ✨🚀",
+    "   \n\n\n   \t\t  whitespace   runs      end \n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<|endoftext|>",
+    "<bos><start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n<eos>",
+    "<s> [INST] question [/INST] answer</s>",
+    "",
+    " ",
+    "\n",
+    "a\r\nb\rc",
+    "I'm sure they'll say WE'VE done it; it's John's",
+    "https://example.com/path?q=1&r=2#frag <a href='x'>link</a>",
+    "x" * 300,
+    "ÀÁÂÃÄÅ ﬁ ﬂ ½ ² Ⅻ ｆｕｌｌｗｉｄｔｈ",
+    "\u200bzero\u00a0width and nbsp",
+    "<unk><pad><mask> <think>reason</think>",
+    "<|fim_prefix|>def a():<|fim_suffix|>\n<|fim_middle|>",
+]
+MESSAGES = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a prime."}],
+]
+
+_cache: dict[str, tuple] = {}
+
+
+def pair(name: str):
+    """(our Tokenizer, transformers tokenizer) for one real model, loaded once per session."""
+    if name not in _cache:
+        from trapetum.formats.gguf import load_gguf
+
+        path = require(name)
+        ours = load_gguf(path).tokenizer
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        _cache[name] = (ours, ref)
+    return _cache[name]
+
+
+MODELS = [pytest.param("smollm2"), pytest.param("gemma3", marks=pytest.mark.slow),
+          pytest.param("qwen25", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_encode_decode_agree(name):
+    ours, ref = pair(name)
+    assert ours.vocab_size == len(ref)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref(text, add_special_tokens=special)["input_ids"], (text, special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), \
+                    (text, skip)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_special_tokens_agree(name):
+    ours, ref = pair(name)
+    assert ours.bos_token == ref.bos_token
+    assert ours.eos_tokens[0] == ref.eos_token
+    assert ours.eos_ids[0] == ref.eos_token_id or ref.eos_token_id in ours.eos_ids
+    # every token transformers treats as special is special for us too (kept whole, skipped on decode)
+    for tok in ref.all_special_tokens:
+        i = ours.token_to_id(tok)
+        assert i is not None and ours.decode([i], skip_special_tokens=True) == "", tok
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_chat_template_agrees(name):
+    ours, ref = pair(name)
+    if ref.chat_template is None:  # Gemma-3-270M's GGUF carries no template; neither side has one
+        assert ours.chat_template is None
+        return
+    assert ours.chat_template == ref.chat_template
+    for msgs in MESSAGES:
+        for gen in (True, False):
+            want = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == want
+            assert ours.encode_chat(msgs, add_generation_prompt=gen) == \
+                ref(want, add_special_tokens=False)["input_ids"]
+
+
+def test_smollm2_known_ids():
+    """Pinned ids (from transformers' GGUF tokenizer) so a regression shows without transformers too."""
+    ours, _ = pair("smollm2")
+    assert ours.encode("Hello 12345 world  x") == [19556, 216, 33, 34, 35, 36, 37, 905, 216, 1792]
+    assert ours.bos_token == "<|im_start|>" and ours.eos_tokens[0] == "<|im_end|>"
