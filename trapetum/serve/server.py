@@ -187,16 +187,22 @@ class _Channel:
 
 
 def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
-               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """Build the ASGI app; engines start (and load their models) when the app starts."""
+               max_body: int = DEFAULT_MAX_BODY, threads: int | None = None) -> FastAPI:
+    """Build the ASGI app; engines start (and load their models) when the app starts.
+    ``threads``: torch CPU threads per engine (None: torch's default)."""
     if not specs:
         specs = [ModelSpec()]
     registry = Registry()
     groups: dict[str, list[ModelSpec]] = {}
     for s in specs:
         groups.setdefault(s.device or "default", []).append(s)
-    workers = [Worker([s.load for s in g], max_waiting=max_waiting, name=f"engine-{dev}", claim=registry.claim)
-               for dev, g in groups.items()]
+    init = None
+    if threads is not None:
+        def init():
+            import torch
+            torch.set_num_threads(threads)
+    workers = [Worker([s.load for s in g], max_waiting=max_waiting, name=f"engine-{dev}", claim=registry.claim,
+                      init=init) for dev, g in groups.items()]
     for w in workers:
         w.on_ready = registry.ready
 
@@ -441,12 +447,15 @@ def _engine_error(e: BaseException) -> APIError:
 
 def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
-        access_log: bool = True) -> None:
+        access_log: bool = True, threads: int | None = None) -> None:
     """Serve until interrupted (what ``trapetum serve`` runs)."""
     import uvicorn
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body)
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)      # this thread (tokenizing helpers) and the default
+    app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads)
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
           f"GET /health is 200 once ready)", flush=True)

@@ -79,9 +79,12 @@ class Worker:
     """One engine thread serving ``models`` (loaded on that thread by ``loaders``)."""
 
     def __init__(self, loaders: list[Callable[[], tuple[str | None, Any]]], *, max_waiting: int = 64,
-                 name: str = "engine", claim: Callable[[str], str] | None = None):
+                 name: str = "engine", claim: Callable[[str], str] | None = None,
+                 init: Callable[[], None] | None = None):
         """``loaders`` return ``(preferred_name or None, model)``; ``claim(name)`` makes a name unique
-        across workers (default: unique within this one)."""
+        across workers (default: unique within this one); ``init()`` runs first on the engine thread
+        (per-thread settings such as torch's CPU thread count)."""
+        self.init = init
         self.loaders = loaders
         self.claim = claim
         self.max_waiting = max_waiting
@@ -133,6 +136,8 @@ class Worker:
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
         try:
+            if self.init is not None:
+                self.init()
             for load in self.loaders:
                 alias, m = load()
                 want = alias or getattr(m, "name", None) or "model"
