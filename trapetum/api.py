@@ -119,7 +119,7 @@ class Model:
         """Yield StreamEvents (text pieces); the last one has done=True and .completion."""
         s = self._settings(settings, overrides)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return stream_tokens(self.runner, self.tokenizer, ids, s, self.context_size, cancel, self.device)
+        return stream_tokens(self.runner, self.tokenizer, ids, s, self.context_size, cancel)
 
     def generate(self, prompt: str | list[int], settings: GenerationSettings | None = None,
                  **overrides: Any) -> Completion:

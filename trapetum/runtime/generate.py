@@ -26,33 +26,33 @@ class ContextOverflow(TrapetumError):
 
 
 class Runner(Protocol):
-    def start(self, prompt: list[int], max_len: int) -> torch.Tensor: ...
-    def step(self, token: int) -> torch.Tensor: ...
+    def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
+        """Yield sampled token ids after ``prompt``; the caller closes the iterator to stop."""
+        ...
 
 
 class ReferenceRunner:
-    """Torch reference path: the Decoder with a static KV cache (CPU, or CUDA through torch)."""
+    """Torch reference path: the Decoder with a static KV cache, sampling on the host."""
 
     def __init__(self, decoder: Decoder):
         self.decoder = decoder
-        self.cache = None
-        self.pos = 0
 
     @torch.inference_mode()
-    def start(self, prompt: list[int], max_len: int) -> torch.Tensor:
+    def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
         dev = next(self.decoder.parameters()).device
-        self.cache = self.decoder.new_cache(1, max_len)
-        ids = torch.tensor([prompt], dtype=torch.long, device=dev)
-        self.pos = len(prompt)
-        return self.decoder(ids, self.cache, 0, last_only=True)[0, -1]
-
-    @torch.inference_mode()
-    def step(self, token: int) -> torch.Tensor:
-        dev = next(self.decoder.parameters()).device
-        ids = torch.tensor([[token]], dtype=torch.long, device=dev)
-        out = self.decoder(ids, self.cache, self.pos)[0, -1]
-        self.pos += 1
-        return out
+        cache = self.decoder.new_cache(1, max_len)
+        sampler = Sampler(s, device="cpu")
+        context = list(prompt)
+        logits = self.decoder(torch.tensor([prompt], dtype=torch.long, device=dev), cache, 0, last_only=True)
+        pos = len(prompt)
+        while True:
+            tok = sampler(logits[0, -1].float().cpu(), context)
+            yield tok
+            context.append(tok)
+            if pos >= max_len:
+                return
+            logits = self.decoder(torch.tensor([[tok]], dtype=torch.long, device=dev), cache, pos)
+            pos += 1
 
 
 @dataclass
@@ -112,47 +112,46 @@ class _StopScan:
 
 
 def stream_tokens(runner: Runner, tokenizer: Tokenizer | None, prompt: list[int], s: GenerationSettings,
-                  context_size: int, cancel: threading.Event | None = None,
-                  device: str | torch.device = "cpu") -> Iterator[StreamEvent]:
+                  context_size: int, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
     """Yield text pieces as they are produced; the last event has done=True and the Completion."""
     s.validate()
     if not prompt:
         raise TrapetumError("prompt is empty (no tokens)")
     if len(prompt) + s.max_new_tokens > context_size:
         raise ContextOverflow(len(prompt), s.max_new_tokens, context_size)
-    sampler = Sampler(s, device="cpu")
     eos = set() if (s.ignore_eos or tokenizer is None) else set(tokenizer.eos_ids)
     dec = StreamDecoder(tokenizer) if tokenizer is not None else None
     scan = _StopScan(list(s.stop))
     out: list[int] = []
-    context = list(prompt)
     t0 = time.perf_counter()
     t_first = None
     finish = "length"
-    if s.max_new_tokens > 0:
-        logits = runner.start(prompt, len(prompt) + s.max_new_tokens)
-        while True:
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok = sampler(logits.cpu(), context)
-            if t_first is None:
-                t_first = time.perf_counter()
-            if tok in eos:
-                finish = "stop"
-                break
-            out.append(tok)
-            context.append(tok)
-            piece = scan.feed(dec.push(tok)) if dec is not None else ""
-            if scan.hit:
-                finish = "stop"
-                if piece:
-                    yield StreamEvent(piece, tok)
-                break
-            yield StreamEvent(piece, tok)
-            if len(out) >= s.max_new_tokens:
-                break
-            logits = runner.step(tok)
+    if cancel is not None and cancel.is_set():
+        finish = "cancelled"
+    elif s.max_new_tokens > 0:
+        source = runner.tokens(prompt, s, len(prompt) + s.max_new_tokens)
+        try:
+            for tok in source:
+                if t_first is None:
+                    t_first = time.perf_counter()
+                if tok in eos:
+                    finish = "stop"
+                    break
+                out.append(tok)
+                piece = scan.feed(dec.push(tok)) if dec is not None else ""
+                if scan.hit:
+                    finish = "stop"
+                    if piece:
+                        yield StreamEvent(piece, tok)
+                    break
+                yield StreamEvent(piece, tok)
+                if len(out) >= s.max_new_tokens:
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            source.close()
     if dec is not None and not scan.hit:
         tail = scan.feed(dec.flush())
         tail += "" if scan.hit else scan.flush()
