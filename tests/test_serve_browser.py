@@ -24,7 +24,7 @@ if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
 @pytest.fixture(scope="module")
 def server():
     # Two names for the embedded model, so the compare view has two columns to fill.
-    srv = F.start_serve(["smollm2=default", "smollm2-copy=default", "--queue", "8"])
+    srv = F.start_serve(["smollm2=default", "smollm2-copy=default", "--queue", "8", "--threads", "1"])
     yield srv
     srv.stop()
 
@@ -45,7 +45,7 @@ def test_chat_streams_and_compare(server, page):
     page.goto(server.url + "/")
     page.wait_for_function("document.querySelector('#chat-model').options.length === 2")
     page.wait_for_selector("#health.ok", timeout=10_000)
-    assert "smollm2" in page.inner_text("#chat-info") or page.inner_text("#chat-info")  # model info shown
+    assert "parameters" in page.inner_text("#chat-info")      # model info shown
 
     page.fill("#set-temp", "0")
     page.fill("#set-max", "48")
@@ -78,8 +78,10 @@ def test_chat_streams_and_compare(server, page):
         assert page.inner_text(f"{col} .out").strip()
         assert page.inner_text(f"{col} .tps") not in ("", "–")
         assert page.inner_text(f"{col} .ttft") not in ("", "–")
+        assert "params" in page.inner_text(f"{col} .cmp-info")
     # Greedy on the same weights: the two columns must agree.
     assert page.inner_text("#cmp-a .out") == page.inner_text("#cmp-b .out")
+    page.wait_for_selector("#health.ok", timeout=10_000)
     cmp_png = F.SCREENSHOTS / "compare.png"
     page.screenshot(path=str(cmp_png))
     assert not errors, errors

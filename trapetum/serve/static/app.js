@@ -128,12 +128,32 @@ async function loadModels() {
   fill($("#cmp-a .cmp-model"), 0);
   fill($("#cmp-b .cmp-model"), Math.min(1, state.models.length - 1));
   showInfo();
+  showCmpInfo();
 }
 
 function addInfoRow(table, k, v) {
   const tr = table.insertRow();
   tr.insertCell().textContent = k;
-  tr.insertCell().textContent = v;
+  const td = tr.insertCell();
+  if (/^(source|path)$/.test(k) && v.includes("/")) { td.textContent = v.split("/").pop(); td.title = v; }
+  else td.textContent = v;
+}
+
+// One line per compare column: format, parameters, loaded weight size.
+function summary(id) {
+  const m = state.models.find((x) => x.id === id);
+  if (!m || !m.info) return "";
+  const i = m.info, parts = [];
+  if (i.format) parts.push(i.format);
+  if (i.family) parts.push(i.family);
+  if (i.parameters) parts.push(human("parameters", i.parameters) + " params");
+  if (i.memory_loaded_weights_bytes) parts.push(human("bytes", i.memory_loaded_weights_bytes) + " weights");
+  if (i.context_size) parts.push(`ctx ${i.context_size}`);
+  return parts.join(" · ");
+}
+
+function showCmpInfo() {
+  for (const c of [$("#cmp-a"), $("#cmp-b")]) $(".cmp-info", c).textContent = summary($(".cmp-model", c).value);
 }
 
 function human(k, v) {
@@ -260,7 +280,7 @@ async function runColumn(col, prompt, signal, accepted = () => {}) {
         onStart: () => { meter.start(); st.textContent = "prefill"; st.className = "state streaming"; },
         onDelta: (t) => { text += t; out.textContent = text; meter.token(); st.textContent = "streaming";
                           out.scrollTop = out.scrollHeight; },
-        onDone: (u, f) => { meter.stop(u); st.textContent = f === "length" ? "done (length)" : "done";
+        onDone: (u, f) => { meter.stop(u); pollHealth(); st.textContent = f === "length" ? "done (length)" : "done";
                             st.className = "state done"; },
       });
   } catch (e) {
@@ -318,6 +338,7 @@ document.addEventListener("DOMContentLoaded", () => {
     $("#messages").innerHTML = '<div class="empty" id="chat-empty">New conversation.</div>';
   });
   $("#chat-model").addEventListener("change", showInfo);
+  for (const sel of document.querySelectorAll(".cmp-model")) sel.addEventListener("change", showCmpInfo);
   $("#cmp-form").addEventListener("submit", sendCompare);
   $("#cmp-input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); sendCompare(); }
