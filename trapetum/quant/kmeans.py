@@ -164,7 +164,7 @@ def _kmeans_chunk(W: torch.Tensor, K: int, w: torch.Tensor | None, iters: int, s
         rank = ne.long().cumsum(1) - 1  # [r, C]: index of the element's distinct value
         ce = xe[:, -1:].expand(-1, K).clone()  # pad with the row max (duplicate, never nearest-first)
         ce.scatter_(1, rank, xe)
-        best_c[rows] = ce
+        best_c[rows] = ce.to(best_c.dtype)
     return best_c.float(), first_hist
 
 

@@ -22,7 +22,7 @@ from ..errors import FormatError, UnsupportedError
 from .pack import SUPPORTED_BITS, pack_codes, packed_width, unpack_codes
 from .record import QuantRecord
 
-__all__ = ["CodebookLinear", "build_linear", "record_bits_per_weight"]
+__all__ = ["CodebookLinear", "CodebookEmbedding", "build_linear", "build_embedding", "record_bits_per_weight"]
 
 
 class CodebookLinear(nn.Module):
@@ -144,14 +144,49 @@ def _check_bias(record: QuantRecord, out_f: int, name: str) -> torch.Tensor | No
     return b
 
 
-def build_linear(record: QuantRecord, name: str = "?") -> nn.Module:
+def build_linear(record: QuantRecord, name: str = "?", *, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None) -> nn.Module:
     """Turn a stored QuantRecord into the module that replaces the projection.
 
     scheme "codebook": params {"bits": 1|2|3|4|8}; tensors "codes" uint8 [out, packed width]
     and "codebook" fp16 [out, 2**bits]. scheme "rtn": see ``rtn.py`` (evaluation baseline).
     scheme "aqlm": delegated to ``trapetum.quant.additive.build_linear`` when present.
     Raises FormatError when tensors do not match the record's shape, dtype or parameters.
+    ``dtype`` is the compute dtype of the model (the bias is cast to it; codebooks stay fp16 and
+    are cast per forward to the input's dtype); ``device`` is where the module's buffers go.
     """
+    mod = _build(record, name)
+    if dtype is not None and getattr(mod, "bias", None) is not None:
+        mod.bias = mod.bias.to(dtype)
+    return mod.to(device) if device is not None else mod
+
+
+def build_embedding(record: QuantRecord, name: str = "model.embed_tokens.weight", *,
+                    dtype: torch.dtype | None = None, device: str | torch.device | None = None) -> nn.Module:
+    """A quantized embedding table [vocab, hidden] (scheme "codebook"): forward(ids) gathers rows."""
+    if not isinstance(record, QuantRecord) or record.scheme != "codebook":
+        raise FormatError(f"quantized tensor {name}: embeddings support only the codebook scheme, "
+                          f"got {getattr(record, 'scheme', type(record).__name__)!r}")
+    if record.bias is not None:
+        raise FormatError(f"quantized tensor {name}: an embedding has no bias")
+    lin = _build(record, name)
+    emb = CodebookEmbedding(lin.codes, lin.codebook, lin.in_features, lin.bits, dtype=dtype or torch.float32)
+    return emb.to(device) if device is not None else emb
+
+
+class CodebookEmbedding(CodebookLinear):
+    """Embedding table stored as a per-row codebook: forward(ids [...]) -> [..., hidden]."""
+
+    def __init__(self, codes, codebook, in_features, bits, dtype: torch.dtype = torch.float32):
+        super().__init__(codes, codebook, in_features, bits, None)
+        self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids, self.dtype)
+
+
+def _build(record: QuantRecord, name: str) -> nn.Module:
     if not isinstance(record, QuantRecord):
         raise FormatError(f"quantized tensor {name}: expected a QuantRecord, got {type(record).__name__}")
     scheme = record.scheme
