@@ -82,7 +82,7 @@ def test_attention_real_heads_gpu(model, length):
     hq, hkv, d = ATTN_HEADS[model]
     gen = torch.Generator().manual_seed(length)
     q, k, v = _inputs(hq, hkv, d, 4096, gen, amp=2.0)
-    ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), length, scale=d ** -0.5)
+    ref = at.decode_attention_reference(q, k, v, length, scale=d ** -0.5)
     ln = torch.tensor([length], dtype=torch.int32, device="cuda")
     y = at.decode_attention(q, k, v, ln, scale=d ** -0.5)
     assert rel_err(y, ref) < 2e-3

@@ -31,7 +31,9 @@ except Exception:  # pragma: no cover
     tl = None
 
 CHUNK = 64
-_NEG = -1.0e30  # finite "minus infinity": keeps exp(m_old - m_new) free of NaN
+# finite "minus infinity": keeps exp(m_old - m_new) free of NaN (a constexpr: Triton kernels may
+# only read globals that are constexpr)
+_NEG = tl.constexpr(-1.0e30) if tl is not None else -1.0e30
 
 
 def decode_attention_reference(q, k_cache, v_cache, length, *, scale, window=None, softcap=None):

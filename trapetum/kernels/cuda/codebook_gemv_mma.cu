@@ -242,8 +242,9 @@ template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 1>(const half*, 
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 namespace trapetum_mma {
 template <int BITS, int NT, int EPI>
@@ -290,8 +291,8 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   const int M = x.size(0), K = x.size(1), N = codes.size(0), KB = codes.size(1);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  const at::cuda::CUDAGuard guard(x.device());
-  cudaStream_t s = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAGuard guard(x.device());
+  cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   if (bits == 4)
     trapetum_mma::dispatch_nt_epi<4>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
   else
