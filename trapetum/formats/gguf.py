@@ -274,7 +274,12 @@ def _llama3_scaling(factors: np.ndarray, theta: float, rotary_dim: int, where: s
         orig = a * 2 * math.pi * (high - low)
         cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                 "high_freq_factor": float(round(high, 4)), "original_max_position_embeddings": int(round(orig))}
-    else:  # no transition band sampled: the standard Llama-3.1 values
+    elif mid.size == 1:  # one point in the band: Llama-3's low/high factors (1, 4), solve for orig
+        s = (1.0 / f[mid[0]] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        orig = (3.0 * s + 1.0) * 2 * math.pi / freqs[mid[0]]
+        cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": int(round(orig))}
+    else:  # no point in the band: the standard Llama-3.1 values, if they fit
         cand = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
     # check the reconstruction reproduces every factor
@@ -414,7 +419,10 @@ def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], tor
             a = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized: {e}") from None
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).reshape(shape)
+        a = np.asarray(a, dtype=np.float32)
+        if not a.flags.writeable or not a.flags.c_contiguous:  # F32 comes back as a view of the mapped file
+            a = np.array(a, dtype=np.float32, order="C")
+        return torch.from_numpy(a).reshape(shape)
     return load
 
 
@@ -475,7 +483,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
             parts = {p + "q_proj.weight": ((lambda f: lambda: f()[:qd])(load), (qd,) + shape[1:]),
                      p + "k_proj.weight": ((lambda f: lambda: f()[qd:qd + kvd])(load), (kvd,) + shape[1:]),
                      p + "v_proj.weight": ((lambda f: lambda: f()[qd + kvd:])(load), (kvd,) + shape[1:])}
-        elif GGUF_ARCHS[arch].get("fused") and canon.endswith("mlp.up_proj.weight"):
+        elif GGUF_ARCHS[arch].get("fused") and canon.endswith("mlp.up_proj.weight") and \
+                t.name.replace("ffn_up", "ffn_gate") not in by_name:
             if shape[0] != 2 * inter:
                 raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
                                   f"[{2 * inter}, {cfg.hidden_size}] (gate + up rows)")
@@ -501,7 +510,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
 
 def _check_shapes(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
     want = expected_shapes(cfg)
-    for n in expected_names(cfg):
+    for n in [*expected_names(cfg), *want]:  # names first, then biases (expected_names leaves them out)
         if n not in shapes:
             raise ConfigError(f"{where}: tensor {n} is missing (expected shape {list(want[n])})")
     for n, shp in shapes.items():
