@@ -20,7 +20,6 @@ import torch
 from .errors import FormatError, TrapetumError, UnsupportedError
 from .formats.checkpoint import Checkpoint
 from .models.decoder import Decoder
-from .quant.record import QuantRecord
 from .runtime.generate import Completion, ReferenceRunner, StreamEvent, stream_tokens
 from .runtime.sampling import GenerationSettings
 
@@ -63,6 +62,9 @@ def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
     return open_cbk(p).to_checkpoint()
 
 
+ENGINE_MAX_LEN = 8192  # KV cache positions the GPU engine allocates (at most the model's context)
+
+
 def default_dtype(ckpt: Checkpoint, device: str) -> torch.dtype:
     if device == "cpu":
         return torch.float32
@@ -86,8 +88,17 @@ class Model:
         self.device = device
         self.dtype = dtype or default_dtype(ckpt, device)
         self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
+        if device.startswith("cuda"):
+            self.context_size = min(self.context_size, ENGINE_MAX_LEN)
         self.decoder = Decoder.from_checkpoint(ckpt, dtype=self.dtype, device=device).eval()
-        self.runner = ReferenceRunner(self.decoder)
+        self.runner = self._runner()
+
+    def _runner(self):
+        """The GPU engine on CUDA (TRAPETUM_ENGINE=reference keeps the torch reference path)."""
+        if self.device.startswith("cuda") and os.environ.get("TRAPETUM_ENGINE", "gpu") != "reference":
+            from .runtime.engine import GpuEngine
+            return GpuEngine(self.decoder, max_len=min(self.context_size, ENGINE_MAX_LEN))
+        return ReferenceRunner(self.decoder)
 
     # -- prompts ---------------------------------------------------------------------------
     def _need_tokenizer(self):
@@ -149,7 +160,6 @@ class Model:
 
 def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
     cfg = ckpt.config
-    shapes = getattr(ckpt.tensors, "shapes", {}) or {}
     from .formats.checkpoint import expected_shapes
     n_params = 0
     for name, shp in expected_shapes(cfg).items():
@@ -180,7 +190,6 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
         info["memory_loaded_weights_bytes"] = weight_bytes
     if ckpt.meta:
         info["meta"] = {k: v for k, v in ckpt.meta.items() if k in ("recipe", "provenance", "sizes")}
-    del shapes
     return info
 
 

@@ -41,14 +41,12 @@ class ReferenceRunner:
     def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
         dev = next(self.decoder.parameters()).device
         cache = self.decoder.new_cache(1, max_len)
-        sampler = Sampler(s, device="cpu")
-        context = list(prompt)
+        sampler = Sampler(s, self.decoder.config.vocab_size, dev, prompt)
         logits = self.decoder(torch.tensor([prompt], dtype=torch.long, device=dev), cache, 0, last_only=True)
         pos = len(prompt)
         while True:
-            tok = sampler(logits[0, -1].float().cpu(), context)
+            tok = int(sampler(logits[0, -1]))
             yield tok
-            context.append(tok)
             if pos >= max_len:
                 return
             logits = self.decoder(torch.tensor([[tok]], dtype=torch.long, device=dev), cache, pos)

@@ -52,35 +52,53 @@ class GenerationSettings:
 
 
 class Sampler:
-    def __init__(self, s: GenerationSettings, device: str | torch.device = "cpu"):
+    """Chooses tokens from logits on the logits' device, without reading anything back to the host.
+
+    The repetition penalty uses a device mask of the tokens seen so far (prompt + generated),
+    updated from the chosen token tensor, so a GPU engine can sample with no host sync.
+    """
+
+    def __init__(self, s: GenerationSettings, vocab_size: int, device: str | torch.device = "cpu",
+                 prompt: list[int] | None = None):
         self.s = s
         self.gen = torch.Generator(device=device)
         if s.seed is not None:
             self.gen.manual_seed(s.seed)
         else:
             self.gen.seed()
+        self.seen = None
+        if s.repetition_penalty != 1.0:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if prompt:
+                self.seen[torch.tensor(prompt, device=device)] = True
 
-    def __call__(self, logits: torch.Tensor, context: list[int]) -> int:
-        """logits [V] -> token id. ``context`` holds prompt + generated ids (for the penalty)."""
+    def __call__(self, logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [V] -> token id tensor [1] (written into ``out`` when given)."""
         s = self.s
-        logits = logits.float().clone()
-        if s.repetition_penalty != 1.0 and context:
-            idx = torch.tensor(sorted(set(context)), device=logits.device)
-            v = logits[idx]
-            logits[idx] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
+        logits = logits.float()
+        if self.seen is not None:
+            pen = torch.where(logits > 0, logits / s.repetition_penalty, logits * s.repetition_penalty)
+            logits = torch.where(self.seen, pen, logits)
         if s.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / s.temperature
-        if s.top_k and s.top_k < logits.numel():
-            kth = torch.topk(logits, s.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if s.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=False)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            remove = cum <= (1 - s.top_p)
-            remove[-1] = False
-            logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-        probs = torch.softmax(logits, -1)
-        if s.min_p > 0:
-            probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=self.gen))
+            tok = torch.argmax(logits).view(1)
+        else:
+            logits = logits / s.temperature
+            if s.top_k and s.top_k < logits.numel():
+                kth = torch.topk(logits, s.top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            if s.top_p < 1.0:
+                sorted_logits, order = torch.sort(logits, descending=False)
+                cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+                remove = cum <= (1 - s.top_p)
+                remove[-1] = False
+                logits = logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+            probs = torch.softmax(logits, -1)
+            if s.min_p > 0:
+                probs = probs.masked_fill(probs < s.min_p * probs.max(), 0.0)
+            tok = torch.multinomial(probs, 1, generator=self.gen)
+        if self.seen is not None:
+            self.seen.index_fill_(0, tok, True)
+        if out is not None:
+            out.copy_(tok)
+            return out
+        return tok

@@ -1,0 +1,151 @@
+"""Projections in the engine's form: one object per weight format, all with the same two calls.
+
+    gemv(x [K], out [N], residual=None)   decode: one row, fused residual add
+    matmul(x [T, K]) -> [T, N]            prefill: dequantize, then tensor-core matmul
+
+Several projections that read the same input (q, k, v; gate, up) are concatenated along
+their rows once at load time; per-row codebooks make that a plain concatenation. This is the
+one place that dispatches on the weight format; the engine's step never asks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import codebook_gemv as cg
+from ..kernels.fused import act_mul
+
+
+def codebook_parts(mod: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(codes, codebook, bits) of a per-row scalar codebook projection, else None."""
+    codes, codebook, bits = (getattr(mod, a, None) for a in ("codes", "codebook", "bits"))
+    if isinstance(codes, torch.Tensor) and isinstance(codebook, torch.Tensor) and bits in (2, 4, 8):
+        return codes, codebook, int(bits)
+    return None
+
+
+def _bias(mods: list[nn.Module], device) -> torch.Tensor | None:
+    if all(getattr(m, "bias", None) is None for m in mods):
+        return None
+    parts = [m.bias.data if getattr(m, "bias", None) is not None else torch.zeros(m.out_features, device=device)
+             for m in mods]
+    return torch.cat([p.to(device=device, dtype=torch.float16) for p in parts])
+
+
+class DenseProj:
+    kind = "fp16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.w = weight.to(torch.float16).contiguous()  # [N, K]
+        self.bias = bias
+        self.out_features, self.in_features = self.w.shape
+
+    def gemv(self, x, out, residual=None):
+        y = out.view(1, -1)
+        if residual is not None:
+            torch.addmm(residual.view(1, -1), x.view(1, -1), self.w.t(), out=y)
+        else:
+            torch.mm(x.view(1, -1), self.w.t(), out=y)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def matmul(self, x):
+        return F.linear(x, self.w, self.bias)
+
+    def nbytes(self) -> int:
+        return self.w.numel() * 2
+
+
+class CodebookProj:
+    kind = "codebook"
+
+    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int,
+                 bias: torch.Tensor | None):
+        self.codes = codes.contiguous()
+        self.codebook = codebook.to(torch.float16).contiguous()
+        self.bits = bits
+        self.in_features = in_features
+        self.out_features = codes.shape[0]
+        self.bias = bias
+
+    def gemv(self, x, out, residual=None):
+        cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def dense(self) -> torch.Tensor:
+        return cg.dequantize(self.codes, self.codebook, self.bits, self.in_features)
+
+    def matmul(self, x):
+        return F.linear(x, self.dense(), self.bias)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.codebook.numel() * 2
+
+
+def make_proj(mods: list[nn.Module], device) -> DenseProj | CodebookProj:
+    """Concatenate projections sharing an input into one engine projection."""
+    bias = _bias(mods, device)
+    parts = [codebook_parts(m) for m in mods]
+    if all(p is not None for p in parts) and len({p[2] for p in parts}) == 1:
+        codes = torch.cat([p[0].to(device) for p in parts])
+        cb = torch.cat([p[1].to(device) for p in parts])
+        return CodebookProj(codes, cb, parts[0][2], mods[0].in_features, bias)
+    w = torch.cat([m.dequantize().to(device=device, dtype=torch.float16) for m in mods])
+    return DenseProj(w, bias)
+
+
+class GateUp:
+    """act(gate(x)) * up(x): one fused GEMV on an interleaved codebook layout, or one dense GEMV
+    over [gate; up] followed by the activation kernel. ``fuse=False`` keeps them separate."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, act: str, device, fuse: bool = True):
+        self.act = act
+        self.f = gate.out_features
+        pg, pu = codebook_parts(gate), codebook_parts(up)
+        self.interleaved = None
+        self.separate = None
+        if fuse and pg is not None and pu is not None and pg[2] == pu[2] and gate.bias is None and up.bias is None:
+            codes, cb, f = cg.interleave_gate_up(pg[0].to(device), pg[1].to(device), pu[0].to(device), pu[1].to(device))
+            self.interleaved = CodebookProj(codes, cb, pg[2], gate.in_features, None)
+        elif fuse:
+            self.joint = make_proj([gate, up], device)
+        else:
+            self.separate = (make_proj([gate], device), make_proj([up], device))
+
+    def gemv(self, x, out, scratch):
+        """out [F]; scratch [2F] fp16 workspace."""
+        if self.interleaved is not None:
+            p = self.interleaved
+            return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out)
+        g, u = scratch[: self.f], scratch[self.f: 2 * self.f]
+        if self.separate is not None:
+            self.separate[0].gemv(x, g)
+            self.separate[1].gemv(x, u)
+        else:
+            self.joint.gemv(x, scratch[: 2 * self.f])
+        return act_mul(g, u, self.act, out=out)
+
+    def matmul(self, x):
+        """Prefill: [T, K] -> [T, F] (activation applied)."""
+        T = x.shape[0]
+        if self.interleaved is not None:
+            y = self.interleaved.matmul(x).view(T, -1, 2, 8)
+            g = y[:, :, 0].reshape(T, -1)[:, : self.f]
+            u = y[:, :, 1].reshape(T, -1)[:, : self.f]
+        elif self.separate is not None:
+            g, u = self.separate[0].matmul(x), self.separate[1].matmul(x)
+        else:
+            y = self.joint.matmul(x)
+            g, u = y[:, : self.f], y[:, self.f:]
+        return act_mul(g.contiguous(), u.contiguous(), self.act)
+
+    def nbytes(self) -> int:
+        if self.interleaved is not None:
+            return self.interleaved.nbytes()
+        if self.separate is not None:
+            return sum(p.nbytes() for p in self.separate)
+        return self.joint.nbytes()
