@@ -1,0 +1,117 @@
+"""Calibration: E[x^2] of every input channel of every projection, from calibration tokens.
+
+Two sources of calibration tokens:
+
+* a text file (``--calib FILE``): tokenized once without special tokens and cut into
+  ``n_seqs`` windows of ``seq_len`` tokens spread evenly over the file (for example
+  WikiText-2 ``valid.txt`` or Tiny Shakespeare; never the evaluation text);
+* the default, **no dataset**: text sampled from the model itself. ``n_seqs`` sequences start
+  from BOS (or, when the model has none, from one token drawn uniformly from the first 1,000
+  ids), and ``seq_len - 1`` tokens are drawn at temperature 1.0 with top-p 0.95 through the
+  KV cache, all sequences in one batch, with a fixed seed (so the recipe is reproducible).
+  Sampling from the model covers the inputs the model actually produces, needs no data file,
+  and works for any model; ``QUALITY.md`` compares it with file calibration.
+
+Statistics are collected with forward pre-hooks on every projection (q/k/v/o, gate/up/down and
+lm_head): for each projection the mean over all calibration tokens of x_j^2, float64 sums,
+returned as float32 [in_features]. Projections that share an input (q/k/v, gate/up) get equal
+statistics.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import TrapetumError
+
+__all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats"]
+
+
+def file_calibration_tokens(tokenizer, path: str | Path, n_seqs: int = 32, seq_len: int = 512) -> torch.Tensor:
+    """[n, seq_len] token windows spread evenly over a text file (no special tokens)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise TrapetumError(f"cannot read calibration file {path}: {e.strerror or e}") from None
+    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+    if ids.numel() < seq_len:
+        raise TrapetumError(f"calibration file {path} has {ids.numel()} tokens, fewer than one window of {seq_len}")
+    n_avail = ids.numel() // seq_len
+    n = min(n_seqs, n_avail)
+    starts = torch.linspace(0, n_avail - 1, n).round().long() * seq_len
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+@torch.inference_mode()
+def sampled_calibration_tokens(decoder, bos_id: int | None, n_seqs: int = 32, seq_len: int = 256,
+                               seed: int = 0, temperature: float = 1.0, top_p: float = 0.95,
+                               progress: bool = True) -> torch.Tensor:
+    """[n_seqs, seq_len] tokens sampled from the model itself (the no-dataset default)."""
+    p = next(decoder.parameters())
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if bos_id is not None:
+        first = torch.full((n_seqs, 1), int(bos_id), dtype=torch.long)
+    else:
+        first = torch.randint(0, min(1000, decoder.config.vocab_size), (n_seqs, 1), generator=g)
+    out = [first]
+    cache = decoder.new_cache(batch=n_seqs, max_len=seq_len)
+    cur = first.to(p.device)
+    it = range(seq_len - 1)
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="calibration: sampling", unit="tok", leave=False, dynamic_ncols=True)
+    for t in it:
+        logits = decoder(cur, cache=cache, start_pos=t)[:, -1].float().cpu()  # [B, V]
+        probs = torch.softmax(logits / temperature, -1)
+        sp, si = probs.sort(-1, descending=True)
+        keep = sp.cumsum(-1) - sp < top_p  # smallest prefix whose mass reaches top_p
+        sp = sp * keep
+        nxt = si.gather(-1, torch.multinomial(sp / sp.sum(-1, keepdim=True), 1, generator=g))
+        out.append(nxt)
+        cur = nxt.to(p.device)
+    return torch.cat(out, 1)
+
+
+@torch.inference_mode()
+def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: list[str] | None = None,
+                        progress: bool = True) -> dict[str, torch.Tensor]:
+    """E[x^2] per input channel of each projection over every token of ``tokens`` [N, L].
+
+    Returns canonical projection name (``model.layers.0.self_attn.q_proj``, ``lm_head``) ->
+    float32 [in_features] on the CPU."""
+    projs = decoder.projections()
+    if names is not None:
+        projs = {n: m for n, m in projs.items() if n in names}
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    hooks = []
+
+    def make_hook(name):
+        def hook(mod, args):
+            x = args[0]
+            x2 = x.detach().double().pow(2).reshape(-1, x.shape[-1])
+            s = x2.sum(0)
+            if name in sums:
+                sums[name] += s
+            else:
+                sums[name] = s
+            counts[name] = counts.get(name, 0) + x2.shape[0]
+        return hook
+
+    for n, m in projs.items():
+        hooks.append(m.register_forward_pre_hook(make_hook(n)))
+    p = next(decoder.parameters())
+    try:
+        it = range(0, tokens.shape[0], batch)
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(it, desc="calibration: statistics", unit="batch", leave=False, dynamic_ncols=True)
+        for i in it:
+            decoder(tokens[i:i + batch].to(p.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    if not sums:
+        raise TrapetumError("calibration saw no projection inputs")
+    return {n: (sums[n] / counts[n]).float().cpu() for n in sums}
