@@ -1,0 +1,234 @@
+"""End-to-end decode and prefill benchmark on one GPU, random weights at real model shapes.
+
+    python -m trapetum.eval.bench_e2e --out DIR [--models llama2-7b,llama3-8b] [--switches]
+
+For each model shape, builds (on the GPU) an fp16 model and a 4-bit per-row codebook model with
+an 8-bit LM head, and in one process measures:
+  * decode tok/s, greedy, CUDA graph: mean over 128 consecutive steps starting at positions
+    0, 1024 and 3968 (the seed's bins: first 128, 1,024-1,152, 3,968-4,096);
+  * prefill tok/s at prompt lengths 512 and 2,048 (median of 3);
+  * peak GPU memory of each engine;
+  * with --switches, the same decode bins with each kill switch (TRAPETUM_GRAPH=0, TRAPETUM_FUSE=0,
+    TRAPETUM_TC=0, TRAPETUM_ATTN=seq) so every optimization's share is visible.
+Writes results.json, results.md and decode.png under DIR; prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models.config import ModelConfig
+from ..models.decoder import Block, Decoder
+from ..models.layers import Embedding, Linear, RMSNorm
+
+SHAPES = {
+    "llama2-7b": dict(family="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                      num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096),
+    "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+}
+BINS = (0, 1024, 3968)
+STEPS = 128
+
+
+class RandomCodebookLinear(nn.Module):
+    """A projection stored as per-row codebooks (canonical layout), random contents."""
+
+    def __init__(self, out_f: int, in_f: int, bits: int, device):
+        super().__init__()
+        self.in_features, self.out_features, self.bits, self.bias = in_f, out_f, bits, None
+        per = 8 // bits
+        self.codes = torch.randint(0, 256, (out_f, -(-in_f // per)), dtype=torch.uint8, device=device)
+        cb = torch.randn(out_f, 1 << bits, device=device).sort(dim=1).values * 0.02
+        self.codebook = cb.to(torch.float16)
+
+    def dequantize(self):
+        from ..kernels.codebook_gemv import dequantize
+        return dequantize(self.codes, self.codebook, self.bits, self.in_features)
+
+
+def random_decoder(shape: str, fmt: str, device="cuda") -> Decoder:
+    """fmt: 'fp16' (dense) or 'cb4' (4-bit codebook projections, 8-bit codebook head)."""
+    cfg = ModelConfig(**SHAPES[shape]).validate(shape)
+    D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qd, kd = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def proj(out_f, in_f, bits=4):
+        if fmt == "fp16":
+            return Linear(torch.randn(out_f, in_f, device=device, dtype=torch.float16, generator=g) * 0.02)
+        return RandomCodebookLinear(out_f, in_f, bits, device)
+
+    def norm():
+        return RMSNorm(torch.ones(D, device=device), cfg.rms_norm_eps)
+
+    blocks = []
+    for i in range(cfg.num_layers):
+        mods = {"q": proj(qd, D), "k": proj(kd, D), "v": proj(kd, D), "o": proj(D, qd),
+                "gate": proj(I, D), "up": proj(I, D), "down": proj(D, I),
+                "input_norm": norm(), "post_attn_norm": norm()}
+        blocks.append(Block(cfg, i, mods))
+    embed = Embedding(torch.randn(cfg.vocab_size, D, device=device, dtype=torch.float16, generator=g) * 0.02)
+    head = proj(cfg.vocab_size, D, bits=8)
+    return Decoder(cfg, embed, blocks, norm(), head).to(device)
+
+
+def _cuda_time(fn, reps: int = 1) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000 / reps
+
+
+def decode_bins(eng, bins=BINS, steps=STEPS) -> dict[int, float]:
+    """tok/s over `steps` consecutive greedy steps starting at each position in `bins`."""
+    out = {}
+    for p0 in bins:
+        if p0 + steps > eng.max_len:
+            continue
+        eng.set_position(1, p0)
+        eng.step(True)  # capture (first call) and warm up
+        eng.set_position(1, p0)
+        t = _cuda_time(lambda: eng.step(True), steps)
+        out[p0] = 1.0 / t
+    return out
+
+
+def prefill_rate(eng, n: int, vocab: int) -> float:
+    ids = torch.randint(0, vocab, (n,), device="cuda")
+    eng.prefill(ids)
+    times = sorted(_cuda_time(lambda: eng.prefill(ids)) for _ in range(3))
+    return n / times[1]
+
+
+def with_env(name: str, value: str):
+    class _Env:
+        def __enter__(self):
+            self.old = os.environ.get(name)
+            os.environ[name] = value
+
+        def __exit__(self, *a):
+            if self.old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = self.old
+    return _Env()
+
+
+def run(models: list[str], switches: bool, out_dir: Path) -> dict:
+    from ..runtime.engine import GpuEngine
+    results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "models": {}}
+    for shape in models:
+        res = results["models"][shape] = {}
+        for fmt in ("fp16", "cb4"):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            dec = random_decoder(shape, fmt)
+            eng = GpuEngine(dec, max_len=4096 + 128)
+            del dec
+            r = res[fmt] = {"weight_bytes": eng.weight_bytes()}
+            t0 = time.time()
+            r["decode"] = decode_bins(eng)
+            r["prefill"] = {n: prefill_rate(eng, n, eng.cfg.vocab_size) for n in (512, 2048)}
+            r["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
+            if switches:
+                r["switches"] = {}
+                for name, value in (("TRAPETUM_ATTN", "seq"), ("TRAPETUM_TC", "0")):
+                    with with_env(name, value):
+                        eng.graphs.clear()
+                        r["switches"][f"{name}={value}"] = decode_bins(eng)
+                eng.graphs.clear()
+                eng.use_graph = False
+                r["switches"]["TRAPETUM_GRAPH=0"] = decode_bins(eng, bins=(0,), steps=32)
+                eng.use_graph = True
+            del eng
+            torch.cuda.empty_cache()
+            if switches:
+                dec = random_decoder(shape, fmt)
+                eng = GpuEngine(dec, max_len=4096 + 128, fuse=False)
+                del dec
+                r["switches"]["TRAPETUM_FUSE=0"] = decode_bins(eng, bins=(0,))
+                del eng
+                torch.cuda.empty_cache()
+            r["seconds"] = time.time() - t0
+            print(f"{shape} {fmt}: " + json.dumps({k: v for k, v in r.items() if k != 'switches'}), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    md = markdown(results)
+    (out_dir / "results.md").write_text(md)
+    try:
+        plot(results, out_dir / "decode.png")
+    except Exception as e:  # plotting is optional
+        print(f"(no plot: {e})")
+    print(md)
+    return results
+
+
+def markdown(results: dict) -> str:
+    lines = [f"GPU: {results['gpu']}, torch {results['torch']}, {results['date']}", "",
+             "| model | format | weights GB | tok/s @0-128 | @1024-1152 | @3968-4096 | prefill 512 tok/s | "
+             "prefill 2048 tok/s | peak mem GB |", "|---|---|---|---|---|---|---|---|---|"]
+    for shape, res in results["models"].items():
+        for fmt, r in res.items():
+            d, p = r["decode"], r["prefill"]
+            cells = [f"{d.get(b, float('nan')):.1f}" for b in BINS]
+            lines.append(f"| {shape} | {fmt} | {r['weight_bytes'] / 1e9:.2f} | {' | '.join(cells)} | "
+                         f"{p[512]:.0f} | {p[2048]:.0f} | {r['peak_mem_bytes'] / 1e9:.2f} |")
+        if "fp16" in res and "cb4" in res:
+            f, c = res["fp16"], res["cb4"]
+            lines.append(f"| {shape} | cb4 / fp16 | | {c['decode'][0] / f['decode'][0]:.2f}x | | | "
+                         f"{c['prefill'][512] / f['prefill'][512]:.2f}x | {c['prefill'][2048] / f['prefill'][2048]:.2f}x | |")
+    sw = [(s, f, r["switches"]) for s, res in results["models"].items() for f, r in res.items() if "switches" in r]
+    if sw:
+        lines += ["", "| model | format | switch | tok/s @0-128 | @1024-1152 | @3968-4096 |", "|---|---|---|---|---|---|"]
+        for shape, fmt, switches in sw:
+            for name, d in switches.items():
+                cells = [f"{d[b]:.1f}" if b in d else "-" for b in BINS]
+                lines.append(f"| {shape} | {fmt} | {name} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for shape, res in results["models"].items():
+        for fmt, r in res.items():
+            xs = sorted(r["decode"])
+            ax.plot([x + STEPS / 2 for x in xs], [r["decode"][x] for x in xs], marker="o", label=f"{shape} {fmt}")
+    ax.set_xlabel("position")
+    ax.set_ylabel("decode tok/s (batch 1, CUDA graph)")
+    ax.set_title(results["gpu"])
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/bench-e2e")
+    p.add_argument("--models", default="llama2-7b,llama3-8b")
+    p.add_argument("--switches", action="store_true", help="also measure with each kill switch")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_e2e needs a CUDA GPU")
+        return 1
+    run(a.models.split(","), a.switches, Path(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
