@@ -110,3 +110,48 @@ def test_smollm2_known_ids():
     ours, _ = pair("smollm2")
     assert ours.encode("Hello 12345 world  x") == [19556, 216, 33, 34, 35, 36, 37, 905, 216, 1792]
     assert ours.bos_token == "<|im_start|>" and ours.eos_tokens[0] == "<|im_end|>"
+
+
+def _spm_gguf(tmp_path, add_space_prefix=None):
+    """A tiny llama-arch GGUF with a SentencePiece (llama) vocabulary, as Llama-2/Mistral files have."""
+    import gguf
+
+    from test_gguf import hf_tensors, write_gguf
+
+    corpus = "the quick brown fox jumps over the lazy dog. hello world, this is a test of the tokenizer"
+    pieces = ["\u2581"] + sorted(set(corpus.replace(" ", "")))
+    for w in sorted(set(corpus.replace(",", " ").replace(".", " ").split()), key=lambda w: (len(w), w)):
+        s = "\u2581" + w
+        pieces += [s[:i] for i in range(2, len(s) + 1) if s[:i] not in pieces]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    arr = gguf.GGUFValueType.ARRAY
+    tok = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": (tokens, arr),
+           "tokenizer.ggml.scores": (scores, arr), "tokenizer.ggml.token_type": (types, arr)}
+    if add_space_prefix is not None:
+        tok["tokenizer.ggml.add_space_prefix"] = (add_space_prefix, gguf.GGUFValueType.BOOL)
+    V = len(tokens)
+    return write_gguf(tmp_path / "spm.gguf", "llama", hf_tensors("llama", V=V), V=V, tokenizer=tok,
+                      meta_over={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                                 "tokenizer.ggml.unknown_token_id": 0})
+
+
+def test_sentencepiece_vocab_agrees(tmp_path):
+    """Llama-2-style vocabulary (scores, byte fallback, no merges): same tokenizer as transformers builds."""
+    from trapetum.formats.gguf import load_gguf
+
+    path = _spm_gguf(tmp_path)
+    ours = load_gguf(path).tokenizer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert ours.tk.to_str() == ref.backend_tokenizer.to_str()
+    for text in ["the quick brown fox", " hello  world", "Hello World! ünïcode 😀", "<s>the</s> dog", "", " ",
+                 "the\nlazy\tdog", "<unk> x"]:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref(text, add_special_tokens=special)["input_ids"], text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert ours.encode("the dog")[0] == 1 and ours.bos_token == "<s>" and ours.eos_tokens == ["</s>"]
