@@ -66,7 +66,7 @@ def _rand_codes(n, kb, gen):
     return torch.randint(0, 256, (n, kb), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "triton")) -> dict:
+def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v2", "triton")) -> dict:
     """One GEMV shape: cuBLAS fp16 (torch.matmul) vs the codebook kernels, same process."""
     from trapetum.kernels import codebook_gemv as cg
     gen = torch.Generator(device="cuda").manual_seed(k * 7 + n)
@@ -85,21 +85,29 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "triton")
     q_bytes = n * kb + n * (1 << bits) * 2 + m * k * 2 + m * n * 2
     row["bytes"] = q_bytes
     for be in backends:
-        if be == "mma" and not (cg.mma_available() and cg._mma_shape_ok(m, k, bits)):
+        if be.startswith("mma") and not (cg.mma_available() and cg._mma_shape_ok(m, k, bits)):
             continue
+        kernel_be = "mma" if be.startswith("mma") else be
 
-        def make_q(i, be=be):
+        def make_q(i, kernel_be=kernel_be):
             codes = _rand_codes(n, kb, gen)
             cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
             x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
-            return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=be)
+            return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be)
 
+        old_v = os.environ.get("TRAPETUM_GEMV_V")
+        os.environ["TRAPETUM_GEMV_V"] = "2" if be == "mma_v2" else "3"
         try:
             us = graph_time_us(make_q, q_bytes)
         except Exception as e:  # report, keep going
             row[f"{be}_error"] = f"{type(e).__name__}: {e}"[:300]
             continue
+        finally:
+            if old_v is None:
+                os.environ.pop("TRAPETUM_GEMV_V", None)
+            else:
+                os.environ["TRAPETUM_GEMV_V"] = old_v
         row[f"{be}_us"] = us
         row[f"{be}_GBps"] = q_bytes / us / 1e3
         row[f"{be}_vs_cublas"] = row["cublas_us"] / us
@@ -214,14 +222,14 @@ def _md(res: dict) -> str:
          f"- date: {res['date']}", f"- torch {res['torch']}, triton {res['triton']}, CUDA {res['cuda']}",
          f"- device copy bandwidth (read+write): {res['copy_GBps']:.0f} GB/s", "",
          "## GEMV, batch 1 unless noted (shape = in x out; CUDA-graph replays, weights rotated past L2, median)", "",
-         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | Triton us | Triton vs cuBLAS |",
-         "|---|---|---|---|---|---|---|---|---|"]
+         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | mma v2 us | Triton us | Triton vs cuBLAS |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
     for r in res["gemv"]:
         L.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {f(r.get('cublas_us'), '.1f')} | {f(r.get('mma_us'), '.1f')} | "
-                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {f(r.get('triton_us'), '.1f')} | "
+                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {f(r.get('mma_v2_us'), '.1f')} | {f(r.get('triton_us'), '.1f')} | "
                  f"{f(r.get('triton_vs_cublas'), '.2f')}x |")
     if res.get("gate_up"):
         L += ["", "## Fused gate/up (SiLU) GEMV, 4-bit, batch 1", "", "| shape | GEMV + act_mul us | fused us | fused GB/s |", "|---|---|---|---|"]
@@ -241,9 +249,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trapetum.eval.bench_kernels", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
+    p.add_argument("--ncu-driver", action="store_true", help="a few eager GEMV launches to profile under ncu")
     a = p.parse_args(argv)
+    if a.ncu_driver:
+        return ncu_driver()
     res = run_all(a.out, quick=a.quick, command="python -m trapetum.eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(res["markdown"])
+    return 0
+
+
+def ncu_driver() -> int:
+    """Eager launches for `ncu -k regex:cb_gemv`: per shape, variants 2 then 3, 3 launches each."""
+    from trapetum.kernels import codebook_gemv as cg
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n, bits in ((4096, 11008, 4), (8192, 28672, 4), (4096, 32000, 8)):
+        codes = _rand_codes(n, k * bits // 8, gen)
+        cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
+        x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+        for v in ("2", "3"):
+            os.environ["TRAPETUM_GEMV_V"] = v
+            for _ in range(3):
+                cg.codebook_gemv(x, codes, cb, bits, backend="mma")
+    torch.cuda.synchronize()
+    os.environ.pop("TRAPETUM_GEMV_V", None)
     return 0
 
 

@@ -131,7 +131,7 @@ if triton is not None:
     @triton.jit
     def _cb_gemv_kernel(x_ptr, codes_ptr, cb_ptr, res_ptr, y_ptr,
                         M, N, K, KB, stride_xm, stride_ym, stride_rm,
-                        BITS: tl.constexpr, HAS_RES: tl.constexpr, EPI: tl.constexpr,
+                        BITS: tl.constexpr, HAS_RES: tl.constexpr, EPI: tl.constexpr, USE_GATHER: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # EPI 0: y = x W^T (+res); EPI 1/2: rows interleaved 8 gate / 8 up, y = act(gate) * up
         PER: tl.constexpr = 8 // BITS
@@ -148,13 +148,18 @@ if triton is not None:
         nmask = rn < N
         mmask = rm < M
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if USE_GATHER:
+            cbt = tl.load(cb_ptr + rn[:, None] * NC + tl.arange(0, NC)[None, :], mask=nmask[:, None], other=0.0)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < K
             wmask = nmask[:, None] & kmask[None, :]
             byte = tl.load(codes_ptr + rn[:, None] * KB + rk[None, :] // PER, mask=wmask, other=0)
             idx = (byte.to(tl.int32) >> ((rk[None, :] % PER) * BITS)) & MASK
-            w = tl.load(cb_ptr + rn[:, None] * NC + idx, mask=wmask, other=0.0).to(tl.float32)
+            if USE_GATHER:  # codebook tile in registers, one gather per weight
+                w = tl.gather(cbt, idx, axis=1).to(tl.float32)
+            else:  # centroid gathered from global memory (L1) per weight
+                w = tl.load(cb_ptr + rn[:, None] * NC + idx, mask=wmask, other=0.0).to(tl.float32)
             xv = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                          mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)  # [BM, BN]
@@ -187,11 +192,19 @@ def _triton_ok(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_GATHER_BROKEN = False
+
+
+def _use_gather() -> bool:
+    return (not _GATHER_BROKEN and hasattr(tl, "gather")
+            and os.environ.get("TRAPETUM_TRITON_GATHER", "1") != "0")
+
+
 def _triton_gemv(x2, codes, codebook, bits, residual, y, epi=0, f=0):
     M, K = x2.shape
     N, KB = codes.shape
     if epi == 0:
-        BLOCK_N = 16 if M <= 2 else 8
+        BLOCK_N = 8
     else:
         BLOCK_N = 16
     BLOCK_M = 1 if M == 1 else min(16, triton.next_power_of_2(M))
@@ -206,11 +219,19 @@ def _triton_gemv(x2, codes, codebook, bits, residual, y, epi=0, f=0):
         grid = (N // 16, triton.cdiv(M, BLOCK_M))
         res = y
         srm = f  # passes F for the epilogue's store mask
-    _cb_gemv_kernel[grid](x2, codes, codebook, res, y, M, N, K, KB,
-                          x2.stride(0), y.stride(0), srm,
-                          BITS=bits, HAS_RES=residual is not None, EPI=epi,
-                          BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                          num_warps=4)
+    global _GATHER_BROKEN
+    args = (x2, codes, codebook, res, y, M, N, K, KB, x2.stride(0), y.stride(0), srm)
+    kw = dict(BITS=bits, HAS_RES=residual is not None, EPI=epi,
+              BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    if _use_gather():
+        try:
+            _cb_gemv_kernel[grid](*args, USE_GATHER=True, **kw)
+            return y
+        except Exception as e:  # a Triton build that cannot lower tl.gather here: global gather
+            _GATHER_BROKEN = True
+            import warnings
+            warnings.warn(f"trapetum: Triton tl.gather failed ({type(e).__name__}); using global gathers")
+    _cb_gemv_kernel[grid](*args, USE_GATHER=False, **kw)
     return y
 
 
@@ -233,8 +254,9 @@ def _load_ext():
             from torch.utils.cpp_extension import load_inline
             src = _CU_PATH.read_text()
             cpp = ("void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, "
-                   "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f);")
-            _EXT = load_inline(name="trapetum_cb_gemv_mma_v1", cpp_sources=cpp,
+                   "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, "
+                   "int64_t variant);")
+            _EXT = load_inline(name="trapetum_cb_gemv_mma_v3", cpp_sources=cpp,
                                cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + src,
                                functions=["cb_gemv_mma"],
                                extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
@@ -255,9 +277,14 @@ def mma_available(device: torch.device | None = None) -> bool:
     return _CU_PATH.exists()
 
 
+def _variant() -> int:
+    """Kernel variant of the mma path (TRAPETUM_GEMV_V, for benchmarking; 3 is the default)."""
+    return 2 if os.environ.get("TRAPETUM_GEMV_V", "3") == "2" else 3
+
+
 def _mma_shape_ok(M, K, bits):
     # the kernel streams 64 code bytes per row per warp step with no tail handling
-    return bits in (4, 8) and 1 <= M <= 16 and (K * bits // 8) % 64 == 0
+    return bits in (4, 8) and 1 <= M <= 16 and K % (512 // bits) == 0
 
 
 # ----------------------------------------------------------------------------- public API
@@ -340,7 +367,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     if be == "mma":
         x2 = x2.contiguous()
         _EXT.cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
-                         bits, 0, int(residual is not None), 0)
+                         bits, 0, int(residual is not None), 0, _variant())
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y)
     else:
@@ -374,7 +401,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     epi = 1 if act == "silu" else 2
     be = _pick_backend(backend, x2, K, bits)
     if be == "mma":
-        _EXT.cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f)
+        _EXT.cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f, _variant())
     elif be == "triton":
         _triton_gemv(x2, codes.contiguous(), codebook.contiguous(), bits, None, y, epi=epi, f=f)
     else:

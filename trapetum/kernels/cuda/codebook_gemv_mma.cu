@@ -66,16 +66,15 @@ __device__ __forceinline__ float act_gelu_tanh(float g) {
   return 0.5f * g * (1.0f + t);
 }
 
-// One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
+template <int BITS>
+struct XWords { static constexpr int value = (BITS == 4) ? 16 : 8; };  // half2 words of x per lane-chunk
+
+// x words of one lane-chunk for activation rows g (nt = 0) and g + 8 (nt = 1).
 template <int BITS, int NT>
-__device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
-                                              const uint32_t sb, const uint32_t lane4,
-                                              const half* __restrict__ x, int M, int K, int g,
-                                              int off) {
-  constexpr int XW = (BITS == 4) ? 16 : 8;  // x words (half2) per lane per activation row
-  constexpr int TILES = XW / 2;
+__device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], const half* __restrict__ x,
+                                       int M, int K, int g, int off) {
+  constexpr int XW = XWords<BITS>::value;
   const int col0 = (BITS == 4) ? 2 * off : off;
-  uint32_t xw[NT][XW];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     // Columns n >= M of the mma result are never read, so lanes past M may load any valid row.
@@ -88,6 +87,14 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
       xw[nt][4 * i + 2] = v.z; xw[nt][4 * i + 3] = v.w;
     }
   }
+}
+
+// One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
+template <int BITS, int NT>
+__device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
+                                              const uint32_t sb, const uint32_t lane4,
+                                              const uint32_t (&xw)[NT][XWords<BITS>::value]) {
+  constexpr int TILES = XWords<BITS>::value / 2;
   const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
   const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
@@ -114,7 +121,9 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
 
 // EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per
 // 16-row tile; y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F.
-template <int BITS, int NT, int EPI>
+// V = 2: first GPU-measured version (table built from a staged codebook, x loaded inside the
+// chunk). V = 3: conflict-free register-sourced table build, x prefetched one chunk ahead (M<=8).
+template <int BITS, int NT, int EPI, int V>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
@@ -142,7 +151,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   load(warp, qa0, qb0);
   load(warp + kWarps, qa1, qb1);
 
-  if (BITS == 4) {
+  if (V == 2 && BITS == 4) {
     {
       const int r = row0 + (tid >> 4);
       cbs[tid] = r < N ? cb[(size_t)r * 16 + (tid & 15)] : __float2half(0.0f);
@@ -157,13 +166,41 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       const uint32_t v = lo | (hi << 16);
       *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
     }
-  } else {
+  } else if (V == 2) {
 #pragma unroll 4
     for (int i = tid; i < 4096; i += kThreads) {
       const int gg = i & 7, h = (i >> 3) & 1, e = i >> 4;
       const int r = row0 + h * 8 + gg;
       const uint32_t v = r < N ? (uint32_t)__half_as_ushort(cb[(size_t)r * 256 + e]) : 0u;
       *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+    }
+  } else {
+    // Thread (gg, h, s): row h*8+gg (clamped: rows past N are never stored), 16 entries whose
+    // words land, for each unrolled step, as 8 consecutive uint4 per quarter-warp: no conflicts.
+    const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
+    const int r = min(row0 + h * 8 + gg, N - 1);
+    if (BITS == 4) {
+      const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
+      const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+      const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      const uint32_t lov = __half_as_ushort(cb[(size_t)r * 16 + sIdx]);  // low nibble = sIdx
+#pragma unroll
+      for (int hi = 0; hi < 16; ++hi) {
+        const uint32_t hv = (hi & 1) ? (cw[hi >> 1] & 0xFFFF0000u) : (cw[hi >> 1] << 16);
+        const uint32_t v = lov | hv;
+        const int e = hi * 16 + sIdx;
+        *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+      }
+    } else {
+      const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 256 + sIdx * 16);
+      const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+      const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t v = (i & 1) ? (cw[i >> 1] >> 16) : (cw[i >> 1] & 0xFFFFu);
+        const int e = sIdx * 16 + i;
+        *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+      }
     }
   }
   __syncthreads();
@@ -174,15 +211,36 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  constexpr int XW = XWords<BITS>::value;
+  const int offt = t * 16;
 
-  for (int c = warp; c < nchunks; c += 2 * kWarps) {
-    uint4 qa2, qb2, qa3, qb3;
-    load(c + 2 * kWarps, qa2, qb2);
-    compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, x, M, K, g, c * 64 + t * 16);
-    load(c + 3 * kWarps, qa3, qb3);
-    if (c + kWarps < nchunks)
-      compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, x, M, K, g, (c + kWarps) * 64 + t * 16);
-    qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
+  if (V == 3 && NT == 1) {
+    // one chunk per step; codes two steps ahead, x one step ahead
+    uint32_t xw0[NT][XW], xw1[NT][XW];
+    load_x<BITS, NT>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
+    for (int c = warp; c < nchunks; c += kWarps) {
+      uint4 qa2, qb2;
+      load(c + 2 * kWarps, qa2, qb2);
+      load_x<BITS, NT>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
+      qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
+#pragma unroll
+      for (int i = 0; i < XW; ++i) xw0[0][i] = xw1[0][i];
+    }
+  } else {
+    for (int c = warp; c < nchunks; c += 2 * kWarps) {
+      uint4 qa2, qb2, qa3, qb3;
+      uint32_t xw[NT][XW];
+      load(c + 2 * kWarps, qa2, qb2);
+      load_x<BITS, NT>(xw, x, M, K, g, c * 64 + offt);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
+      load(c + 3 * kWarps, qa3, qb3);
+      if (c + kWarps < nchunks) {
+        load_x<BITS, NT>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
+        compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
+      }
+      qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
+    }
   }
 
   // Fixed-order reduction of the 8 warps' partial sums through shared memory.
@@ -234,10 +292,10 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
 
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 1>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 2>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
@@ -247,15 +305,17 @@ template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 1>(const half*, 
 #include <c10/cuda/CUDAStream.h>
 
 namespace trapetum_mma {
-template <int BITS, int NT, int EPI>
+template <int BITS, int NT, int EPI, int V>
 static void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                    const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                    int has_res, int F, cudaStream_t stream) {
-  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI>;
+  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, V>;
   const int smem_bytes = kTabWords * 4;
   static bool attr_set = false;
   if (!attr_set) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    // all of the unified L1/shared array as shared memory, so 3 blocks (3 x 65.5 KB) fit per SM
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     attr_set = true;
   }
   const int grid = (N + 15) / 16;
@@ -267,24 +327,24 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int BITS>
+template <int BITS, int V>
 static void dispatch_nt_epi(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                             const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                             int has_res, int F, int epi, cudaStream_t s) {
   if (M <= 8) {
-    if (epi == 0) launch<BITS, 1, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) launch<BITS, 1, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else launch<BITS, 1, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    if (epi == 0) launch<BITS, 1, 0, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) launch<BITS, 1, 1, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else launch<BITS, 1, 2, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   } else {
-    if (epi == 0) launch<BITS, 2, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) launch<BITS, 2, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else launch<BITS, 2, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    if (epi == 0) launch<BITS, 2, 0, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) launch<BITS, 2, 1, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else launch<BITS, 2, 2, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   }
 }
 }  // namespace trapetum_mma
 
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
-                 torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f) {
+                 torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
   TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf, "codebook");
@@ -293,9 +353,14 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  if (bits == 4)
-    trapetum_mma::dispatch_nt_epi<4>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+  TORCH_CHECK(variant == 2 || variant == 3, "variant");
+  if (bits == 4 && variant == 3)
+    trapetum_mma::dispatch_nt_epi<4, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+  else if (bits == 4)
+    trapetum_mma::dispatch_nt_epi<4, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+  else if (variant == 3)
+    trapetum_mma::dispatch_nt_epi<8, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
   else
-    trapetum_mma::dispatch_nt_epi<8>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+    trapetum_mma::dispatch_nt_epi<8, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
 }
 #endif
