@@ -1,12 +1,8 @@
-"""Tiny models for the .cbk tests, and the writer the kill test runs in a child process.
-
-Run as a script (``python tests/cbk_helpers.py OUT.cbk [SEED]``) it writes one file and exits.
-"""
+"""Tiny models and raw-file helpers for the .cbk tests."""
 from __future__ import annotations
 
 import json
 import struct
-import sys
 from pathlib import Path
 
 import torch
@@ -81,15 +77,3 @@ def big_model(seed: int = 0):
     cfg = tiny_config(vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=4,
                       num_heads=4, num_kv_heads=4, head_dim=64)
     return tiny_model(cfg, seed)
-
-
-def write_big(path: str, seed: int = 0) -> None:
-    from trapetum.formats.cbk import write_cbk
-    cfg, dense, quantized = big_model(seed)
-    write_cbk(path, config=cfg, dense=dense, quantized=quantized, tokenizer=tiny_tokenizer(),
-              recipe={"bits": 4, "seed": seed}, provenance={"source": "random", "source_sha256": None})
-
-
-if __name__ == "__main__":
-    write_big(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)
-    sys.exit(0)

@@ -497,18 +497,25 @@ class CbkFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._f = None
         try:
-            with open(self.path, "rb") as f:
-                self.file_bytes = os.fstat(f.fileno()).st_size
-                self._read_header(f)
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                if len(self._mm) != self.file_bytes:
-                    self._fail("file changed size while it was being opened")
-        except FileNotFoundError:
+            self._f = open(self.path, "rb")  # kept open: tensors are mapped from this very file
+            self.file_bytes = os.fstat(self._f.fileno()).st_size
+            self._read_header(self._f)
+        except BaseException:
+            if self._f is not None:
+                self._f.close()
+            self._open_failed()
+            raise
+
+    def _open_failed(self) -> None:
+        import sys
+        e = sys.exc_info()[1]
+        if isinstance(e, FileNotFoundError):
             self._fail("no such file")
-        except IsADirectoryError:
+        if isinstance(e, IsADirectoryError):
             self._fail("is a directory, not a .cbk file")
-        except OSError as e:
+        if isinstance(e, OSError):
             self._fail(f"cannot read ({_one_line(e.strerror or e, 80)})")
 
     def _fail(self, msg: str) -> None:
@@ -683,15 +690,19 @@ class CbkFile:
 
     # -- access ----------------------------------------------------------------------------------
     def tensor(self, stored: str) -> torch.Tensor:
-        """The stored tensor ``stored`` as a CPU tensor viewing the file's memory map (no copy)."""
+        """The stored tensor ``stored`` as a CPU tensor over its own copy-on-write map of the file:
+        pages are read on first touch, and writing to the tensor changes neither the file nor any
+        other tensor (each call maps afresh)."""
         t = self.tensors_table[stored]
         dtype = DTYPES[t.dtype]
         count = (t.end - t.begin) // _itemsize(t.dtype)
         if count == 0:
             return torch.empty(t.shape, dtype=dtype)
+        start = t.begin - t.begin % mmap.ALLOCATIONGRANULARITY
+        mm = mmap.mmap(self._f.fileno(), t.end - start, access=mmap.ACCESS_COPY, offset=start)
         if t.begin % _itemsize(t.dtype):  # misaligned (a foreign writer): copy the bytes
-            return torch.frombuffer(bytearray(self._mm[t.begin:t.end]), dtype=dtype).reshape(t.shape)
-        return torch.frombuffer(self._mm, dtype=dtype, count=count, offset=t.begin).reshape(t.shape)
+            return torch.frombuffer(bytearray(mm[t.begin - start:]), dtype=dtype).reshape(t.shape)
+        return torch.frombuffer(mm, dtype=dtype, count=count, offset=t.begin - start).reshape(t.shape)
 
     def record(self, name: str) -> QuantRecord:
         """The quantized projection ``name`` (a canonical weight name) as a QuantRecord."""
@@ -732,7 +743,7 @@ class CbkFile:
             owners.update({s: f"{role} of {layer.name}" for role, s in layer.tensors.items()})
             if layer.bias is not None:
                 owners[layer.bias] = f"bias of {layer.name}"
-        with memoryview(self._mm) as mv:
+        with mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as mv:
             for t in sorted(self.tensors_table.values(), key=lambda t: t.begin):
                 h = hashlib.sha256()
                 for i in range(t.begin, t.end, _CHUNK):
@@ -784,11 +795,8 @@ class CbkFile:
                 "file_bits_per_weight": 8 * self.file_bytes / weights if weights else 0.0}
 
     def close(self) -> None:
-        """Release the memory map (only possible once no tensor views it; otherwise it stays until they go)."""
-        try:
-            self._mm.close()
-        except BufferError:
-            pass
+        """Close the file; tensors already read stay valid (each holds its own map)."""
+        self._f.close()
 
     def __enter__(self) -> "CbkFile":
         return self
