@@ -155,3 +155,38 @@ def require(name: str) -> Path:
         return MODELS[name]()
     except ModelUnavailable as e:
         pytest.skip(str(e))
+
+
+# -- transformers references, loaded once per test session (each load re-parses the whole GGUF) ----
+_REFS: dict[tuple[str, str], object] = {}
+
+
+def hf_reference(name: str, what: str = "model"):
+    """transformers' own GGUF loading of a real model: what = "model" (fp32 CausalLM, eval mode),
+    "tokenizer" or "config". Skips the test when transformers (or accelerate, for the model) is missing."""
+    import warnings
+
+    import pytest
+
+    key = (name, what)
+    if key not in _REFS:
+        path = require(name)
+        transformers = pytest.importorskip("transformers")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if what == "model":
+                pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
+                import torch
+
+                if len([k for k in _REFS if k[1] == "model"]) >= 1:  # keep one model in memory at a time
+                    for k in [k for k in _REFS if k[1] == "model"]:
+                        del _REFS[k]
+                _REFS[key] = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+            elif what == "tokenizer":
+                _REFS[key] = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            elif what == "config":
+                _REFS[key] = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            else:
+                raise ValueError(what)
+    return _REFS[key]

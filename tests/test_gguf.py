@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from real_models import require  # noqa: E402
+from real_models import hf_reference, require  # noqa: E402
 from trapetum.errors import ConfigError, FormatError, UnsupportedError  # noqa: E402
 from trapetum.formats.checkpoint import expected_shapes  # noqa: E402
 from trapetum.formats.gguf import config_from_gguf, default_model_path, load_gguf, open_gguf  # noqa: E402
@@ -311,19 +310,12 @@ def test_default_model_path():
     assert gf.metadata["general.architecture"] == "llama"
 
 
-def _hf_config(path: Path) -> dict:
-    transformers = pytest.importorskip("transformers")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-
-
-def check_config_agrees(path: Path):
+def check_config_agrees(name: str):
     """Our config equals the one Trapetum derives from transformers' config of the same GGUF."""
     from trapetum.models.families import config_from_hf
 
-    ours = load_gguf(path).config
-    hf = _hf_config(path)
+    ours = load_gguf(require(name)).config
+    hf = hf_reference(name, "config").to_dict()
     theirs = config_from_hf(hf, where="transformers config")
     assert ours.to_dict() == theirs.to_dict()
     # and field by field against transformers' own names
@@ -339,16 +331,10 @@ def check_config_agrees(path: Path):
     return ours, hf
 
 
-def check_tensors_agree(path: Path) -> float:
+def check_tensors_agree(name: str) -> float:
     """Every tensor equals transformers' GGUF-loaded state dict entry (same dequantization)."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
-    sd = model.state_dict()
-    ck = load_gguf(path)
+    sd = hf_reference(name, "model").state_dict()
+    ck = load_gguf(require(name))
     assert set(ck.tensors) <= set(sd)
     assert set(sd) - set(ck.tensors) <= ({"lm_head.weight"} if ck.config.tie_word_embeddings else set())
     worst = 0.0
@@ -361,17 +347,17 @@ def check_tensors_agree(path: Path) -> float:
 
 
 def test_smollm2_config_agrees():
-    ours, hf = check_config_agrees(require("smollm2"))
+    ours, hf = check_config_agrees("smollm2")
     assert ours.family == "llama" and ours.tie_word_embeddings and ours.num_kv_heads == 3
 
 
 def test_smollm2_tensors_agree():
-    check_tensors_agree(require("smollm2"))
+    check_tensors_agree("smollm2")
 
 
 @pytest.mark.slow
 def test_gemma3_config_agrees():
-    ours, hf = check_config_agrees(require("gemma3"))
+    ours, hf = check_config_agrees("gemma3")
     assert ours.layer_types == [t.replace("_attention", "") for t in hf["layer_types"]]
     assert ours.sliding_window == hf["sliding_window"] == 512
     assert ours.rope_local_theta == hf["rope_parameters"]["sliding_attention"]["rope_theta"] == 10000.0
@@ -381,18 +367,18 @@ def test_gemma3_config_agrees():
 
 @pytest.mark.slow
 def test_gemma3_tensors_agree():
-    check_tensors_agree(require("gemma3"))
+    check_tensors_agree("gemma3")
 
 
 @pytest.mark.slow
 def test_qwen25_config_agrees():
-    ours, _ = check_config_agrees(require("qwen25"))
+    ours, _ = check_config_agrees("qwen25")
     assert ours.qkv_bias and not ours.tie_word_embeddings
 
 
 @pytest.mark.slow
 def test_qwen25_tensors_agree():
-    check_tensors_agree(require("qwen25"))
+    check_tensors_agree("qwen25")
 
 
 def test_open_real_header_fast():
@@ -412,3 +398,22 @@ def test_config_from_gguf_direct():
     assert c.num_kv_heads == 4 and c.head_dim == 16 and not c.tie_word_embeddings
     with pytest.raises(ConfigError, match="x.gguf.*block_count"):
         config_from_gguf({**meta, "llama.block_count": "two"}, {}, {}, "x.gguf")
+
+
+def test_bad_tokenizer_metadata(tmp_path):
+    """A vocabulary whose merges name unknown pieces, or an unknown tokenizer model: refused with the file."""
+    arr = gguf.GGUFValueType.ARRAY
+    tokens = [chr(c) for c in range(33, 33 + TINY["V"])]
+    for tok, err in [({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": (tokens, arr),
+                       "tokenizer.ggml.merges": (["! zz"], arr)}, FormatError),
+                     ({"tokenizer.ggml.model": "rwkv", "tokenizer.ggml.tokens": (tokens, arr)}, UnsupportedError),
+                     ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": (tokens, arr)}, FormatError)]:
+        p = write_gguf(tmp_path / "tok.gguf", "llama", hf_tensors("llama"), tokenizer=tok)
+        with pytest.raises(err) as e:
+            load_gguf(p)
+        _one_line(e, p)
+    tokens = tokens[:-1] + ['!"']
+    ok = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": (tokens, arr),
+          "tokenizer.ggml.merges": (['! "'], arr)}
+    tk = load_gguf(write_gguf(tmp_path / "ok.gguf", "llama", hf_tensors("llama"), tokenizer=ok)).tokenizer
+    assert tk.encode('!"#', add_special_tokens=False) == [tokens.index('!"'), tokens.index("#")]

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from real_models import require
+from real_models import hf_reference, require
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,12 +52,8 @@ def pair(name: str):
     if name not in _cache:
         from trapetum.formats.gguf import load_gguf
 
-        path = require(name)
-        ours = load_gguf(path).tokenizer
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        _cache[name] = (ours, ref)
+        ours = load_gguf(require(name)).tokenizer
+        _cache[name] = (ours, hf_reference(name, "tokenizer"))
     return _cache[name]
 
 

@@ -9,12 +9,10 @@ SmolLM2 runs in CI; Gemma-3 and Qwen2.5 are marked slow.
 """
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
-from real_models import require
+from real_models import hf_reference, require
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers needs it to load GGUF weights
@@ -25,14 +23,6 @@ PROMPTS = {
     "gemma3": "The three primary colors are",  # its GGUF carries no chat template
 }
 N_NEW = 16
-
-
-def reference(path):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32)
-    return model.eval()
 
 
 @torch.inference_mode()
@@ -51,14 +41,13 @@ def check_model(name: str) -> dict:
     ours = trapetum.load(path)
     prompt = PROMPTS[name]
     ids = ours.encode_chat(prompt) if isinstance(prompt, list) else ours.encode(prompt)
-    ref = reference(path)
+    ref = hf_reference(name, "model")
     with torch.inference_mode():
         want = ref(torch.tensor([ids])).logits[0].float()
     got = ours.logits(ids)
     assert got.shape == want.shape
     rel = float((got - want).norm() / want.norm())
     ref_tokens = ref_greedy(ref, ids, N_NEW)
-    del ref
     completion = ours.generate(ids, max_new_tokens=N_NEW, temperature=0.0, ignore_eos=True)
     same = sum(a == b for a, b in zip(completion.token_ids, ref_tokens))
     print(f"{name}: prompt {len(ids)} tokens, logits rel err {rel:.2e}, greedy {same}/{N_NEW} "

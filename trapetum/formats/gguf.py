@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError, FormatError, UnsupportedError
+from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
 from ..models.config import ModelConfig
 from .checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
 
@@ -480,17 +480,17 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
                 raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
                                   f"[{qd + 2 * kvd}, {cfg.hidden_size}] (q + k + v rows)")
             p = canon[: -len("qkv_proj.weight")]
-            parts = {p + "q_proj.weight": ((lambda f: lambda: f()[:qd])(load), (qd,) + shape[1:]),
-                     p + "k_proj.weight": ((lambda f: lambda: f()[qd:qd + kvd])(load), (kvd,) + shape[1:]),
-                     p + "v_proj.weight": ((lambda f: lambda: f()[qd + kvd:])(load), (kvd,) + shape[1:])}
+            parts = {p + "q_proj.weight": ((lambda f: lambda: f()[:qd].clone())(load), (qd,) + shape[1:]),
+                     p + "k_proj.weight": ((lambda f: lambda: f()[qd:qd + kvd].clone())(load), (kvd,) + shape[1:]),
+                     p + "v_proj.weight": ((lambda f: lambda: f()[qd + kvd:].clone())(load), (kvd,) + shape[1:])}
         elif GGUF_ARCHS[arch].get("fused") and canon.endswith("mlp.up_proj.weight") and \
                 t.name.replace("ffn_up", "ffn_gate") not in by_name:
             if shape[0] != 2 * inter:
                 raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
                                   f"[{2 * inter}, {cfg.hidden_size}] (gate + up rows)")
             p = canon[: -len("up_proj.weight")]
-            parts = {p + "gate_proj.weight": ((lambda f: lambda: f()[:inter])(load), (inter,) + shape[1:]),
-                     p + "up_proj.weight": ((lambda f: lambda: f()[inter:])(load), (inter,) + shape[1:])}
+            parts = {p + "gate_proj.weight": ((lambda f: lambda: f()[:inter].clone())(load), (inter,) + shape[1:]),
+                     p + "up_proj.weight": ((lambda f: lambda: f()[inter:].clone())(load), (inter,) + shape[1:])}
         else:
             parts = {canon: (load, shape)}
         for n, (fn, shp) in parts.items():
@@ -501,7 +501,13 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     _check_shapes(cfg, shapes, where)
     from .gguf_vocab import tokenizer_from_gguf
 
-    tok = tokenizer_from_gguf(meta, where) if "tokenizer.ggml.tokens" in meta else None
+    try:
+        tok = tokenizer_from_gguf(meta, where) if "tokenizer.ggml.tokens" in meta else None
+    except TrapetumError:
+        raise
+    except Exception as e:  # e.g. tokenizers refusing a merge of pieces that are not in the vocabulary
+        msg = " ".join(str(e).split())[:200]
+        raise FormatError(f"{where}: the tokenizer metadata is invalid ({type(e).__name__}: {msg})") from None
     info = {"gguf_arch": arch, "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
             "ignored_tensors": ignored}
     return Checkpoint(config=cfg, tensors=LazyTensors(getters, formats=formats, shapes=shapes), tokenizer=tok,
