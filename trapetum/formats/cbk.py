@@ -629,10 +629,14 @@ class CbkFile:
         # config
         if not isinstance(meta["config"], dict):
             fail("config is not an object")
+        layers_n = meta["config"].get("num_layers")
+        if _is_int(layers_n) and layers_n > len(self.tensors_table):  # before ModelConfig sizes lists by it
+            fail(f"config has {layers_n} layers but the file stores only {len(self.tensors_table)} tensors")
         try:
             self.config = ModelConfig.from_dict(meta["config"], where="config")
         except Exception as e:  # ConfigError, or a TypeError from a field of the wrong type
-            fail(f"invalid config: {_one_line(e, 200)}")
+            text = _one_line(e, 200)
+            fail(f"invalid {text}" if text.startswith("config: ") else f"invalid config: {text}")
         # layers and dense
         layers: dict[str, LayerEntry] = {}
         if not isinstance(meta["layers"], dict):
