@@ -75,6 +75,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", json.dumps({"prompt": 12}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": ["a", "b"]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10 ** 12}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": [1, 10 ** 9]}).encode(), 400, "prompt"),
+    ("/v1/completions", json.dumps({"prompt": []}).encode(), 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens"),
 ]
 
@@ -200,6 +202,17 @@ def test_disconnect_while_queued_is_dropped():
         assert t < 1.0
         eng = srv.health()[1]["engines"][0]
         assert eng["cancelled"] == 2 and eng["completed"] == 0
+    finally:
+        srv.stop()
+
+
+def test_non_streamed_request_cancelled_when_client_leaves():
+    srv = F.start_fake(queue=8, token_delay=0.02)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=0.5)
+        assert idle(srv, timeout=3) < 1.0          # 200 tokens would take 4 s; the disconnect stops it
+        assert srv.health()[1]["engines"][0]["cancelled"] == 1
     finally:
         srv.stop()
 

@@ -89,6 +89,10 @@ class Registry:
             return name
 
     def ready(self, w: Worker) -> None:
+        try:    # import once here, on the engine thread, not in the first request's handler
+            from ..api import GenerationSettings  # noqa: F401
+        except ImportError:
+            pass
         for name, m in w.models.items():
             info = _model_info(m)
             with self.lock:
@@ -306,8 +310,14 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                 n_prompt = await run_in_threadpool(model.count_tokens, inputs)
         except TrapetumError as e:
             raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
-        ctx = int(model.context_size)
         where = "messages" if kind == "chat" else "prompt"
+        if n_prompt == 0:
+            raise APIError(400, f"The {where} encode to no tokens.", param=where)
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(inputs, list) and kind == "text" and isinstance(vocab, int) and max(inputs) >= vocab:
+            raise APIError(400, f"Invalid 'prompt': token id {max(inputs)} is out of range for this model's "
+                           f"vocabulary of {vocab} tokens.", param="prompt")
+        ctx = int(model.context_size)
         if req.max_tokens is None:
             if n_prompt >= ctx:
                 raise P.context_error(ctx, n_prompt, 1, where=where)
@@ -344,21 +354,24 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         return await _wait(request, ch, job, rid, name, created, kind)
 
     async def _wait(request, ch, job, rid, name, created, kind):
+        async def watch():            # the client hanging up cancels the job (streams: Starlette does this)
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            job.cancel.set()
+
+        watcher = asyncio.ensure_future(watch())
         try:
             while True:
-                try:
-                    ev, payload = await asyncio.wait_for(ch.q.get(), 0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel.set()
-                        return Response(status_code=499)
-                    continue
+                ev, payload = await ch.q.get()
                 if ev == "done":
+                    if watcher.done():
+                        return Response(status_code=499)     # nobody is listening
                     make = P.chat_response if kind == "chat" else P.completion_response
                     return JSONResponse(make(rid, name, created, payload, job.queue_s))
                 if ev == "error":
                     raise _engine_error(payload)
         finally:
+            watcher.cancel()
             job.cancel.set()
 
     async def _stream(ch, job, rid, name, created, kind, include_usage):

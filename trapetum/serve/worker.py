@@ -143,6 +143,8 @@ class Worker:
                 want = alias or getattr(m, "name", None) or "model"
                 name = self.claim(want) if self.claim else _unique(want, self.models)
                 self.models[name] = m
+            if self.on_ready:         # e.g. register the models; before "ready", so /health waits for it
+                self.on_ready(self)
         except BaseException as e:  # noqa: BLE001 -- reported through /health, never raised into the loop
             self.error = f"{type(e).__name__}: {e}"
             self.state = "failed"
@@ -152,8 +154,6 @@ class Worker:
             return
         with self._cv:
             self.state = "ready"
-        if self.on_ready:
-            self.on_ready(self)
         while True:
             batch = self._take_batch()
             if batch is None:
