@@ -115,7 +115,8 @@ def test_http_level_errors(server):
 
 
 async def _stream_one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str, dict | None]:
-    body = {"messages": [{"role": "user", "content": f"Say a number: {i}"}], "max_tokens": 4,
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Say a number: {i}"}]
+    body = {"messages": msgs, "max_tokens": 4,
             "temperature": 0.7, "seed": i, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=H) as r:
         if r.status_code != 200:

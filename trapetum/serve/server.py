@@ -38,6 +38,7 @@ from .worker import Job, NotReady, QueueFull, Worker
 
 log = logging.getLogger("trapetum.serve")
 STATIC = Path(__file__).parent / "static"
+KEEPALIVE_S = 15.0                  # SSE comment while a streamed request waits in the queue
 DEFAULT_MAX_BODY = 1 << 20          # 1 MiB: ~250k tokens of text, far past any context we serve
 SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos", "max_new_tokens")
@@ -383,9 +384,17 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                 return P.sse(P.chat_chunk(rid, name, created, d, finish, with_usage_field=include_usage))
             return P.sse(P.completion_chunk(rid, name, created, text or "", finish, with_usage_field=include_usage))
 
+        getter = None
         try:
             while True:
-                ev, payload = await ch.q.get()
+                if getter is None:
+                    getter = asyncio.ensure_future(ch.q.get())
+                done, _ = await asyncio.wait({getter}, timeout=KEEPALIVE_S)
+                if not done:              # long queue wait: an SSE comment keeps proxies from timing out
+                    yield b": keep-alive\n\n"
+                    continue
+                ev, payload = getter.result()
+                getter = None
                 if ev == "start":
                     if kind == "chat":
                         yield chunk(delta={"role": "assistant", "content": ""})
@@ -403,6 +412,8 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                     yield P.sse("[DONE]")
                     return
         finally:
+            if getter is not None:
+                getter.cancel()
             job.cancel.set()      # client gone (the task is cancelled) or finished: free the engine
 
     # ------------------------------------------------------------------ routes
