@@ -216,8 +216,9 @@ class GpuEngine:
 
     # -- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Process the prompt (positions 0..T-1) into the KV cache; return last-position logits fp32 [V]."""
+    def prefill(self, ids: list[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Process the prompt (positions 0..T-1) into the KV cache; return the last position's logits
+        fp32 [V] (or every position's, [T, V], with all_logits)."""
         cfg = self.cfg
         tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
         T = tokens.numel()
@@ -271,8 +272,9 @@ class GpuEngine:
             if L.post_ffn is not None:
                 d = rmsnorm(d.contiguous(), L.post_ffn, eps, offset=off)
             x = x + d
-        h = rmsnorm(x[-1:].contiguous(), self.final_norm, eps, offset=off)
-        logits = self.head.matmul(h)[0].float()
+        h = rmsnorm((x if all_logits else x[-1:]).contiguous(), self.final_norm, eps, offset=off)
+        logits = self.head.matmul(h).float()
+        logits = logits if all_logits else logits[0]
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
