@@ -85,8 +85,11 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+
 def _itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype_name]).element_size()
+    return _ITEMSIZE[dtype_name]
 
 
 def _one_line(x: Any, limit: int = 120) -> str:
@@ -322,7 +325,7 @@ class CbkWriter:
             self.config.validate(f"cannot write {self.path}: config")
             if self.meta["tokenizer"] is not None:
                 json.dumps(self.meta["tokenizer"])
-            json.dumps([self.meta["recipe"], self.meta["provenance"], self.meta["generation"],
+            json.dumps([self.meta["config"], self.meta["recipe"], self.meta["provenance"], self.meta["generation"],
                         self.meta["layers"]], allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot write {self.path}: metadata is not plain JSON ({e})") from None
@@ -337,6 +340,8 @@ class CbkWriter:
             self._rel[n] = (pos, pos + self.specs[n].nbytes)
             pos += self.specs[n].nbytes
         self._header_len = len(self._header())  # placeholder digests have the final length
+        if self._header_len > MAX_HEADER_BYTES:
+            fail(f"header would be {self._header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
         start = 8 + self._header_len
         self._offsets = {n: (start + b, start + e) for n, (b, e) in self._rel.items()}
         directory = self.path.parent
@@ -703,7 +708,10 @@ class CbkFile:
         if count == 0:
             return torch.empty(t.shape, dtype=dtype)
         start = t.begin - t.begin % mmap.ALLOCATIONGRANULARITY
-        mm = mmap.mmap(self._f.fileno(), t.end - start, access=mmap.ACCESS_COPY, offset=start)
+        try:
+            mm = mmap.mmap(self._f.fileno(), t.end - start, access=mmap.ACCESS_COPY, offset=start)
+        except (ValueError, OSError) as e:
+            self._fail(f"cannot map tensor {stored} (file changed since it was opened? {_one_line(e, 80)})")
         if t.begin % _itemsize(t.dtype):  # misaligned (a foreign writer): copy the bytes
             return torch.frombuffer(bytearray(mm[t.begin - start:]), dtype=dtype).reshape(t.shape)
         return torch.frombuffer(mm, dtype=dtype, count=count, offset=t.begin - start).reshape(t.shape)
