@@ -75,6 +75,14 @@ def test_encode_decode_agree(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+def test_tokenizer_json_identical(name):
+    """Stronger than sampled texts: the whole serialized tokenizer (vocab, merges, added tokens,
+    normalizer, pre-tokenizer, post-processor, decoder) equals the one transformers builds."""
+    ours, ref = pair(name)
+    assert ours.tk.to_str() == ref.backend_tokenizer.to_str()
+
+
+@pytest.mark.parametrize("name", MODELS)
 def test_special_tokens_agree(name):
     ours, ref = pair(name)
     assert ours.bos_token == ref.bos_token
