@@ -188,61 +188,65 @@ def test_disconnect_cycles_cancel_and_do_not_leak(server):
     assert r.status_code == 200
 
 
-def test_disconnect_while_queued_is_dropped():
-    srv = F.start_fake(queue=8, token_delay=0.02)
-    try:
-        with httpx.Client(timeout=30) as c:
-            body = {"prompt": "a", "max_tokens": 100, "stream": True}
-            with c.stream("POST", srv.url + "/v1/completions", json=body) as r1:
-                lines = r1.iter_lines()      # keep a reference: a dropped iterator closes the response
-                next(lines)
-                with c.stream("POST", srv.url + "/v1/completions", json=body) as r2:   # waits behind r1
-                    assert r2.status_code == 200
-                    assert srv.health()[1]["engines"][0]["waiting"] == 1
-            t = idle(srv, timeout=3)
-        assert t < 1.0
-        eng = srv.health()[1]["engines"][0]
-        assert eng["cancelled"] == 2 and eng["completed"] == 0
-    finally:
-        srv.stop()
-
-
-def test_non_streamed_request_cancelled_when_client_leaves():
-    srv = F.start_fake(queue=8, token_delay=0.02)
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=0.5)
-        assert idle(srv, timeout=3) < 1.0          # 200 tokens would take 4 s; the disconnect stops it
-        assert srv.health()[1]["engines"][0]["cancelled"] == 1
-    finally:
-        srv.stop()
-
-
-def test_small_queue_overflow_gets_429_and_stays_healthy():
+@pytest.fixture(scope="module")
+def fake():
+    """The server over the fake model (20 ms per token) with a queue of 2."""
     srv = F.start_fake(queue=2, token_delay=0.02)
-    try:
-        async def one(c, i):
-            body = {"prompt": f"p {i}", "max_tokens": 10, "stream": True}
-            async with c.stream("POST", srv.url + "/v1/completions", json=body) as r:
-                data = await r.aread()
-                return r.status_code, r.headers.get("retry-after"), data
-        async def main():
-            async with httpx.AsyncClient(timeout=60) as c:
-                return await asyncio.gather(*(one(c, i) for i in range(12)))
-        results = asyncio.run(main())
-        codes = sorted(code for code, _, _ in results)
-        assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
-        for code, retry, data in results:
-            if code == 429:
-                assert retry and int(retry) >= 1
-                assert json.loads(data)["error"]["code"] == "queue_full"
-            else:
-                assert data.rstrip().endswith(b"data: [DONE]")
-        assert srv.health()[0] == 200
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "again", "max_tokens": 3}, timeout=30)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    finally:
-        srv.stop()
+    yield srv
+    srv.stop()
+
+
+def engine(srv) -> dict:
+    return srv.health()[1]["engines"][0]
+
+
+def test_disconnect_while_queued_is_dropped(fake):
+    before = engine(fake)
+    with httpx.Client(timeout=30) as c:
+        body = {"prompt": "a", "max_tokens": 100, "stream": True}
+        with c.stream("POST", fake.url + "/v1/completions", json=body) as r1:
+            lines = r1.iter_lines()      # keep a reference: a dropped iterator closes the response
+            next(lines)
+            with c.stream("POST", fake.url + "/v1/completions", json=body) as r2:   # waits behind r1
+                assert r2.status_code == 200
+                assert engine(fake)["waiting"] == 1
+        t = idle(fake, timeout=3)
+    assert t < 1.0
+    after = engine(fake)
+    assert after["cancelled"] - before["cancelled"] == 2 and after["completed"] == before["completed"]
+
+
+def test_non_streamed_request_cancelled_when_client_leaves(fake):
+    before = engine(fake)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fake.url + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=0.5)
+    assert idle(fake, timeout=3) < 1.0          # 200 tokens would take 4 s; the disconnect stops it
+    assert engine(fake)["cancelled"] - before["cancelled"] == 1
+
+
+def test_small_queue_overflow_gets_429_and_stays_healthy(fake):
+    async def one(c, i):
+        body = {"prompt": f"p {i}", "max_tokens": 10, "stream": True}
+        async with c.stream("POST", fake.url + "/v1/completions", json=body) as r:
+            data = await r.aread()
+            return r.status_code, r.headers.get("retry-after"), data
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(12)))
+
+    results = asyncio.run(main())
+    codes = sorted(code for code, _, _ in results)
+    assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    for code, retry, data in results:
+        if code == 429:
+            assert retry and int(retry) >= 1
+            assert json.loads(data)["error"]["code"] == "queue_full"
+        else:
+            assert data.rstrip().endswith(b"data: [DONE]")
+    assert fake.health()[0] == 200
+    r = httpx.post(fake.url + "/v1/completions", json={"prompt": "again", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_health_503_while_loading_and_loopback_only():
