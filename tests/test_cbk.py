@@ -275,3 +275,54 @@ def test_sigkill_during_write_is_atomic(tmp_path):
     print(f"write {write_time * 1000:.0f} ms; outcomes {outcomes}")
     assert outcomes["absent"] >= 5 and outcomes["new"] >= 5, outcomes  # kills landed on both sides
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.cbk"]
+
+
+def test_every_dtype_round_trips(tmp_path):
+    """Tensors of a quantized layer keep their dtype and bytes, whatever the dtype."""
+    from trapetum.formats.cbk import DTYPES
+    cfg, dense, quantized = tiny_model()
+    rng = random.Random(7)
+    roles = {}
+    for name, dtype in DTYPES.items():
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = bytes(rng.randrange(2) for _ in range(6 * size)) if dtype == torch.bool else rng.randbytes(6 * size)
+        roles[f"t_{name.lower()}"] = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(2, 3)
+    roles["empty"] = torch.empty(0, 5, dtype=torch.float16)
+    roles["scalar"] = torch.tensor(3.5, dtype=torch.float32)
+    quantized[Q := "model.layers.0.mlp.up_proj.weight"] = QuantRecord("test", (48, 32), {"nested": {"a": [1, 2]}},
+                                                                      roles)
+    del dense[Q]
+    write_cbk(tmp_path / "d.cbk", config=cfg, dense=dense, quantized=quantized)
+    got = open_cbk(tmp_path / "d.cbk").record(Q)
+    assert got.params == {"nested": {"a": [1, 2]}}
+    for role, t in roles.items():
+        assert same(got.tensors[role], t), role
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_streaming_write_memory_is_one_tensor(tmp_path):
+    """A 224 MB file written through CbkWriter from tensors made one at a time: resident memory grows by
+    about one tensor (32 MB), not by the file (what makes a file bigger than RAM writable)."""
+    from trapetum.formats.checkpoint import expected_shapes
+    cfg = tiny_config(vocab_size=8192, hidden_size=2048, intermediate_size=4096, num_layers=2, num_heads=16,
+                      num_kv_heads=16, head_dim=128)
+    shapes = expected_shapes(cfg)
+    base = _rss()
+    peak = 0
+    with CbkWriter(tmp_path / "big.cbk", config=cfg) as w:
+        for name, shape in shapes.items():
+            w.declare_dense(name, TensorSpec("F16", shape))
+        for i, (name, shape) in enumerate(shapes.items()):
+            w.put_dense(name, torch.full(shape, float(i), dtype=torch.float16))
+            peak = max(peak, _rss() - base)
+    size = (tmp_path / "big.cbk").stat().st_size
+    assert size > 200 * 2**20
+    assert peak < 80 * 2**20, f"resident memory grew by {peak / 2**20:.0f} MiB writing {size / 2**20:.0f} MiB"
+    cbk = open_cbk(tmp_path / "big.cbk")
+    assert cbk.tensor("model.layers.1.mlp.down_proj.weight")[0, 0].item() == \
+        list(shapes).index("model.layers.1.mlp.down_proj.weight")
