@@ -283,7 +283,12 @@ class CbkWriter:
             raise ValueError(f"tensor name {stored!r} is declared twice")
         if spec.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {spec.dtype!r} for {stored!r}")
-        self.specs[stored] = spec
+        if not stored or stored == "__metadata__":
+            raise ValueError(f"bad tensor name {stored!r}")
+        shape = tuple(int(d) for d in spec.shape)
+        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+            raise ValueError(f"bad shape {list(shape)} for {stored!r}")
+        self.specs[stored] = TensorSpec(spec.dtype, shape)
 
     def declare_dense(self, name: str, spec: TensorSpec) -> None:
         self._add(name, spec)
@@ -303,8 +308,9 @@ class CbkWriter:
         if spec.bias is not None:
             bias = f"{prefix}.bias"
             self._add(bias, spec.bias)
-        self._layers[name] = LayerEntry(name, spec.scheme, tuple(spec.shape), dict(spec.params), roles, bias)
-        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(spec.shape), "params": dict(spec.params),
+        shape = tuple(int(d) for d in spec.shape)
+        self._layers[name] = LayerEntry(name, spec.scheme, shape, dict(spec.params), roles, bias)
+        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(shape), "params": dict(spec.params),
                                      "tensors": roles, "bias": bias}
 
     # -- writing -------------------------------------------------------------------------------
