@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
 import serve_fixtures as F
 
 CHROMIUM = os.environ.get("TRAPETUM_CHROMIUM", "/usr/bin/chromium")
+KEY = "sk-browser-test"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
@@ -24,7 +26,8 @@ if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
 @pytest.fixture(scope="module")
 def server():
     # Two names for the embedded model, so the compare view has two columns to fill.
-    srv = F.start_serve(["smollm2=default", "smollm2-copy=default", "--queue", "8", "--threads", "1"])
+    srv = F.start_serve(["smollm2=default", "smollm2-copy=default", "--queue", "8", "--threads", "1",
+                         "--api-key", KEY])
     yield srv
     srv.stop()
 
@@ -43,6 +46,11 @@ def test_chat_streams_and_compare(server, page):
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     page.goto(server.url + "/")
+    page.wait_for_selector("#health.ok", timeout=10_000)
+    page.wait_for_function("document.querySelector('#chat-info').textContent.includes('401')")
+    page.click("#key-btn")                                   # the server wants a key: enter it
+    page.fill("#key-input", KEY)
+    page.click("#key-ok")
     page.wait_for_function("document.querySelector('#chat-model').options.length === 2")
     page.wait_for_selector("#health.ok", timeout=10_000)
     assert "parameters" in page.inner_text("#chat-info")      # model info shown
@@ -84,5 +92,22 @@ def test_chat_streams_and_compare(server, page):
     page.wait_for_selector("#health.ok", timeout=10_000)
     cmp_png = F.SCREENSHOTS / "compare.png"
     page.screenshot(path=str(cmp_png))
+
+    # Stop mid-answer: the page aborts the fetch, the server cancels the generation.
+    page.click("#tab-chat")
+    page.fill("#set-max", "400")
+    page.fill("#chat-input", "Write a long story about a dragon who learns to cook.")
+    page.click("#chat-send")
+    page.wait_for_function("""() => { const m = document.querySelectorAll('.msg.assistant.streaming .body');
+                                      return m.length && m[m.length - 1].textContent.length > 20; }""",
+                           timeout=60_000)
+    page.click("#chat-stop")
+    page.wait_for_function("""() => { const m = document.querySelectorAll('.msg.assistant .meta');
+                                      return m.length === 2 && m[1].textContent.includes('stopped'); }""",
+                           timeout=5_000)
+    t0 = time.time()
+    while server.health()[1]["engines"][0]["running"] and time.time() - t0 < 3:
+        time.sleep(0.05)
+    assert server.health()[1]["engines"][0]["running"] == 0, "generation still running after Stop"
     assert not errors, errors
     print(f"\nscreenshots: {chat_png} {cmp_png}")
