@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ..errors import TrapetumError
 
@@ -63,6 +64,9 @@ def run(args) -> int:
                                 "or one per model")
     if not 0 <= args.port <= 65535:
         raise TrapetumError(f"--port must be in 0..65535, got {args.port}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"trapetum: warning: serving on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the models", file=sys.stderr)
     specs = [ModelSpec.parse(m, d) for m, d in zip(models, devices)]
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
