@@ -213,7 +213,7 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated (default 1,4,16)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per level (default: 4 per client, at least 8)")
+                   help="requests per level, at least one per client (default: 4 per client, at least 8)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None, help="--threads for the started server")
@@ -255,7 +255,7 @@ def run(args) -> int:
                               temperature=args.temperature, timeout=args.timeout))
         rows = []
         for n in levels:
-            reqs = args.requests or max(8, 4 * n)
+            reqs = max(args.requests or max(8, 4 * n), n)     # every client sends at least one
             print(f"{n} clients, {reqs} requests ...", file=sys.stderr, flush=True)
             rows.append(asyncio.run(run_level(url.rstrip("/"), n, reqs, max_tokens=args.max_tokens,
                                               api_key=args.api_key, model=model_id,
