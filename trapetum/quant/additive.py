@@ -1,0 +1,378 @@
+"""Additive (AQLM-style) codebooks: the ``AdditiveLinear`` module and our own quantizer.
+
+Layout (the Hugging Face AQLM layout, kept byte for byte in ``.cbk`` records of scheme "aqlm")::
+
+    codes      int8 (nbits 8) / int16 (nbits 16)  [out / out_group, in / in_group, num_codebooks]
+               code k of codebook m is stored as a signed integer; its index is ``code mod 2**nbits``
+    codebooks  fp16 [num_codebooks, 2**nbits, out_group, in_group]
+    scales     fp16 [out / out_group, 1, 1, 1]
+    bias       optional [out]
+
+    W[o-group, i-group] = scales[o-group] * sum_m codebooks[m, codes[o-group, i-group, m]]
+
+2x8 = two codebooks of 256 entries (2 bits per weight for the codes at in_group 8), 1x16 = one
+codebook of 65,536 entries (2 bits per weight for the codes; the 1 MiB codebook amortizes only over
+large matrices).
+
+Quantizer (``quantize_additive``), for in_group 8, out_group 1 and per-output-row scales: minimize
+the E[x^2]-weighted squared error of the weight (the diagonal approximation of E||(W - Wq) x||^2,
+the same objective as the scalar codebooks, see ``kmeans.py``)::
+
+    sum_{o, j} h_j (W[o, j] - s_o * Q[o, j])^2  =  sum_{o, g} s_o^2 || W[o, g]/s_o - sum_m C_m[c_{o,g,m}] ||^2_{h_g}
+
+1. scales s_o: the weighted RMS of row o (then refit in closed form at the end);
+2. codebooks start from residual weighted k-means (codebook m fits what codebooks < m left);
+3. codes by beam search: every vector keeps ``beam`` candidate code tuples; a step tries, for every
+   candidate and every codebook, all 2**nbits replacements (one matmul: residual x codebook), keeps
+   the best ``beam`` distinct tuples. With one codebook (1x16) this is the exact nearest entry;
+4. codebooks refit by weighted least squares for the codes found (the objective separates over the
+   8 coordinates: per coordinate a [M*K, M*K] normal system built from code co-occurrence counts;
+   unused entries are held by a small ridge towards their previous value);
+5. repeat 3-4 ``iters`` times; round codebooks to fp16, recompute codes against the rounded
+   codebooks, refit scales and round them to fp16.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import FormatError
+from .record import QuantRecord
+
+__all__ = ["AdditiveLinear", "AdditiveResult", "quantize_additive", "build_linear", "dequantize_aqlm",
+           "codes_to_index", "index_to_codes", "SCHEMES"]
+
+# scheme name (CLI) -> (num_codebooks, nbits)
+SCHEMES = {"aqlm-2x8": (2, 8), "aqlm-1x16": (1, 16)}
+
+
+# ----------------------------------------------------------------------------- layout helpers
+def codes_to_index(codes: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Stored signed codes -> indices 0 .. 2**nbits - 1 (int64)."""
+    return codes.to(torch.int64) % (1 << nbits)
+
+
+def index_to_codes(idx: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Indices 0 .. 2**nbits - 1 -> stored signed codes (int8 for nbits <= 8, else int16), as AQLM packs them."""
+    idx = idx.to(torch.int64)
+    half = 1 << (nbits - 1)
+    signed = torch.where(idx >= half, idx - (1 << nbits), idx)
+    return signed.to(torch.int8 if nbits <= 8 else torch.int16)
+
+
+def dequantize_aqlm(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [out, in] in ``dtype``: codebook entries summed in float32 (float64 if dtype is float64),
+    times the scale, then cast. codes [OG, IG, M]; codebooks [M, K, og, ig]; scales [OG, 1, 1, 1]."""
+    M, K, og, ig = codebooks.shape
+    OG, IG, _ = codes.shape
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    idx = codes_to_index(codes, int(math.log2(K)))  # [OG, IG, M]
+    flat = codebooks.to(acc).reshape(M * K, og * ig)
+    offs = torch.arange(M, device=codes.device) * K
+    w = flat[(idx + offs).reshape(-1)].view(OG, IG, M, og * ig).sum(2)  # [OG, IG, og*ig]
+    w = w.view(OG, IG, og, ig) * scales.to(acc).view(OG, 1, 1, 1)
+    return w.permute(0, 2, 1, 3).reshape(OG * og, IG * ig).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the module
+class AdditiveLinear(nn.Module):
+    """y = x W^T + b with W from additive codebooks (see the module docstring for the layout)."""
+
+    def __init__(self, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        M, K, og, ig = codebooks.shape
+        self.num_codebooks, self.nbits = int(M), int(K).bit_length() - 1
+        self.out_group_size, self.in_group_size = int(og), int(ig)
+        self.out_features = int(codes.shape[0]) * self.out_group_size
+        self.in_features = int(codes.shape[1]) * self.in_group_size
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("codebooks", codebooks.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("bias", None if bias is None else bias.contiguous())
+
+    @property
+    def params(self) -> dict[str, int]:
+        return {"num_codebooks": self.num_codebooks, "nbits": self.nbits,
+                "in_group_size": self.in_group_size, "out_group_size": self.out_group_size}
+
+    def to_record(self) -> QuantRecord:
+        return QuantRecord("aqlm", (self.out_features, self.in_features), self.params,
+                           {"codes": self.codes.cpu(), "codebooks": self.codebooks.cpu(), "scales": self.scales.cpu()},
+                           None if self.bias is None else self.bias.cpu())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact weight this module multiplies by, [out, in]."""
+        return dequantize_aqlm(self.codes, self.codebooks, self.scales, dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantize(torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and os.environ.get("TRAPETUM_KERNELS", "1") != "0" and self.out_group_size == 1:
+            from ..kernels import additive_gemv
+
+            y = additive_gemv.additive_linear(x, self.codes, self.codebooks, self.scales, self.bias)
+            if y is not None:
+                return y
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype), b)  # reference path: dequantize, then matmul
+
+    def storage_bytes(self) -> int:
+        ts = [self.codes, self.codebooks, self.scales] + ([] if self.bias is None else [self.bias])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def bits_per_weight(self) -> float:
+        n = sum(t.numel() * t.element_size() * 8 for t in (self.codes, self.codebooks, self.scales))
+        return n / (self.out_features * self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.num_codebooks}x{self.nbits}, groups={self.out_group_size}x{self.in_group_size}, "
+                f"bias={self.bias is not None}")
+
+
+def _fail(name: str, msg: str) -> None:
+    raise FormatError(f"quantized tensor {name}: {msg}")
+
+
+def build_linear(record: QuantRecord, name: str = "?") -> AdditiveLinear:
+    """QuantRecord of scheme "aqlm" -> AdditiveLinear; FormatError on any inconsistency."""
+    p = record.params if isinstance(record.params, dict) else {}
+    vals = {}
+    for k in ("num_codebooks", "nbits", "in_group_size", "out_group_size"):
+        v = p.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 64:
+            _fail(name, f"aqlm parameter {k} must be a small positive integer, got {v!r}")
+        vals[k] = v
+    M, nb, ig, og = vals["num_codebooks"], vals["nbits"], vals["in_group_size"], vals["out_group_size"]
+    if nb > 16:
+        _fail(name, f"aqlm nbits must be at most 16, got {nb}")
+    shape = record.shape
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(s, int) and s > 0 for s in shape)):
+        _fail(name, f"logical shape must be two positive integers, got {shape!r}")
+    out_f, in_f = shape
+    if out_f % og or in_f % ig:
+        _fail(name, f"shape {out_f}x{in_f} is not a multiple of the groups {og}x{ig}")
+    t = record.tensors
+    if set(t) != {"codes", "codebooks", "scales"}:
+        _fail(name, f"aqlm scheme needs tensors codes, codebooks, scales; got {sorted(t)}")
+    codes, cb, sc = t["codes"], t["codebooks"], t["scales"]
+    want_dt = torch.int8 if nb <= 8 else torch.int16
+    if not isinstance(codes, torch.Tensor) or codes.dtype != want_dt:
+        _fail(name, f"codes must be {want_dt} for {nb}-bit codebooks, got {getattr(codes, 'dtype', None)}")
+    if tuple(codes.shape) != (out_f // og, in_f // ig, M):
+        _fail(name, f"codes shape {tuple(codes.shape)} != {(out_f // og, in_f // ig, M)}")
+    if not isinstance(cb, torch.Tensor) or not cb.is_floating_point() or tuple(cb.shape) != (M, 1 << nb, og, ig):
+        _fail(name, f"codebooks must be floating point of shape {(M, 1 << nb, og, ig)}, got "
+                    f"{getattr(cb, 'dtype', None)} {tuple(getattr(cb, 'shape', ()))}")
+    if not isinstance(sc, torch.Tensor) or not sc.is_floating_point() or tuple(sc.shape) != (out_f // og, 1, 1, 1):
+        _fail(name, f"scales must be floating point of shape {(out_f // og, 1, 1, 1)}, got "
+                    f"{getattr(sc, 'dtype', None)} {tuple(getattr(sc, 'shape', ()))}")
+    if not bool(torch.isfinite(cb).all()) or not bool(torch.isfinite(sc).all()):
+        _fail(name, "codebooks or scales hold non-finite values")
+    b = record.bias
+    if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (out_f,) or not b.is_floating_point()):
+        _fail(name, f"bias must be floating point of shape [{out_f}]")
+    return AdditiveLinear(codes, cb, sc, b)
+
+
+# ----------------------------------------------------------------------------- the quantizer
+@dataclass
+class AdditiveResult:
+    codes: torch.Tensor  # stored codes int8/int16 [out, in/8, M]
+    codebooks: torch.Tensor  # fp16 [M, K, 1, 8]
+    scales: torch.Tensor  # fp16 [out, 1, 1, 1]
+    history: list[float]  # relative weighted error after each iteration (fp32 codebooks)
+
+    def module(self, bias: torch.Tensor | None = None) -> AdditiveLinear:
+        return AdditiveLinear(self.codes, self.codebooks, self.scales, bias)
+
+    def record(self, bias: torch.Tensor | None = None) -> QuantRecord:
+        return self.module(None if bias is None else bias.detach().to(torch.float16).cpu()).to_record()
+
+
+def _kmeans(v: torch.Tensor, h: torch.Tensor, K: int, iters: int, gen: torch.Generator, chunk: int = 1 << 14,
+            sample: int | None = None) -> torch.Tensor:
+    """Weighted k-means of vectors v [N, d] with per-vector-per-dim weights h [N, d]: K centroids [K, d].
+    Starts from K vectors drawn without replacement (repeats if N < K)."""
+    N, d = v.shape
+    if sample is not None and N > sample:
+        sel = torch.randperm(N, generator=gen)[:sample].to(v.device)
+        v, h = v[sel], h[sel]
+        N = sample
+    perm = torch.randperm(N, generator=gen).to(v.device)
+    if N >= K:
+        C = v[perm[:K]].clone()
+    else:
+        C = v[perm[torch.arange(K) % N]].clone() + 1e-3 * v.std() * torch.randn(K, d, generator=gen).to(v)
+    for _ in range(iters):
+        a = _nearest(v, h, C, chunk)
+        num = torch.zeros(K, d, dtype=v.dtype, device=v.device).index_add_(0, a, h * v)
+        den = torch.zeros(K, d, dtype=v.dtype, device=v.device).index_add_(0, a, h)
+        used = den > 0
+        C = torch.where(used, num / den.clamp_min(1e-30), C)
+    return C
+
+
+def _nearest(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Index of the nearest row of C [K, d] to each v [N, d] under the weights h [N, d]."""
+    out = torch.empty(v.shape[0], dtype=torch.int64, device=v.device)
+    Ct, C2t = C.t().contiguous(), (C * C).t().contiguous()
+    for s in range(0, v.shape[0], chunk):
+        vv, hh = v[s:s + chunk], h[s:s + chunk]
+        score = hh @ C2t - 2.0 * ((hh * vv) @ Ct)  # [n, K]; ||v||_h^2 dropped
+        out[s:s + chunk] = score.argmin(1)
+    return out
+
+
+def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.Tensor, beam: int,
+                 steps: int, chunk: int) -> torch.Tensor:
+    """Codes [N, M] minimizing ||v - sum_m C[m, c_m]||^2_h, starting from idx [N, M].
+
+    v, h [N, d]; C [M, K, d]. Each step expands every candidate by changing one codebook's code to
+    each of the K entries and keeps the ``beam`` best distinct tuples (the incumbent stays a
+    candidate, so the error never rises)."""
+    N, M = idx.shape
+    _, K, d = C.shape
+    if M == 1:
+        return _nearest(v, h, C[0], chunk).unsqueeze(1)
+    out = torch.empty_like(idx)
+    CT = C.transpose(1, 2).contiguous()  # [M, d, K]
+    C2T = (C * C).transpose(1, 2).contiguous()  # [M, d, K]
+    mult = torch.tensor([K ** (M - 1 - m) for m in range(M)], dtype=torch.int64, device=v.device)
+    for s in range(0, N, chunk):
+        vv, hh = v[s:s + chunk], h[s:s + chunk]
+        n = vv.shape[0]
+        cand = idx[s:s + chunk].unsqueeze(1)  # [n, B, M]
+        for _ in range(steps):
+            B = cand.shape[1]
+            rec = sum(C[m][cand[..., m]] for m in range(M))  # [n, B, d]
+            base = ((vv.unsqueeze(1) - rec) ** 2 * hh.unsqueeze(1)).sum(-1)  # [n, B]
+            scores = [base]
+            for m in range(M):
+                r = vv.unsqueeze(1) - rec + C[m][cand[..., m]]  # residual without codebook m [n, B, d]
+                hr = (hh.unsqueeze(1) * r).reshape(n * B, d)
+                sc = ((hh @ C2T[m]).unsqueeze(1) - 2.0 * (hr @ CT[m]).view(n, B, K)
+                      + (r * r * hh.unsqueeze(1)).sum(-1, keepdim=True))  # [n, B, K]
+                scores.append(sc.reshape(n, B * K))
+            sc_all = torch.cat(scores, 1)  # [n, B + M*B*K]: parents, then (m, parent, k)
+            top = min(2 * beam + 1, sc_all.shape[1])
+            best_s, best_i = sc_all.topk(top, dim=1, largest=False)  # ascending
+            is_parent = best_i < B
+            j = (best_i - B).clamp_min(0)
+            m_sel, parent, k_sel = j // (B * K), (j % (B * K)) // K, j % K
+            parent = torch.where(is_parent, best_i, parent)
+            best_t = torch.gather(cand, 1, parent.unsqueeze(-1).expand(n, top, M)).clone()  # [n, top, M]
+            onehot = (torch.arange(M, device=v.device) == m_sel.unsqueeze(-1)) & ~is_parent.unsqueeze(-1)
+            best_t = torch.where(onehot, k_sel.unsqueeze(-1), best_t)
+            key = (best_t * mult).sum(-1)  # [n, top]
+            dup = (key.unsqueeze(2) == key.unsqueeze(1)).tril(-1).any(2)  # equal to an earlier (better) one
+            rank = torch.where(dup, torch.full_like(best_s, float("inf")), best_s)
+            keep = rank.topk(min(beam, top), dim=1, largest=False).indices.sort(1).values
+            keep_ok = torch.gather(rank, 1, keep).isfinite()
+            cand = torch.gather(best_t, 1, keep.unsqueeze(-1).expand(n, keep.shape[1], M))
+            # a slot with no distinct candidate left repeats the best one
+            cand = torch.where(keep_ok.unsqueeze(-1), cand, cand[:, :1].expand_as(cand))
+        out[s:s + chunk] = cand[:, 0]
+    return out
+
+
+def _refit_codebooks(v: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, C: torch.Tensor,
+                     ridge: float = 1e-6) -> torch.Tensor:
+    """Weighted least squares for the codebooks given codes: min sum_n,d w[n,d] (v[n,d] - sum_m C[m, idx[n,m], d])^2.
+
+    Separable over d. M == 1: the weighted mean per entry. M > 1: the [M*K, M*K] normal equations
+    per coordinate from weighted code co-occurrences, with a ridge towards the previous codebooks."""
+    M, K, d = C.shape
+    dev, dt = v.device, torch.float64
+    if M == 1:
+        a = idx[:, 0]
+        num = torch.zeros(K, d, dtype=dt, device=dev).index_add_(0, a, (w * v).to(dt))
+        den = torch.zeros(K, d, dtype=dt, device=dev).index_add_(0, a, w.to(dt))
+        return torch.where(den > 0, num / den.clamp_min(1e-300), C[0].to(dt)).to(C.dtype).unsqueeze(0)
+    MK = M * K
+    gidx = idx + torch.arange(M, device=dev) * K  # [N, M] global entry ids
+    new = torch.empty(M, K, d, dtype=dt, device=dev)
+    for j in range(d):
+        wj = w[:, j].to(dt)
+        A = torch.zeros(MK * MK, dtype=dt, device=dev)
+        for a in range(M):
+            for b in range(M):
+                A.index_add_(0, gidx[:, a] * MK + gidx[:, b], wj)
+        A = A.view(MK, MK)
+        rhs = torch.zeros(MK, dtype=dt, device=dev)
+        for a in range(M):
+            rhs.index_add_(0, gidx[:, a], wj * v[:, j].to(dt))
+        lam = ridge * (A.diagonal().mean() + 1e-30)
+        prev = C[:, :, j].reshape(MK).to(dt)
+        A = A + lam * torch.eye(MK, dtype=dt, device=dev)
+        rhs = rhs + lam * prev
+        new[:, :, j] = torch.linalg.solve(A, rhs).view(M, K)
+    return new.to(C.dtype)
+
+
+def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *, num_codebooks: int = 2,
+                      nbits: int = 8, in_group_size: int = 8, beam: int = 4, iters: int = 6, beam_steps: int = 2,
+                      kmeans_iters: int = 10, seed: int = 0, device: str | torch.device = "cpu",
+                      chunk: int = 8192) -> AdditiveResult:
+    """Quantize W [out, in] to additive codebooks (out_group 1, per-row scales); see the module docstring.
+
+    importance: E[x_j^2] per input channel [in] (None: unweighted)."""
+    out_f, in_f = W.shape
+    if in_f % in_group_size:
+        raise ValueError(f"in_features {in_f} is not a multiple of in_group_size {in_group_size}")
+    M, K, d, G = num_codebooks, 1 << nbits, in_group_size, in_f // in_group_size
+    gen = torch.Generator().manual_seed(seed)
+    Wd = W.detach().to(device=device, dtype=torch.float32)
+    h = (torch.ones(in_f, device=device) if importance is None
+         else importance.detach().to(device=device, dtype=torch.float32).clamp_min(0))
+    h = h + 1e-6 * h.mean() + 1e-30  # no zero weights
+    h = h / h.mean()
+    # 1. scales: weighted RMS of each row
+    s = ((Wd * Wd * h).mean(1) / h.mean()).sqrt().clamp_min(1e-8)  # [out]
+    v = (Wd / s[:, None]).reshape(out_f * G, d)  # [N, d] row-major over (o, g)
+    hv = h.view(1, G, d).expand(out_f, G, d).reshape(-1, d)  # per-vector weights for codes
+    wv = hv * (s * s).repeat_interleave(G)[:, None]  # weights of the original-space objective
+    total = float((Wd * Wd * h).sum())
+
+    def rel_err(C, idx, scales=None):
+        rec = sum(C[m][idx[:, m]] for m in range(M))
+        if scales is None:
+            return float(((v - rec) ** 2 * wv).sum()) / total
+        Wq = rec.view(out_f, G * d) * scales[:, None]
+        return float(((Wd - Wq) ** 2 * h).sum()) / total
+
+    # 2. residual k-means start
+    sample = 1 << 16 if K <= 256 else None
+    C = torch.empty(M, K, d, device=device)
+    idx = torch.empty(v.shape[0], M, dtype=torch.int64, device=device)
+    r = v.clone()
+    for m in range(M):
+        C[m] = _kmeans(r, hv, K, kmeans_iters, gen, sample=sample)
+        idx[:, m] = _nearest(r, hv, C[m], chunk)
+        r = r - C[m][idx[:, m]]
+    del r
+    history = [rel_err(C, idx)]
+    # 3-5. beam search / least squares alternation
+    for _ in range(iters):
+        idx = _beam_search(v, hv, C, idx, beam, beam_steps, chunk)
+        C = _refit_codebooks(v, wv, idx, C)
+        history.append(rel_err(C, idx))
+    # fp16 codebooks; codes against the rounded codebooks; closed-form scales, rounded
+    C16 = C.to(torch.float16).float()
+    idx = _beam_search(v, hv, C16, idx, beam, beam_steps, chunk)
+    Q = sum(C16[m][idx[:, m]] for m in range(M)).view(out_f, G * d)
+    s_new = (Wd * Q * h).sum(1) / (Q * Q * h).sum(1).clamp_min(1e-30)
+    s_new = torch.where((Q * Q).sum(1) > 0, s_new, s)
+    s16 = s_new.to(torch.float16)
+    history.append(rel_err(C16, idx, s16.float()))
+    codes = index_to_codes(idx.view(out_f, G, M), nbits).cpu()
+    return AdditiveResult(codes, C16.to(torch.float16).view(M, K, 1, d).cpu(), s16.view(out_f, 1, 1, 1).cpu(), history)
