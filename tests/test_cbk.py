@@ -326,3 +326,38 @@ def test_streaming_write_memory_is_one_tensor(tmp_path):
     cbk = open_cbk(tmp_path / "big.cbk")
     assert cbk.tensor("model.layers.1.mlp.down_proj.weight")[0, 0].item() == \
         list(shapes).index("model.layers.1.mlp.down_proj.weight")
+
+
+def test_rewritten_by_safetensors_or_reordered_still_valid(tmp_path):
+    """The metadata hash leaves offsets out: a file re-saved by safetensors, or with its tensors in
+    another order (here one that misaligns F16 tensors after an odd-sized U8 one), stays valid."""
+    from safetensors.torch import save_file
+    cfg, dense, quantized = tiny_model()
+    q = "model.layers.0.mlp.up_proj.weight"
+    quantized[q] = QuantRecord("test", (48, 32), {}, {"odd": torch.arange(3, dtype=torch.uint8),
+                                                      "w": torch.randn(48, 32).half()})
+    del dense[q]
+    path = tmp_path / "m.cbk"
+    write_cbk(path, config=cfg, dense=dense, quantized=quantized)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    resaved = tmp_path / "resaved.cbk"
+    save_file(load_file(path), resaved, metadata=metadata)
+    header, body = split_file(path.read_bytes())
+    names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+    names.remove("model.layers.0.mlp.up_proj.odd")
+    names.insert(0, "model.layers.0.mlp.up_proj.odd")  # everything after it is misaligned
+    pos, chunks = 0, []
+    for n in names:
+        b, e = header[n]["data_offsets"]
+        chunks.append(body[b:e])
+        header[n]["data_offsets"] = [pos, pos + e - b]
+        pos += e - b
+    reordered = tmp_path / "reordered.cbk"
+    reordered.write_bytes(join_file(header, b"".join(chunks)))
+    for p in (resaved, reordered):
+        cbk = open_cbk(p)
+        assert cbk.verify() == []
+        assert all(same(cbk.tensor(n), t) for n, t in dense.items())
+        assert all(same(cbk.record(q).tensors[r], t) for r, t in quantized[q].tensors.items())
+    assert open_cbk(reordered).tensors_table["model.embed_tokens.weight"].begin % 2 == 1

@@ -29,12 +29,14 @@ The header maps each *stored* tensor name to ``{"dtype", "shape", "data_offsets"
 
 ``trapetum_sha256``
     hex sha256 of ``json.dumps([trapetum_text, rows], separators=(",", ":"))`` where ``rows`` is
-    ``[[name, dtype, shape, begin, end], ...]`` for every stored tensor, sorted by name. It guards
-    the metadata and the tensor table (a flipped dtype or shape would pass the byte checksums).
+    ``[[name, dtype, shape], ...]`` for every stored tensor, sorted by name. It guards the metadata
+    and the tensor table (a flipped dtype or shape would pass the byte checksums); offsets are left
+    out so that a safetensors tool may rewrite the file with the tensors in another order.
 
 The writer stores a quantized projection ``P.weight`` as ``P.<role>`` (``P.codes``,
 ``P.codebook``, ...) and its bias as ``P.bias``; readers follow the ``layers`` map, not the names.
-Tensors are laid out by descending element size so every tensor is aligned to its element size.
+Tensors are laid out by descending element size so every tensor is aligned to its element size
+(a reader copies a misaligned tensor instead of mapping it).
 
 Readers refuse another ``version`` with "<file> has .cbk version X; this build reads version 1",
 ignore unknown top-level metadata keys (a change an older reader must not ignore bumps the version),
@@ -165,8 +167,10 @@ def format_label(scheme: str, params: Mapping[str, Any]) -> str:
     return f"{scheme}-{layout}" if isinstance(layout, str) else scheme
 
 
-def _header_digest(trapetum_text: str, table: Mapping[str, tuple[str, tuple[int, ...], int, int]]) -> str:
-    rows = [[n, d, list(s), b, e] for n, (d, s, b, e) in sorted(table.items())]
+def _header_digest(trapetum_text: str, table: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+    """Hash of the metadata and each tensor's name, dtype and shape. Offsets are left out: a tool that
+    rewrites the file with its tensors in another order (safetensors' save_file) keeps it valid."""
+    rows = [[n, d, list(s)] for n, (d, s, *_) in sorted(table.items())]
     blob = json.dumps([trapetum_text, rows], ensure_ascii=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
 
