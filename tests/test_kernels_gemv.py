@@ -1,6 +1,8 @@
 """Codebook GEMV kernels vs the float64 reference (CPU: Triton interpreter, small shapes; GPU: full size)."""
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 
 import pytest
@@ -17,6 +19,21 @@ def _weights(n, k, bits, gen, device=DEVICE):
     codes = torch.randint(0, 256, (n, kb), dtype=torch.uint8, generator=gen)
     cb = torch.randn(n, 1 << bits, generator=gen).half()
     return codes.to(device), cb.to(device)
+
+
+@contextlib.contextmanager
+def _variant(be):
+    """backend names 'mma-V' select the mma kernel variant V (TRAPETUM_GEMV_V)."""
+    old = os.environ.get("TRAPETUM_GEMV_V")
+    if "-" in be:
+        os.environ["TRAPETUM_GEMV_V"] = be.split("-")[1]
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRAPETUM_GEMV_V", None)
+        else:
+            os.environ["TRAPETUM_GEMV_V"] = old
 
 
 def _case(seed):
@@ -40,10 +57,11 @@ def test_gemv_random_shapes(seed):
     x = torch.randn(m, k, generator=gen).half().to(DEVICE)
     res = torch.randn(m, n, generator=gen).half().to(DEVICE) if with_res else None
     ref = cg.codebook_gemv_reference(x, codes, cb, bits, res)  # float64, on the test device
-    backends = ["triton"] + (["mma"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
+    backends = ["triton"] + (["mma-2", "mma-3", "mma-4"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
     for be in backends:
         y = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)  # poisoned
-        cg.codebook_gemv(x, codes, cb, bits, res, out=y, backend=be)
+        with _variant(be):
+            cg.codebook_gemv(x, codes, cb, bits, res, out=y, backend=be.split("-")[0])
         err = rel_err(y, ref)
         assert err < TOL[torch.float16], (be, bits, m, k, n, err)
 
@@ -68,9 +86,10 @@ def test_gate_up_fused(act, f, k, m, bits):
     g = cg.codebook_gemv_reference(x.cpu(), gc.cpu(), gcb.cpu(), bits)
     u = cg.codebook_gemv_reference(x.cpu(), uc.cpu(), ucb.cpu(), bits)
     ref = cg._act_ref(g, act) * u
-    backends = ["triton"] + (["mma"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
+    backends = ["triton"] + (["mma-3", "mma-4"] if ON_GPU and cg._mma_shape_ok(m, k, bits) and cg.mma_available() else [])
     for be in backends:
-        y = cg.codebook_gemv_gate_up(x, codes, cb, bits, ff, act, backend=be)
+        with _variant(be):
+            y = cg.codebook_gemv_gate_up(x, codes, cb, bits, ff, act, backend=be.split("-")[0])
         assert y.shape == (m, f)
         assert rel_err(y, ref) < TOL[torch.float16], be
 
@@ -127,8 +146,9 @@ def test_gemv_real_shapes_gpu(model):
         x16 = torch.randn(16, k, generator=gen).half().cuda()
         ref16 = cg.codebook_gemv_reference(x16, codes, cb, 4)  # float64 on the GPU
         for m in (1, 2, 8, 9, 16):
-            for be in ["triton"] + (["mma"] if cg._mma_shape_ok(m, k, 4) and cg.mma_available() else []):
-                y = cg.codebook_gemv(x16[:m], codes, cb, 4, backend=be)
+            for be in ["triton"] + (["mma-3", "mma-4"] if cg._mma_shape_ok(m, k, 4) and cg.mma_available() else []):
+                with _variant(be):
+                    y = cg.codebook_gemv(x16[:m], codes, cb, 4, backend=be.split("-")[0])
                 assert rel_err(y, ref16[:m]) < TOL[torch.float16], (model, k, n, m, be)
 
 
@@ -148,12 +168,14 @@ def test_gemv_bitwise_reproducible_and_batch_invariant_gpu(k, n):
     gen = torch.Generator().manual_seed(11)
     codes, cb = _weights(n, k, 4, gen)
     x = torch.randn(8, k, generator=gen).half().cuda()
-    for be in ["triton"] + (["mma"] if cg.mma_available() else []):
-        y0 = cg.codebook_gemv(x, codes, cb, 4, backend=be)
-        for _ in range(20):
-            assert torch.equal(cg.codebook_gemv(x, codes, cb, 4, backend=be), y0), be
-        if be == "mma":  # row 0 alone gives the same bits as row 0 of a batch of 8
-            assert torch.equal(cg.codebook_gemv(x[:1], codes, cb, 4, backend=be), y0[:1])
+    for be in ["triton"] + (["mma-3", "mma-4"] if cg.mma_available() else []):
+        with _variant(be):
+            kb = be.split("-")[0]
+            y0 = cg.codebook_gemv(x, codes, cb, 4, backend=kb)
+            for _ in range(20):
+                assert torch.equal(cg.codebook_gemv(x, codes, cb, 4, backend=kb), y0), be
+            if kb == "mma":  # row 0 alone gives the same bits as row 0 of a batch of 8
+                assert torch.equal(cg.codebook_gemv(x[:1], codes, cb, 4, backend=kb), y0[:1])
 
 
 @requires_cuda

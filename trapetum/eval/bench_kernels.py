@@ -66,7 +66,7 @@ def _rand_codes(n, kb, gen):
     return torch.randint(0, 256, (n, kb), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v2", "triton")) -> dict:
+def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v3", "mma_v2", "triton")) -> dict:
     """One GEMV shape: cuBLAS fp16 (torch.matmul) vs the codebook kernels, same process."""
     from trapetum.kernels import codebook_gemv as cg
     gen = torch.Generator(device="cuda").manual_seed(k * 7 + n)
@@ -97,7 +97,9 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v2",
             return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be)
 
         old_v = os.environ.get("TRAPETUM_GEMV_V")
-        os.environ["TRAPETUM_GEMV_V"] = "2" if be == "mma_v2" else "3"
+        if bits == 8 and be == "mma_v3":
+            continue  # 8-bit: v3 == the default
+        os.environ["TRAPETUM_GEMV_V"] = {"mma_v2": "2", "mma_v3": "3"}.get(be, "4")
         try:
             us = graph_time_us(make_q, q_bytes)
         except Exception as e:  # report, keep going
@@ -222,14 +224,14 @@ def _md(res: dict) -> str:
          f"- date: {res['date']}", f"- torch {res['torch']}, triton {res['triton']}, CUDA {res['cuda']}",
          f"- device copy bandwidth (read+write): {res['copy_GBps']:.0f} GB/s", "",
          "## GEMV, batch 1 unless noted (shape = in x out; CUDA-graph replays, weights rotated past L2, median)", "",
-         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | mma v2 us | Triton us | Triton vs cuBLAS |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | v3 us | v2 us | Triton us | Triton vs cuBLAS |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
     for r in res["gemv"]:
         L.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {f(r.get('cublas_us'), '.1f')} | {f(r.get('mma_us'), '.1f')} | "
-                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {f(r.get('mma_v2_us'), '.1f')} | {f(r.get('triton_us'), '.1f')} | "
+                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {f(r.get('mma_v3_us'), '.1f')} | {f(r.get('mma_v2_us'), '.1f')} | {f(r.get('triton_us'), '.1f')} | "
                  f"{f(r.get('triton_vs_cublas'), '.2f')}x |")
     if res.get("gate_up"):
         L += ["", "## Fused gate/up (SiLU) GEMV, 4-bit, batch 1", "", "| shape | GEMV + act_mul us | fused us | fused GB/s |", "|---|---|---|---|"]
@@ -266,7 +268,7 @@ def ncu_driver() -> int:
         codes = _rand_codes(n, k * bits // 8, gen)
         cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
         x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
-        for v in ("2", "3"):
+        for v in ("2", "3", "4"):
             os.environ["TRAPETUM_GEMV_V"] = v
             for _ in range(3):
                 cg.codebook_gemv(x, codes, cb, bits, backend="mma")
@@ -297,7 +299,7 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "") -> d
         gemv.append(bench_gemv(k, n, 8))
         print(json.dumps(gemv[-1]), flush=True)
     for m in ((2, 4, 8, 16) if not quick else (8,)):  # speculative-verify rows
-        gemv.append(bench_gemv(4096, 11008, 4, m=m, backends=("mma",)))
+        gemv.append(bench_gemv(4096, 11008, 4, m=m, backends=("mma", "mma_v3")))
         print(json.dumps(gemv[-1]), flush=True)
     res["gemv"] = gemv
     res["gate_up"] = [bench_gate_up(4096, 11008)]

@@ -8,10 +8,12 @@ Canonical weight layouts (the .cbk file keeps these; kernels read them as they a
 
 Backends (``codebook_gemv(..., backend=None)`` picks one):
   "mma"    CUDA C++ tensor-core kernel (``cuda/codebook_gemv_mma.cu``): bits 4 and 8, M <= 16,
-           in % 128 == 0 (4-bit) or in % 64 == 0 (8-bit), compute capability >= 8.0. Per-row 256-entry pair tables in shared
-           memory, replicated 4x so that a warp's lookups hit 32 distinct banks, dequantized
-           straight into mma.sync m16n8k16 operands, fp32 accumulation, fixed-order reduction.
-           Reads the canonical layout directly (no repacking). Off with TRAPETUM_TC=0.
+           in % 128 == 0 (4-bit) or in % 64 == 0 (8-bit), compute capability >= 8.0. Weights are
+           dequantized straight into mma.sync m16n8k16 operands (fp32 accumulation, fixed-order
+           reduction); 4-bit: byte-permute (PRMT) lookups from per-row codebook byte planes in
+           registers; 8-bit: per-row 256-entry tables in shared memory replicated 4x so that a
+           warp's lookups hit 32 distinct banks. Reads the canonical layout directly (no
+           repacking). Off with TRAPETUM_TC=0 (Triton then).
   "triton" Triton kernel, any bits in {2, 4, 8}, any M and shape; also runs on the CPU under
            TRITON_INTERPRET=1. fp32 accumulation, fixed reduction order, no atomics.
   "torch"  dequantize + fp32 matmul (CPU fallback when Triton cannot run).
@@ -256,7 +258,7 @@ def _load_ext():
             cpp = ("void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, "
                    "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, "
                    "int64_t variant);")
-            _EXT = load_inline(name="trapetum_cb_gemv_mma_v3", cpp_sources=cpp,
+            _EXT = load_inline(name="trapetum_cb_gemv_mma_v4", cpp_sources=cpp,
                                cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + src,
                                functions=["cb_gemv_mma"],
                                extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
@@ -278,8 +280,12 @@ def mma_available(device: torch.device | None = None) -> bool:
 
 
 def _variant() -> int:
-    """Kernel variant of the mma path (TRAPETUM_GEMV_V, for benchmarking; 3 is the default)."""
-    return 2 if os.environ.get("TRAPETUM_GEMV_V", "3") == "2" else 3
+    """Kernel variant of the mma path (TRAPETUM_GEMV_V=2|3|4, for benchmarking; default 4).
+
+    2, 3: shared-memory pair tables (NOTES-kernels.md); 4: byte-permute lookups from registers
+    (4-bit only; the 8-bit LM head always uses the v3 table kernel for variants 3 and 4)."""
+    v = os.environ.get("TRAPETUM_GEMV_V", "4")
+    return int(v) if v in ("2", "3", "4") else 4
 
 
 def _mma_shape_ok(M, K, bits):

@@ -119,6 +119,55 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
   }
 }
 
+// Fixed-order reduction of the 8 warps' partial sums through shared memory, then the epilogue.
+template <int NT, int EPI>
+__device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][4], int tid, int lane, int warp,
+                                             int row0, int M, int N, int F, int has_res,
+                                             const half* __restrict__ res, half* __restrict__ y) {
+  __syncthreads();
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) red[((warp * NT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
+  __syncthreads();
+
+  if (EPI == 0) {
+    if (tid < 16 * NT * 8) {
+      const int rr = tid & 15, m = tid >> 4;
+      const int nt = m >> 3, n = m & 7;
+      const int ln = (rr & 7) * 4 + (n >> 1);
+      const int reg = ((rr >> 3) << 1) | (n & 1);
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += red[((w * NT + nt) * 4 + reg) * 32 + ln];
+      const int row = row0 + rr;
+      if (row < N && m < M) {
+        if (has_res) s += __half2float(res[(size_t)m * N + row]);
+        y[(size_t)m * N + row] = __float2half(s);
+      }
+    }
+  } else {
+    if (tid < 8 * NT * 8) {
+      const int rr = tid & 7, m = tid >> 3;
+      const int nt = m >> 3, n = m & 7;
+      const int ln = rr * 4 + (n >> 1);
+      const int rg = n & 1, ru = 2 | (n & 1);
+      float sg = 0.0f, su = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        sg += red[((w * NT + nt) * 4 + rg) * 32 + ln];
+        su += red[((w * NT + nt) * 4 + ru) * 32 + ln];
+      }
+      const int o = blockIdx.x * 8 + rr;
+      if (o < F && m < M) {
+        const float a = (EPI == 1) ? act_silu(sg) : act_gelu_tanh(sg);
+        y[(size_t)m * F + o] = __float2half(a * su);
+      }
+    }
+  }
+}
+
+
 // EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per
 // 16-row tile; y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F.
 // V = 2: first GPU-measured version (table built from a staged codebook, x loaded inside the
@@ -243,49 +292,115 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
     }
   }
 
-  // Fixed-order reduction of the 8 warps' partial sums through shared memory.
-  __syncthreads();
-  float* red = reinterpret_cast<float*>(smem);  // [warp][nt][reg][lane]
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) red[((warp * NT + nt) * 4 + r) * 32 + lane] = acc[nt][r];
-  __syncthreads();
+  __syncthreads();  // every warp is done with the table: reuse it for the reduction
+  reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
+}
 
-  if (EPI == 0) {
-    if (tid < 16 * NT * 8) {
-      const int rr = tid & 15, m = tid >> 4;
-      const int nt = m >> 3, n = m & 7;
-      const int ln = (rr & 7) * 4 + (n >> 1);
-      const int reg = ((rr >> 3) << 1) | (n & 1);
-      float s = 0.0f;
+// ---------------------------------------------------------------------------------------------
+// V = 4 (4-bit only): no shared-memory table. Each lane keeps the 16-entry codebooks of its two
+// rows as byte planes in registers (low bytes L[4], high bytes H[4]: 8 registers per row) and
+// dequantizes 4 weights (one 16-bit piece = 4 nibbles) with byte permutes:
+//   s7 = v & 0x7777                    byte index inside each 8-entry half
+//   sf = ((v >> 1) & 0x4444) | 0x3210  per output byte: take half 0 or half 1 (bit 3 of the nibble)
+//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf); hi likewise from H
+//   A-operand pairs = PRMT(lo, hi, 0x5140), PRMT(lo, hi, 0x7362)
+// 11 ALU instructions per 4 weights and no shared-memory traffic: the V3 kernel was bound by the
+// L1/shared-memory pipe (ncu: L1/TEX 83%, MIO-queue stalls), this one by instruction issue.
+// Raw PTX prmt: selectors here never set bit 3, and going around __byte_perm keeps nvcc from
+// re-masking every selector (it emits an extra LOP3 per __byte_perm with a run-time selector).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// s7 / sf: selectors of one 16-bit piece (see above), computed for both pieces of a word at once.
+__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
+                                     uint32_t& p01, uint32_t& p23) {
+  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
+  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
+  p01 = __byte_perm(lo, hi, 0x5140);
+  p23 = __byte_perm(lo, hi, 0x7362);
+}
+
+__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
+  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
+  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += red[((w * NT + nt) * 4 + reg) * 32 + ln];
-      const int row = row0 + rr;
-      if (row < N && m < M) {
-        if (has_res) s += __half2float(res[(size_t)m * N + row]);
-        y[(size_t)m * N + row] = __float2half(s);
-      }
-    }
-  } else {
-    if (tid < 8 * NT * 8) {
-      const int rr = tid & 7, m = tid >> 3;
-      const int nt = m >> 3, n = m & 7;
-      const int ln = rr * 4 + (n >> 1);
-      const int rg = n & 1, ru = 2 | (n & 1);
-      float sg = 0.0f, su = 0.0f;
+  for (int q = 0; q < 4; ++q) {
+    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
+    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void compute_chunk_prmt(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
+                                                   const uint32_t (&LA)[4], const uint32_t (&HA)[4],
+                                                   const uint32_t (&LB)[4], const uint32_t (&HB)[4],
+                                                   const uint32_t (&xw)[NT][16]) {
+  const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
+  const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
+  uint32_t base;  // 0x32103210 kept in a register so that sf is one LOP3: (w >> 1 & 0x44..) | base
+  asm("mov.b32 %0, 0x32103210;" : "=r"(base));
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        sg += red[((w * NT + nt) * 4 + rg) * 32 + ln];
-        su += red[((w * NT + nt) * 4 + ru) * 32 + ln];
-      }
-      const int o = blockIdx.x * 8 + rr;
-      if (o < F && m < M) {
-        const float a = (EPI == 1) ? act_silu(sg) : act_gelu_tanh(sg);
-        y[(size_t)m * F + o] = __float2half(a * su);
-      }
+  for (int i = 0; i < 4; ++i) {  // word i holds tiles 2i (low 16 bits) and 2i+1 (high 16 bits)
+    const uint32_t a7 = wa4[i] & 0x77777777u, af = ((wa4[i] >> 1) & 0x44444444u) | base;
+    const uint32_t b7 = wb4[i] & 0x77777777u, bf = ((wb4[i] >> 1) & 0x44444444u) | base;
+#pragma unroll
+    for (int half_ = 0; half_ < 2; ++half_) {
+      const int j = 2 * i + half_;
+      const int sh = 16 * half_;
+      uint32_t A[4];
+      lut4(a7 >> sh, af >> sh, LA, HA, A[0], A[2]);
+      lut4(b7 >> sh, bf >> sh, LB, HB, A[1], A[3]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, xw[nt][2 * j], xw[nt][2 * j + 1]);
     }
   }
+}
+
+template <int NT, int EPI>
+__global__ void __launch_bounds__(kThreads, 2)
+cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
+                    const half* __restrict__ cb, const half* __restrict__ res,
+                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
+  __shared__ float red[kWarps * NT * 4 * 32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 16;
+  const int ra = min(row0 + g, N - 1), rb = min(row0 + g + 8, N - 1);
+  const uint8_t* pa = codes + (size_t)ra * KB + t * 16;
+  const uint8_t* pb = codes + (size_t)rb * KB + t * 16;
+  const int nchunks = (KB + 63) >> 6;
+  auto load = [&](int c, uint4& qa, uint4& qb) {
+    const int cc = min(c, nchunks - 1);
+    qa = ld_stream(pa + cc * 64);
+    qb = ld_stream(pb + cc * 64);
+  };
+  uint4 qa0, qb0, qa1, qb1;
+  load(warp, qa0, qb0);
+  load(warp + kWarps, qa1, qb1);
+  uint32_t LA[4], HA[4], LB[4], HB[4];
+  load_planes(cb, ra, LA, HA);
+  load_planes(cb, rb, LB, HB);
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  const int offt = t * 16;
+  uint32_t xw0[NT][16], xw1[NT][16];
+  load_x<4, NT>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
+  for (int c = warp; c < nchunks; c += 2 * kWarps) {  // two chunks per step: x ping-pongs
+    uint4 qa2, qb2, qa3, qb3;
+    load(c + 2 * kWarps, qa2, qb2);
+    load_x<4, NT>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
+    compute_chunk_prmt<NT>(acc, qa0, qb0, LA, HA, LB, HB, xw0);
+    load(c + 3 * kWarps, qa3, qb3);
+    load_x<4, NT>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
+    if (c + kWarps < nchunks) compute_chunk_prmt<NT>(acc, qa1, qb1, LA, HA, LB, HB, xw1);
+    qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
+  }
+  reduce_store<NT, EPI>(red, acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
 }
 
 }  // namespace trapetum_mma
@@ -295,6 +410,8 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<2, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 2>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
@@ -320,6 +437,19 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
   }
   const int grid = (N + 15) / 16;
   kern<<<grid, kThreads, smem_bytes, stream>>>(
+      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
+      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
+      reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
+      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int NT, int EPI>
+static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
+                        const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
+                        int has_res, int F, cudaStream_t stream) {
+  const int grid = (N + 15) / 16;
+  cb_gemv_prmt_kernel<NT, EPI><<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
       reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
@@ -353,12 +483,23 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  TORCH_CHECK(variant == 2 || variant == 3, "variant");
-  if (bits == 4 && variant == 3)
+  TORCH_CHECK(variant >= 2 && variant <= 4, "variant");
+  if (bits == 4 && variant == 4) {
+    const int F = (int)f, hr = (int)has_res;
+    if (M <= 8) {
+      if (epi == 0) trapetum_mma::launch_prmt<1, 0>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+      else if (epi == 1) trapetum_mma::launch_prmt<1, 1>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+      else trapetum_mma::launch_prmt<1, 2>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+    } else {
+      if (epi == 0) trapetum_mma::launch_prmt<2, 0>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+      else if (epi == 1) trapetum_mma::launch_prmt<2, 1>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+      else trapetum_mma::launch_prmt<2, 2>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+    }
+  } else if (bits == 4 && variant == 3)
     trapetum_mma::dispatch_nt_epi<4, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
   else if (bits == 4)
     trapetum_mma::dispatch_nt_epi<4, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
-  else if (variant == 3)
+  else if (variant >= 3)  // the 8-bit LM head keeps the shared-memory table (256 entries)
     trapetum_mma::dispatch_nt_epi<8, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
   else
     trapetum_mma::dispatch_nt_epi<8, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
