@@ -148,16 +148,24 @@ def _kmeans_chunk(W: torch.Tensor, K: int, w: torch.Tensor | None, iters: int, s
     n_distinct = new_val.sum(1)
     exact_rows = n_distinct <= K
 
-    best_c, best_obj, first_hist = None, None, []
-    for start in starts:
-        c = _init(start, xs, P0, K)
-        c, obj, hist = _lloyd(c, pre, iters, track)
-        if best_c is None:
-            best_c, best_obj, first_hist = c, obj, hist
-        else:
-            better = obj < best_obj
-            best_c = torch.where(better.unsqueeze(1), c, best_c)
-            best_obj = torch.minimum(obj, best_obj)
+    best_c = torch.zeros(R, K, dtype=torch.float64, device=W.device)
+    first_hist: list[float] = []
+    todo = (~exact_rows).nonzero().squeeze(1)  # rows that need Lloyd at all
+    if todo.numel():
+        sub = tuple(t[todo] for t in pre)
+        best_obj = None
+        for start in starts:
+            c = _init(start, sub[0], sub[3], K)
+            c, obj, hist = _lloyd(c, sub, iters, track)
+            if best_obj is None:
+                best_sub, best_obj, first_hist = c, obj, hist
+            else:
+                better = obj < best_obj
+                best_sub = torch.where(better.unsqueeze(1), c, best_sub)
+                best_obj = torch.minimum(obj, best_obj)
+        best_c[todo] = best_sub
+    elif track:
+        first_hist = [0.0] * (iters + 1)
     if exact_rows.any():
         rows = exact_rows.nonzero().squeeze(1)
         xe, ne = xs[rows], new_val[rows]
