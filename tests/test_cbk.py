@@ -272,6 +272,7 @@ def test_sigkill_during_write_is_atomic(tmp_path):
     finally:
         server.stdin.close()
         server.wait(10)
+        server.stdout.close()
     print(f"write {write_time * 1000:.0f} ms; outcomes {outcomes}")
     assert outcomes["absent"] >= 5 and outcomes["new"] >= 5, outcomes  # kills landed on both sides
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.cbk"]

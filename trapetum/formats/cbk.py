@@ -820,6 +820,11 @@ class CbkFile:
         """Close the file; tensors already read stay valid (each holds its own map)."""
         self._f.close()
 
+    def __del__(self) -> None:
+        f = getattr(self, "_f", None)
+        if f is not None:
+            f.close()
+
     def __enter__(self) -> "CbkFile":
         return self
 
