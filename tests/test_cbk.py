@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cbk_helpers import join_file, split_file, tiny_config, tiny_model, tiny_tokenizer
+from cbk_helpers import codebook_record, join_file, split_file, tiny_config, tiny_model, tiny_tokenizer
 from trapetum import cli
 from trapetum.errors import FormatError
 from trapetum.formats.cbk import (CbkWriter, QuantSpec, TensorSpec, load_cbk, open_cbk, size_breakdown,
@@ -362,3 +362,21 @@ def test_rewritten_by_safetensors_or_reordered_still_valid(tmp_path):
         assert all(same(cbk.tensor(n), t) for n, t in dense.items())
         assert all(same(cbk.record(q).tensors[r], t) for r, t in quantized[q].tensors.items())
     assert open_cbk(reordered).tensors_table["model.embed_tokens.weight"].begin % 2 == 1
+
+
+def test_writer_refuses_bad_arguments(tmp_path):
+    cfg, dense, quantized = tiny_model()
+    path = tmp_path / "m.cbk"
+    with pytest.raises(ValueError, match="recipe is not plain JSON"):
+        write_cbk(path, config=cfg, dense=dense, quantized=quantized, recipe={"x": float("nan")})
+    with pytest.raises(ValueError, match="declared twice"):  # a quantized layer's bias also given dense
+        bias = {"model.layers.0.self_attn.q_proj.bias": torch.zeros(32)}
+        q = dict(quantized)
+        q["model.layers.0.self_attn.q_proj.weight"] = codebook_record((32, 32), bias=True)
+        write_cbk(path, config=tiny_config(qkv_bias=True), dense={**dense, **bias}, quantized=q)
+    with pytest.raises(ValueError, match="bad tensor role"):
+        w = CbkWriter(path, config=cfg)
+        w.declare_quantized("model.layers.0.self_attn.q_proj.weight",
+                            QuantSpec("codebook", (32, 32), {}, {"bias": TensorSpec("F16", (32,))}))
+    w.abort()
+    assert _listing(tmp_path) == []

@@ -260,14 +260,14 @@ class CbkWriter:
                  recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None):
         self.path = Path(path)
         self.config = config
-        self.meta: dict[str, Any] = {
-            "format": FORMAT_NAME, "version": VERSION, "config": config.to_dict(),
-            "tokenizer": tokenizer.to_dict() if tokenizer is not None else None,
-            "generation": dict(generation) if generation else None,
-            "layers": {}, "dense": [], "recipe": dict(recipe) if recipe is not None else None,
-            "provenance": {"tool_version": __version__,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **(provenance or {})},
-            "checksum": "sha256", "checksums": {}}
+        prov = {"tool_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **(provenance or {})}
+        self.meta: dict[str, Any] = {  # JSON copies: later changes to the arguments cannot reach the file
+            "format": FORMAT_NAME, "version": VERSION, "config": self._plain(config.to_dict(), "config"),
+            "tokenizer": self._plain(tokenizer.to_dict(), "tokenizer") if tokenizer is not None else None,
+            "generation": self._plain(generation, "generation") if generation else None,
+            "layers": {}, "dense": [], "recipe": self._plain(recipe, "recipe") if recipe is not None else None,
+            "provenance": self._plain(prov, "provenance"), "checksum": "sha256", "checksums": {}}
         self.specs: dict[str, TensorSpec] = {}  # stored name -> spec, in declaration order
         self._layers: dict[str, LayerEntry] = {}
         self._rel: dict[str, tuple[int, int]] = {}  # stored name -> [begin, end) within the data
@@ -278,6 +278,12 @@ class CbkWriter:
         self._header_len = 0
         self._done = False
         self._committed = False
+
+    def _plain(self, x: Any, what: str) -> Any:
+        try:
+            return json.loads(json.dumps(x, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot write {self.path}: {what} is not plain JSON ({_one_line(e, 120)})") from None
 
     # -- declarations --------------------------------------------------------------------------
     def _add(self, stored: str, spec: TensorSpec) -> None:
@@ -313,8 +319,9 @@ class CbkWriter:
             bias = f"{prefix}.bias"
             self._add(bias, spec.bias)
         shape = tuple(int(d) for d in spec.shape)
-        self._layers[name] = LayerEntry(name, spec.scheme, shape, dict(spec.params), roles, bias)
-        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(shape), "params": dict(spec.params),
+        params = self._plain(spec.params, f"params of {name}")
+        self._layers[name] = LayerEntry(name, spec.scheme, shape, params, roles, bias)
+        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(shape), "params": params,
                                      "tensors": roles, "bias": bias}
 
     # -- writing -------------------------------------------------------------------------------
@@ -331,14 +338,7 @@ class CbkWriter:
         return raw + b" " * (-len(raw) % 8)
 
     def _begin(self) -> None:
-        try:
-            self.config.validate(f"cannot write {self.path}: config")
-            if self.meta["tokenizer"] is not None:
-                json.dumps(self.meta["tokenizer"])
-            json.dumps([self.meta["config"], self.meta["recipe"], self.meta["provenance"], self.meta["generation"],
-                        self.meta["layers"]], allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"cannot write {self.path}: metadata is not plain JSON ({e})") from None
+        self.config.validate(f"cannot write {self.path}: config")
 
         def fail(msg: str) -> None:
             raise ValueError(f"cannot write {self.path}: {msg}")
@@ -392,10 +392,10 @@ class CbkWriter:
             raise ValueError(f"{name!r} was not declared quantized")
         if (record.scheme, tuple(record.shape)) != (layer.scheme, layer.shape) or set(record.tensors) != set(layer.tensors):
             raise ValueError(f"record for {name!r} does not match its declaration")
-        for role, t in record.tensors.items():
-            self._put(layer.tensors[role], t)
         if (record.bias is None) != (layer.bias is None):
             raise ValueError(f"record for {name!r}: bias presence does not match its declaration")
+        for role, t in record.tensors.items():
+            self._put(layer.tensors[role], t)
         if record.bias is not None:
             self._put(layer.bias, record.bias)
 
@@ -410,7 +410,8 @@ class CbkWriter:
             if missing:
                 raise ValueError(f"cannot write {self.path}: tensor {missing[0]!r} was declared but not written")
             header = self._header()
-            assert len(header) == self._header_len, "header length changed"
+            if len(header) != self._header_len:  # cannot happen: digests have a fixed length
+                raise RuntimeError(f"cannot write {self.path}: header length changed while writing")
             self._file.seek(0)
             self._file.write(struct.pack("<Q", len(header)) + header)
             self._file.flush()
