@@ -167,10 +167,11 @@ def format_label(scheme: str, params: Mapping[str, Any]) -> str:
     return f"{scheme}-{layout}" if isinstance(layout, str) else scheme
 
 
-def _header_digest(trapetum_text: str, table: Mapping[str, tuple[str, tuple[int, ...]]]) -> str:
+def _header_digest(trapetum_text: str, table: Mapping[str, tuple], with_offsets: bool = False) -> str:
     """Hash of the metadata and each tensor's name, dtype and shape. Offsets are left out: a tool that
-    rewrites the file with its tensors in another order (safetensors' save_file) keeps it valid."""
-    rows = [[n, d, list(s)] for n, (d, s, *_) in sorted(table.items())]
+    rewrites the file with its tensors in another order (safetensors' save_file) keeps it valid.
+    (``with_offsets``: the form written before 2026-11-30 02:07 UTC, still accepted on read.)"""
+    rows = [[n, d, list(s), *(x[:2] if with_offsets else [])] for n, (d, s, *x) in sorted(table.items())]
     blob = json.dumps([trapetum_text, rows], ensure_ascii=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
 
@@ -518,21 +519,16 @@ class CbkFile:
             self._f = open(self.path, "rb")  # kept open: tensors are mapped from this very file
             self.file_bytes = os.fstat(self._f.fileno()).st_size
             self._read_header(self._f)
-        except BaseException:
+        except BaseException as e:
             if self._f is not None:
                 self._f.close()
-            self._open_failed()
+            if isinstance(e, FileNotFoundError):
+                self._fail("no such file")
+            if isinstance(e, IsADirectoryError):
+                self._fail("is a directory, not a .cbk file")
+            if isinstance(e, OSError):
+                self._fail(f"cannot read ({_one_line(e.strerror or e, 80)})")
             raise
-
-    def _open_failed(self) -> None:
-        import sys
-        e = sys.exc_info()[1]
-        if isinstance(e, FileNotFoundError):
-            self._fail("no such file")
-        if isinstance(e, IsADirectoryError):
-            self._fail("is a directory, not a .cbk file")
-        if isinstance(e, OSError):
-            self._fail(f"cannot read ({_one_line(e.strerror or e, 80)})")
 
     def _fail(self, msg: str) -> None:
         raise FormatError(f"{self.path}: {msg}")
@@ -633,7 +629,8 @@ class CbkFile:
             raise FormatError(f"{self.path} has .cbk version {version}; this build reads version {VERSION}")
         table = {n: (t.dtype, t.shape, t.begin - self.header_bytes, t.end - self.header_bytes)
                  for n, t in self.tensors_table.items()}
-        if md.get("trapetum_sha256") != _header_digest(md["trapetum"], table):
+        if md.get("trapetum_sha256") not in (_header_digest(md["trapetum"], table),
+                                             _header_digest(md["trapetum"], table, with_offsets=True)):
             fail("metadata checksum mismatch: the header was edited or is corrupt")
         for key in ("config", "layers", "dense", "checksums"):
             if key not in meta:
