@@ -9,6 +9,8 @@ SmolLM2 runs in CI; Gemma-3 and Qwen2.5 are marked slow.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,6 +25,7 @@ PROMPTS = {
     "gemma3": "The three primary colors are",  # its GGUF carries no chat template
 }
 N_NEW = 16
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the repo
 
 
 @torch.inference_mode()
@@ -69,3 +72,25 @@ def test_gemma3_logits_and_greedy():
 @pytest.mark.slow
 def test_qwen25_logits_and_greedy():
     check_model("qwen25")
+
+
+@pytest.mark.slow
+def test_gemma3_long_prompt_past_sliding_window():
+    """A prompt longer than Gemma-3's 512-token window: sliding layers must mask, global ones not."""
+    import trapetum
+
+    path = require("gemma3")
+    if not (DATA / "tinyshakespeare" / "input.txt").is_file():
+        pytest.skip(f"{DATA}/tinyshakespeare/input.txt is not there")
+    text = open(DATA / "tinyshakespeare" / "input.txt", encoding="utf-8").read()[:4000]
+    ours = trapetum.load(path)
+    ids = ours.encode(text)[:700]
+    assert len(ids) > 512 + 100
+    ref = hf_reference("gemma3", "model")
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    got = ours.logits(ids)
+    rel = float((got - want).norm() / want.norm())
+    tail = float((got[512:] - want[512:]).norm() / want[512:].norm())
+    print(f"gemma3 long prompt: {len(ids)} tokens, logits rel err {rel:.2e} (positions >= 512: {tail:.2e})")
+    assert rel <= 1e-3 and tail <= 1e-3
