@@ -356,7 +356,7 @@ class CbkWriter:
         start = 8 + self._header_len
         self._offsets = {n: (start + b, start + e) for n, (b, e) in self._rel.items()}
         directory = self.path.parent
-        name = f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        name = f".{self.path.name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # within NAME_MAX
         self._tmp = directory / name
         self._file = open(self._tmp, "xb")
 
