@@ -68,6 +68,8 @@ def test_chat_fields_parsed():
     ({"logprobs": True}, "logprobs"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"model": 7}, "model"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"stop": ["\udfff"]}, "stop"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_completion_tokens"),
 ])
 def test_chat_rejections(kw, param):
@@ -84,6 +86,7 @@ def test_completion_prompt_forms():
     rejects(lambda: P.parse_completion_request({"prompt": [1, -2]}), "prompt")
     rejects(lambda: P.parse_completion_request({"prompt": {"a": 1}}), "prompt")
     rejects(lambda: P.parse_completion_request({"prompt": "x", "echo": True}), "echo")
+    rejects(lambda: P.parse_completion_request(P.parse_json_body(b'{"prompt": "\\ud800"}')), "prompt")
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b"\xff\xfe", b'{"a": NaN}', b"null", b"[" * 100000])

@@ -77,6 +77,8 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 10 ** 12}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": [1, 10 ** 9]}).encode(), 400, "prompt"),
     ("/v1/completions", json.dumps({"prompt": []}).encode(), 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400, "messages[0].content"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e999}', 400, "max_tokens"),
 ]
 

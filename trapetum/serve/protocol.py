@@ -158,6 +158,16 @@ def get_str(body: dict, name: str) -> str | None:
     return v
 
 
+def text_ok(name: str, s: str) -> str:
+    """JSON may carry lone UTF-16 surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(name, f"Invalid value for '{name}': the text holds an unpaired UTF-16 surrogate "
+                      "escape; it is not valid Unicode.") from None
+    return s
+
+
 def get_stop(body: dict) -> list[str]:
     v = body.get("stop")
     if v is None:
@@ -170,7 +180,7 @@ def get_stop(body: dict) -> list[str]:
         raise invalid("stop", f"Invalid value for 'stop': at most {MAX_STOP} sequences, got {len(v)}.")
     if any(s == "" for s in v):
         raise invalid("stop", "Invalid value for 'stop': stop sequences must not be empty.")
-    return v
+    return [text_ok("stop", s) for s in v]
 
 
 # ----------------------------------------------------------------------------- requests
@@ -290,7 +300,7 @@ _ROLES = ("system", "developer", "user", "assistant")
 def _message_text(i: int, content: Any) -> str:
     name = f"messages[{i}].content"
     if isinstance(content, str):
-        return content
+        return text_ok(name, content)
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
@@ -302,7 +312,7 @@ def _message_text(i: int, content: Any) -> str:
             text = part.get("text")
             if not isinstance(text, str):
                 raise _type_error(f"{name}[{j}].text", "a string", text)
-            parts.append(text)
+            parts.append(text_ok(f"{name}[{j}].text", text))
         return "".join(parts)
     raise _type_error(name, "a string or an array of content parts", content)
 
@@ -350,6 +360,8 @@ def parse_completion_request(body: dict) -> CompletionRequest:
             raise _type_error("prompt", "a string, or an array of non-negative token ids", p)
     elif not isinstance(p, str):
         raise _type_error("prompt", "a string or an array of token ids", p)
+    else:
+        text_ok("prompt", p)
     if get_bool(body, "echo"):
         raise invalid("echo", "Unsupported parameter 'echo': prompts are not echoed by this server.",
                       "unsupported_parameter")
