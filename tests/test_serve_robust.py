@@ -275,3 +275,28 @@ def test_health_503_while_loading_and_loopback_only():
         assert listening and all(row[1].startswith("0100007F:") for row in listening), listening
     finally:
         srv.stop()
+
+
+FUZZ_VALUES = [None, True, False, 0, -1, 1.5, 1e308, -1e308, "x", "", [], {}, [1], ["a"], {"a": 1},
+               [{"role": "user"}], "\u0000", 2 ** 70]
+FUZZ_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+               "stop", "seed", "stream_options", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+               "frequency_penalty", "logprobs", "response_format", "ignore_eos", "user", "tools", "prompt", "echo"]
+
+
+def test_fuzzed_fields_never_500(fake):
+    """Every field set to every JSON type: a 200 or an OpenAI-shaped 4xx, never a 500."""
+    seen = set()
+    with httpx.Client(timeout=30) as c:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for field in FUZZ_FIELDS:
+                for v in FUZZ_VALUES:
+                    body = {"messages": MSG, "prompt": "hi", "max_tokens": 1, field: v}
+                    r = c.post(fake.url + path, json=body)
+                    seen.add(r.status_code)
+                    if r.status_code != 200:
+                        assert 400 <= r.status_code < 500, (path, field, v, r.status_code, r.text)
+                        assert_openai_error(r, r.status_code)
+                    elif body.get("stream") is True:
+                        assert r.text.rstrip().endswith("data: [DONE]")
+    assert fake.health()[0] == 200 and {200, 400} <= seen
