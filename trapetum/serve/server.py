@@ -99,6 +99,8 @@ class Registry:
             with self.lock:
                 self.owner[name] = w
                 self.info[name] = info
+        print(f"trapetum: ready: {', '.join(w.models)} ({w.name}, loaded in {w.load_s:.1f} s)",
+              flush=True)
 
 
 def _model_info(m) -> dict:

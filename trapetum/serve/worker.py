@@ -92,6 +92,7 @@ class Worker:
         self.models: dict[str, Any] = {}
         self.state = "loading"          # loading | ready | failed | stopped
         self.error: str | None = None
+        self.load_s = 0.0               # seconds spent loading models
         self.on_ready: Callable[["Worker"], None] | None = None
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -139,7 +140,9 @@ class Worker:
             if self.init is not None:
                 self.init()
             for load in self.loaders:
+                t0 = time.perf_counter()
                 alias, m = load()
+                self.load_s += time.perf_counter() - t0
                 want = alias or getattr(m, "name", None) or "model"
                 name = self.claim(want) if self.claim else _unique(want, self.models)
                 self.models[name] = m
