@@ -196,3 +196,26 @@ def test_worker_load_failure_is_reported():
     w.start()
     wait_state(w, "failed")
     assert "no such model" in w.error
+
+
+def test_models_on_two_devices_get_two_engines():
+    from starlette.testclient import TestClient
+
+    from trapetum.serve.server import ModelSpec, create_app
+
+    specs = [ModelSpec(alias="a", device="dev0", loader=lambda: F.FakeModel(name="x", token_delay=0.01)),
+             ModelSpec(alias="b", device="dev1", loader=lambda: F.FakeModel(name="x", token_delay=0.01)),
+             ModelSpec(alias="a", device="dev0", loader=lambda: F.FakeModel(name="x", token_delay=0.01))]
+    with TestClient(create_app(specs)) as c:
+        t0 = time.time()
+        while c.get("/health").status_code != 200:
+            assert time.time() - t0 < 10
+            time.sleep(0.02)
+        h = c.get("/health").json()
+        assert len(h["engines"]) == 2 and h["models"] == ["a", "b", "a-2"]
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["a", "b", "a-2"]
+        for name in ("a", "b", "a-2"):
+            r = c.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["model"] == name
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})      # no model: the first
+        assert r.json()["model"] == "a"

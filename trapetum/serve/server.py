@@ -77,7 +77,8 @@ class Registry:
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.names: list[str] = []
+        self.names: list[str] = []          # claimed so far
+        self.order: dict[str, int] = {}     # name -> position of its MODEL argument
         self.owner: dict[str, Worker] = {}
         self.info: dict[str, dict] = {}
 
@@ -88,6 +89,22 @@ class Registry:
                 name, i = f"{want}-{i}", i + 1
             self.names.append(name)
             return name
+
+    def loader(self, i: int, spec: ModelSpec, reserved: str | None) -> Callable[[], tuple[str, Any]]:
+        """Load ``spec`` and name it: its alias (claimed up front, so aliases never depend on which
+        engine finishes first) or the model's own name made unique."""
+        def load():
+            _, m = spec.load()
+            name = reserved or self.claim(getattr(m, "name", None) or "model")
+            with self.lock:
+                self.order[name] = i
+            return name, m
+        return load
+
+    def listed(self) -> list[str]:
+        """Ready models in command-line order."""
+        with self.lock:
+            return sorted((n for n in self.names if n in self.owner), key=lambda n: self.order.get(n, 1 << 30))
 
     def ready(self, w: Worker) -> None:
         try:    # import once here, on the engine thread, not in the first request's handler
@@ -200,16 +217,17 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
     if not specs:
         specs = [ModelSpec()]
     registry = Registry()
-    groups: dict[str, list[ModelSpec]] = {}
-    for s in specs:
-        groups.setdefault(s.device or "default", []).append(s)
+    groups: dict[str, list] = {}
+    for i, s in enumerate(specs):
+        reserved = registry.claim(s.alias) if s.alias else None
+        groups.setdefault(s.device or "default", []).append(registry.loader(i, s, reserved))
     init = None
     if threads is not None:
         def init():
             import torch
             torch.set_num_threads(threads)
-    workers = [Worker([s.load for s in g], max_waiting=max_waiting, name=f"engine-{dev}", claim=registry.claim,
-                      init=init) for dev, g in groups.items()]
+    workers = [Worker(g, max_waiting=max_waiting, name=f"engine-{dev}", claim=lambda n: n, init=init)
+               for dev, g in groups.items()]
     for w in workers:
         w.on_ready = registry.ready
 
@@ -272,8 +290,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
 
     def resolve(name: str | None) -> tuple[str, Worker, Any]:
         if name is None or name == "":
-            with registry.lock:
-                ready = [n for n in registry.names if n in registry.owner]
+            ready = registry.listed()
             if not ready:
                 raise loading_error()
             name = ready[0]
@@ -282,7 +299,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
             if any(x.state == "loading" for x in workers):
                 raise loading_error()
             raise APIError(404, f"The model '{name}' does not exist. Served models: "
-                           f"{', '.join(registry.owner) or 'none'}.", param="model", code="model_not_found")
+                           f"{', '.join(registry.listed()) or 'none'}.", param="model", code="model_not_found")
         return name, w, w.models[name]
 
     async def read_body(request: Request) -> dict:
@@ -424,7 +441,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         snaps = [w.snapshot() for w in workers]
         states = {s["state"] for s in snaps}
         status = "ok" if states == {"ready"} else ("error" if "failed" in states else "loading")
-        body = {"status": status, "models": list(registry.owner), "engines": snaps}
+        body = {"status": status, "models": registry.listed(), "engines": snaps}
         if status == "error":
             body["error"] = next(w.error for w in workers if w.state == "failed")
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -432,8 +449,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
     @app.get("/v1/models")
     async def list_models(request: Request):
         check_auth(request)
-        with registry.lock:
-            names = [n for n in registry.names if n in registry.owner]
+        names = registry.listed()
         return {"object": "list", "data": [P.model_object(n, created, {"info": registry.info[n]}) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")
