@@ -237,6 +237,8 @@ def _md(res: dict) -> str:
         L += ["", "## Fused gate/up (SiLU) GEMV, 4-bit, batch 1", "", "| shape | GEMV + act_mul us | fused us | fused GB/s |", "|---|---|---|---|"]
         for r in res["gate_up"]:
             L.append(f"| {r['shape']} | {r['separate_us']:.1f} | {r['fused_us']:.1f} | {r['fused_GBps']:.0f} |")
+    if not res["attention"]:
+        return "\n".join(L) + "\n"
     L += ["", "## Decode attention (cache 4096 positions, length tensor on device)", "",
           "| heads (q/kv x D) | length | split-KV us | split GB/s | sequential us |", "|---|---|---|---|---|"]
     for r in res["attention"]:
@@ -252,10 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     p.add_argument("--ncu-driver", action="store_true", help="a few eager GEMV launches to profile under ncu")
+    p.add_argument("--only", choices=["all", "gemv"], default="all", help="gemv: GEMV tables only")
+    p.add_argument("--backends", default="mma,mma_v3,mma_v2,triton",
+                   help="comma list of GEMV backends to time (mma = default variant)")
     a = p.parse_args(argv)
     if a.ncu_driver:
         return ncu_driver()
-    res = run_all(a.out, quick=a.quick, command="python -m trapetum.eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
+    res = run_all(a.out, quick=a.quick, only=a.only, backends=tuple(a.backends.split(",")),
+                  command="python -m trapetum.eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(res["markdown"])
     return 0
 
@@ -281,7 +287,8 @@ BENCH_4BIT = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (14336,
 BENCH_8BIT = [(4096, 32000)]
 
 
-def run_all(out_dir: str | None, *, quick: bool = False, command: str = "") -> dict:
+def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only: str = "all",
+            backends: tuple = ("mma", "mma_v3", "mma_v2", "triton")) -> dict:
     """Run every benchmark; write kernels.json / kernels.md under out_dir; return the results."""
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels: needs a CUDA GPU")
@@ -293,15 +300,18 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "") -> d
     shapes4 = BENCH_4BIT[:2] if quick else BENCH_4BIT
     gemv = []
     for k, n in shapes4:
-        gemv.append(bench_gemv(k, n, 4))
+        gemv.append(bench_gemv(k, n, 4, backends=backends))
         print(json.dumps(gemv[-1]), flush=True)
     for k, n in BENCH_8BIT:
-        gemv.append(bench_gemv(k, n, 8))
+        gemv.append(bench_gemv(k, n, 8, backends=backends))
         print(json.dumps(gemv[-1]), flush=True)
     for m in ((2, 4, 8, 16) if not quick else (8,)):  # speculative-verify rows
         gemv.append(bench_gemv(4096, 11008, 4, m=m, backends=("mma", "mma_v3")))
         print(json.dumps(gemv[-1]), flush=True)
     res["gemv"] = gemv
+    res["gate_up"], res["attention"], res["fused"] = [], [], []
+    if only == "gemv":
+        return _finish(res, out_dir)
     res["gate_up"] = [bench_gate_up(4096, 11008)]
     att = []
     for hq, hkv, d in ((32, 32, 128), (32, 8, 128)):
@@ -310,6 +320,10 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "") -> d
             print(json.dumps(att[-1]), flush=True)
     res["attention"] = att
     res["fused"] = bench_fused()
+    return _finish(res, out_dir)
+
+
+def _finish(res: dict, out_dir: str | None) -> dict:
     res["markdown"] = _md(res)
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
