@@ -30,10 +30,19 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data
 
 @torch.inference_mode()
 def ref_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Greedy continuation by full recomputation (no cache API, so no version-specific arguments)."""
+    """Greedy continuation with transformers' KV cache (argument named ``cache`` in transformers >= 5.x,
+    ``past_key_values`` before); EOS is not special here, as with ignore_eos on our side."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(torch.tensor([ids]), use_cache=True)
     new: list[int] = []
     for _ in range(n):
-        new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+        new.append(int(out.logits[0, -1].argmax()))
+        past = getattr(out, name, None)
+        if past is None:
+            past = out.past_key_values
+        out = model(torch.tensor([new[-1:]]), use_cache=True, **{name: past})
     return new
 
 
