@@ -116,7 +116,7 @@ def test_smollm2_known_ids():
     assert ours.bos_token == "<|im_start|>" and ours.eos_tokens[0] == "<|im_end|>"
 
 
-def _spm_gguf(tmp_path, add_space_prefix=None):
+def _spm_gguf(tmp_path, add_space_prefix=None, arch="llama"):
     """A tiny llama-arch GGUF with a SentencePiece (llama) vocabulary, as Llama-2/Mistral files have."""
     import gguf
 
@@ -136,22 +136,23 @@ def _spm_gguf(tmp_path, add_space_prefix=None):
     if add_space_prefix is not None:
         tok["tokenizer.ggml.add_space_prefix"] = (add_space_prefix, gguf.GGUFValueType.BOOL)
     V = len(tokens)
-    return write_gguf(tmp_path / "spm.gguf", "llama", hf_tensors("llama", V=V), V=V, tokenizer=tok,
+    return write_gguf(tmp_path / "spm.gguf", arch, hf_tensors(arch, V=V), V=V, tokenizer=tok,
                       meta_over={"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
                                  "tokenizer.ggml.unknown_token_id": 0})
 
 
-def test_sentencepiece_vocab_agrees(tmp_path):
-    """Llama-2-style vocabulary (scores, byte fallback, no merges): same tokenizer as transformers builds."""
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_sentencepiece_vocab_agrees(tmp_path, arch):
+    """Llama-2 / Phi-3 style vocabulary (scores, byte fallback, no merges): same tokenizer as transformers."""
     from trapetum.formats.gguf import load_gguf
 
-    path = _spm_gguf(tmp_path)
+    path = _spm_gguf(tmp_path, arch=arch)
     ours = load_gguf(path).tokenizer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert ours.tk.to_str() == ref.backend_tokenizer.to_str()
-    for text in ["the quick brown fox", " hello  world", "Hello World! ünïcode 😀", "<s>the</s> dog", "", " ",
+    for text in ["the quick brown fox", " hello  world", "  two", "x <s> y", "Hello World! ünïcode 😀", "<s>the</s> dog", "", " ",
                  "the\nlazy\tdog", "<unk> x"]:
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)

@@ -110,7 +110,7 @@ def _byte_level(tokens: list[str], merges: list[str], pre: str | None) -> HFToke
 
 
 def _sentencepiece(tokens: list[str], scores: list[float] | None, gemma: bool, add_prefix_space: bool,
-                   unk: str | None) -> HFTokenizer:
+                   unk: str | None, phi3: bool = False) -> HFTokenizer:
     if gemma:
         # Gemma stores runs of spaces as real spaces; its pieces spell them with U+2581.
         tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
@@ -127,9 +127,15 @@ def _sentencepiece(tokens: list[str], scores: list[float] | None, gemma: bool, a
         tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
         return tk
     tk = HFTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
-    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                prepend_scheme="first" if add_prefix_space else "never",
-                                                split=False)
+    if phi3:
+        # Phi-3's own tokenizer.json prefixes and respells spaces in a normalizer, not with Metaspace:
+        # it differs only on text starting with a space ("  hi" -> three U+2581, Metaspace gives two).
+        tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        add_prefix_space = True
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                    prepend_scheme="first" if add_prefix_space else "never",
+                                                    split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:
         steps.append(decoders.Strip(content=" ", left=1, right=0))
@@ -173,7 +179,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> Tokenizer:
         if not gemma and (not isinstance(scores, list) or len(scores) != len(tokens)):
             raise FormatError(f"{where}: SentencePiece (llama) vocabulary without one score per token")
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True)) and not gemma
-        tk = _sentencepiece(tokens, scores, gemma, prefix, unk)
+        tk = _sentencepiece(tokens, scores, gemma, prefix, unk, phi3=arch == "phi3")
         add_bos = True if add_bos is None else bool(add_bos)  # llama.cpp's default for SentencePiece
     else:
         raise UnsupportedError(f"{where}: tokenizer model {model!r} is not supported (gpt2, llama)")
