@@ -163,6 +163,13 @@ def test_synthetic_gemma_config(tmp_path):
     c = ck.config
     assert c.layer_types == ["sliding"] * 5 + ["full", "sliding"]
     assert (c.rope_theta, c.rope_local_theta, c.qk_norm, c.final_softcap) == (1e6, 10000.0, True, None)
+    # newer files state the pattern: a period, or one flag per layer (True = sliding)
+    for pat, want in [(3, ["sliding", "sliding", "full"] * 2 + ["sliding"]),
+                      ([True, False] * 3 + [True], ["sliding", "full"] * 3 + ["sliding"])]:
+        gf = open_gguf(write_gguf(tmp_path / "g3p.gguf", "gemma3", hf_tensors("gemma3", L=7), L=7))
+        c = config_from_gguf({**gf.metadata, "gemma3.attention.sliding_window_pattern": pat},
+                             {t.name: t.shape for t in gf.tensors}, {}, str(gf.path))
+        assert c.layer_types == want, pat
 
 
 @pytest.mark.parametrize("hd,orig", [(128, 8192), (16, 64)])

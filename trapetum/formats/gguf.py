@@ -343,9 +343,15 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     pattern = q.get("sliding_pattern")
     if pattern == "alternate":  # Gemma-2: even layers slide
         layer_types = ["sliding" if i % 2 == 0 else "full" for i in range(L)]
-    elif pattern == "every_n":  # Gemma-3: every n-th layer is global (n = 6)
-        n = g("attention.sliding_window_pattern", default=6)
-        layer_types = ["sliding" if (i + 1) % n else "full" for i in range(L)]
+    elif pattern == "every_n":  # Gemma-3: every n-th layer is global (n = 6 unless the file says)
+        pat = meta.get(f"{arch}.attention.sliding_window_pattern", 6)
+        if isinstance(pat, list) and len(pat) == L and all(isinstance(x, bool) for x in pat):
+            layer_types = ["sliding" if x else "full" for x in pat]  # per layer: True = sliding window
+        else:
+            n = g("attention.sliding_window_pattern", default=6)
+            if n <= 0:
+                raise ConfigError(f"{where}: {arch}.attention.sliding_window_pattern = {n} must be positive")
+            layer_types = ["sliding" if (i + 1) % n else "full" for i in range(L)]
     elif window:  # Mistral / Phi-3: every layer slides
         layer_types = ["sliding"] * L
     else:
