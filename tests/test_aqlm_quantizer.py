@@ -1,0 +1,110 @@
+"""Our additive quantizer: beats a 2-bit scalar codebook; whole-model driver is resumable (same file);
+its .cbk, exported as an AQLM directory, runs in transformers + aqlm with Trapetum's logits."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tiny_models import build
+from trapetum.formats.aqlm import export_aqlm
+from trapetum.formats.cbk import open_cbk
+from trapetum.models.decoder import Decoder
+from trapetum.quant.additive import AdditiveLinear, dequantize_aqlm, quantize_additive
+from trapetum.quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
+from trapetum.quant.kmeans import kmeans_rows, weighted_error
+
+FAST = dict(beam=2, iters=1, beam_steps=1, kmeans_iters=3, calib_seqs=2, calib_sample_len=16)
+
+
+def _structured(out_f, in_f, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = (torch.randn(out_f, 16, generator=g) @ torch.randn(16, in_f, generator=g)) * 0.02
+    W += torch.randn(out_f, in_f, generator=g) * 0.01 * torch.rand(in_f, generator=g) ** 2
+    imp = torch.rand(in_f, generator=g) ** 4 + 1e-3
+    return W, imp
+
+
+def test_beats_scalar_2bit_and_improves():
+    W, imp = _structured(128, 256)
+    r = quantize_additive(W, imp, num_codebooks=2, nbits=8, beam=4, iters=3)
+    Wq = dequantize_aqlm(r.codes, r.codebooks, r.scales)
+    e_add = weighted_error(W, Wq, imp)
+    k = kmeans_rows(W, 4, imp)
+    e_sc = weighted_error(W, torch.gather(k.codebook.float(), 1, k.codes.long()), imp)
+    assert e_add < 0.8 * e_sc, (e_add, e_sc)
+    assert all(b <= a + 1e-6 for a, b in zip(r.history[:-2], r.history[1:-1]))  # LS + beam never worse
+    assert r.codes.dtype == torch.int8 and r.codebooks.dtype == torch.float16 and r.scales.shape == (128, 1, 1, 1)
+    # the final history entry is the error of exactly what is stored
+    assert abs(r.history[-1] ** 0.5 - e_add) < 1e-4
+
+
+def test_1x16_codes_and_nearest():
+    W, imp = _structured(64, 64, seed=1)
+    r = quantize_additive(W, imp, num_codebooks=1, nbits=16, iters=1, kmeans_iters=2)
+    assert r.codes.dtype == torch.int16 and r.codebooks.shape == (1, 65536, 1, 8)
+    assert weighted_error(W, dequantize_aqlm(r.codes, r.codebooks, r.scales), imp) < 0.05  # 512 vectors, 64k entries
+
+
+def _logits(cbk_path, ids):
+    dec = Decoder.from_checkpoint(open_cbk(cbk_path).to_checkpoint(), dtype=torch.float32, device="cpu").eval()
+    with torch.no_grad():
+        return dec, dec(ids)[0]
+
+
+def test_resume_gives_same_file(tmp_path):
+    src = tmp_path / "hf"
+    build("llama2", src, tokenizer=True)
+    rec = AdditiveRecipe(scheme="aqlm-2x8", **FAST)
+    prov = {"created": "fixed"}
+    a, _ = quantize_additive_to_cbk(str(src), tmp_path / "a.cbk", rec, progress=False, provenance=prov,
+                                    log=lambda s: None)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_additive_to_cbk(str(src), tmp_path / "b.cbk", rec, progress=False, stop_after=1,
+                                 log=lambda s: None)
+    parts = sorted(p.name for p in (tmp_path / "b.cbk.parts").iterdir())
+    assert parts == ["calibration.safetensors", "layer_0000.safetensors"]
+    logs = []
+    b, _ = quantize_additive_to_cbk(str(src), tmp_path / "b.cbk", rec, progress=False, provenance=prov,
+                                    log=logs.append)
+    assert any("reusing" in s for s in logs)
+    assert a.read_bytes() == b.read_bytes()
+    assert not (tmp_path / "b.cbk.parts").exists()
+    f = open_cbk(b)
+    assert f.layers["model.layers.0.mlp.up_proj.weight"].scheme == "aqlm"
+    assert f.layers["lm_head.weight"].params == {"bits": 8}
+
+
+@pytest.mark.parametrize("scheme", ["aqlm-2x8", "aqlm-1x16"])
+def test_transformers_aqlm_agrees(tmp_path, scheme):
+    # aqlm's CPU 2x8 kernel (numba) accumulates into one output vector from a parallel loop over input
+    # groups: a data race that corrupts sums when several threads run. One thread makes it exact.
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    pytest.importorskip("aqlm")
+    if scheme == "aqlm-2x8":
+        pytest.importorskip("numba")  # aqlm's CPU kernel for 2x8
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "hf"
+    build("llama2", src, tokenizer=True)
+    cbk, _ = quantize_additive_to_cbk(str(src), tmp_path / "q.cbk", AdditiveRecipe(scheme=scheme, **FAST),
+                                      progress=False, log=lambda s: None)
+    out = export_aqlm(cbk, tmp_path / "aqlm", log=lambda s: None)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "aqlm"
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf.model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 12, 5]])
+    dec, ours = _logits(cbk, ids)
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel < 2e-3, rel
+    with torch.no_grad():
+        g = hf.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+        seq = ids
+        for _ in range(16):
+            nxt = dec(seq)[0, -1].argmax().view(1, 1)
+            seq = torch.cat([seq, nxt], 1)
+    assert torch.equal(seq[0, ids.shape[1]:], g), (seq, g)

@@ -1,0 +1,268 @@
+"""Whole-model additive quantization (``trapetum quantize SRC -o OUT.cbk --scheme aqlm-2x8|aqlm-1x16``).
+
+Per projection (q/k/v/o, gate/up/down) of every layer: ``additive.quantize_additive`` weighted by
+E[x^2] of the projection's input channel, from the scalar quantizer's calibration
+(``quantize.calibration_stats``: a text file, or text sampled from the model itself). The LM head
+becomes an 8-bit per-row scalar codebook (``quantize._quantize_matrix``, weighted by the final-norm
+statistics); the embedding and norms stay dense, as in ``quantize.quantize_checkpoint``.
+
+Layer by layer with bounded memory: one layer's weights are read at a time; its records are written
+at once to ``<OUT>.parts/layer_NNNN.safetensors`` (temporary file + ``os.replace``, so a kill leaves
+either the whole layer or nothing) with a fingerprint of the model (sha256 of every source tensor),
+the calibration settings and the quantizer settings. A rerun with the same model, data and settings
+reuses every finished layer whose fingerprint matches (the calibration statistics are cached the same
+way) and computes the rest; the quantizer is seeded per layer, so a resumed run writes the same file
+as an uninterrupted one. The parts directory is removed after the ``.cbk`` is written.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import ConfigError
+from .additive import SCHEMES, AdditiveLinear, quantize_additive
+from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, _quantize_matrix, calibration_stats
+from .record import QuantRecord
+
+__all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_to_cbk", "model_fingerprint"]
+
+
+@dataclass
+class AdditiveRecipe:
+    scheme: str = "aqlm-2x8"  # "aqlm-2x8" | "aqlm-1x16"
+    head_bits: int | None = 8
+    weighted: bool = True
+    calib: str | None = None  # text file; None: sampled from the model; "none": unweighted
+    calib_seqs: int = 32
+    calib_len: int = 512
+    calib_sample_len: int = 256
+    seed: int = 0
+    beam: int = 4
+    iters: int = 6  # beam-search / least-squares rounds
+    beam_steps: int = 2
+    kmeans_iters: int = 10
+
+    def validate(self) -> "AdditiveRecipe":
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"--scheme must be one of {', '.join(SCHEMES)}, got {self.scheme!r}")
+        for k in ("beam", "beam_steps", "calib_seqs"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{k} must be >= 1")
+        if self.iters < 0:
+            raise ConfigError("iters must be >= 0")
+        return self
+
+    def scalar_recipe(self) -> Recipe:
+        """The scalar recipe whose calibration (and LM head) this run shares."""
+        return Recipe(bits=4, head_bits=self.head_bits, weighted=self.weighted, calib=self.calib,
+                      calib_seqs=self.calib_seqs, calib_len=self.calib_len, calib_sample_len=self.calib_sample_len,
+                      seed=self.seed)
+
+    def to_dict(self) -> dict[str, Any]:
+        M, nb = SCHEMES[self.scheme]
+        d = asdict(self)
+        d["method"] = (f"additive codebooks {M}x{nb} (AQLM layout, in_group 8, per-row scales): residual k-means "
+                       f"start, beam search (beam {self.beam}) and least-squares codebooks, "
+                       + ("E[x^2]-weighted" if self.weighted and self.calib != "none" else "unweighted")
+                       + f", {self.iters} rounds; lm_head " + (f"{self.head_bits}-bit scalar codebook"
+                                                                if self.head_bits else "fp16"))
+        return d
+
+
+def _sha_tensor(h: "hashlib._Hash", name: str, t: Any) -> None:
+    if isinstance(t, QuantRecord):
+        h.update(json.dumps([name, t.scheme, list(t.shape), t.params], sort_keys=True).encode())
+        for k in sorted(t.tensors):
+            _sha_tensor(h, f"{name}/{k}", t.tensors[k])
+        if t.bias is not None:
+            _sha_tensor(h, f"{name}/bias", t.bias)
+        return
+    t = t.detach().cpu().contiguous()
+    h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+    if t.numel():
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes())
+
+
+def model_fingerprint(ckpt) -> str:
+    """sha256 over the config and every tensor of the checkpoint (read one tensor at a time)."""
+    h = hashlib.sha256(json.dumps(ckpt.config.to_dict(), sort_keys=True).encode())
+    for name in sorted(ckpt.tensors):
+        _sha_tensor(h, name, ckpt.tensors[name])
+    return h.hexdigest()
+
+
+def _calib_fingerprint(ckpt_fp: str, recipe: AdditiveRecipe) -> str:
+    calib_file = None
+    if recipe.calib and recipe.calib != "none":
+        calib_file = hashlib.sha256(Path(recipe.calib).read_bytes()).hexdigest()
+    keys = {k: getattr(recipe, k) for k in ("weighted", "calib_seqs", "calib_len", "calib_sample_len", "seed")}
+    return hashlib.sha256(json.dumps([ckpt_fp, calib_file, recipe.calib == "none", keys], sort_keys=True)
+                          .encode()).hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path, meta: dict[str, str]) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _load_if(path: Path, fingerprint: str) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("fingerprint") != fingerprint:
+                return None
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception:  # a damaged part is recomputed
+        return None
+
+
+def _stats(ckpt, recipe: AdditiveRecipe, work: Path, fp: str, device: str, progress: bool,
+           log) -> dict[str, torch.Tensor] | None:
+    if not recipe.weighted or recipe.calib == "none":
+        return None
+    cfp = _calib_fingerprint(fp, recipe)
+    path = work / "calibration.safetensors"
+    got = _load_if(path, cfp)
+    if got is not None:
+        log("calibration: reusing cached statistics")
+        return got[0]
+    stats = calibration_stats(ckpt, recipe.scalar_recipe(), device=device, progress=progress, log=log)
+    _atomic_save(stats, path, {"fingerprint": cfp})
+    return stats
+
+
+def _layer_seed(seed: int, name: str) -> int:
+    return (seed * 1000003 + int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)) % (2**31)
+
+
+def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | Path, *, device: str = "cpu",
+                                 progress: bool = True, log: Callable[[str], None] | None = None,
+                                 stop_after: int | None = None) -> QuantizedModel:
+    """Quantize every projection of ``ckpt`` to additive codebooks (see the module docstring).
+
+    ``stop_after``: raise KeyboardInterrupt after that many layers were computed (tests of resuming)."""
+    from tqdm import tqdm
+
+    recipe.validate()
+    log = log or (lambda s: print(s, file=sys.stderr))
+    M, nbits = SCHEMES[recipe.scheme]
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fp = model_fingerprint(ckpt)
+    stats = _stats(ckpt, recipe, work, fp, device, progress, log)
+    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k != "head_bits"}, sort_keys=True)
+    cfg = replace(ckpt.config)
+    T = ckpt.tensors
+    dense: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantRecord] = {}
+    report: list[dict[str, Any]] = []
+    computed = 0
+    bar = tqdm(range(cfg.num_layers), desc=f"quantize {recipe.scheme}", unit="layer", disable=not progress,
+               dynamic_ncols=True)
+    for i in bar:
+        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}".encode()).hexdigest()
+        part = work / f"layer_{i:04d}.safetensors"
+        got = _load_if(part, lfp)
+        if got is None:
+            tensors: dict[str, torch.Tensor] = {}
+            errs: dict[str, float] = {}
+            for suf in PROJ_SUFFIXES:
+                name = f"model.layers.{i}.{suf}"
+                W = T[name + ".weight"]
+                if isinstance(W, QuantRecord):
+                    from .linear import build_linear
+                    W = build_linear(W, name).dequantize(torch.float32)
+                imp = None if stats is None else stats.get(name)
+                r = quantize_additive(W.float(), imp, num_codebooks=M, nbits=nbits, beam=recipe.beam,
+                                      iters=recipe.iters, beam_steps=recipe.beam_steps,
+                                      kmeans_iters=recipe.kmeans_iters, seed=_layer_seed(recipe.seed, name),
+                                      device=device)
+                tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"] = \
+                    r.codes, r.codebooks, r.scales
+                errs[suf] = r.history[-1] ** 0.5  # relative (weighted) norm error, as the scalar report
+                del W
+            _atomic_save(tensors, part, {"fingerprint": lfp, "errors": json.dumps(errs)})
+            computed += 1
+            meta = {"errors": json.dumps(errs)}
+        else:
+            tensors, meta = got
+        errs = json.loads(meta["errors"])
+        for suf in PROJ_SUFFIXES:
+            name = f"model.layers.{i}.{suf}"
+            bias = T[name + ".bias"] if (name + ".bias") in T else None
+            mod = AdditiveLinear(tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"],
+                                 None if bias is None else bias.detach().to(torch.float16).cpu())
+            quantized[name + ".weight"] = mod.to_record()
+            report.append({"name": name, "scheme": recipe.scheme, "shape": [mod.out_features, mod.in_features],
+                           "rel_err": errs[suf]})
+        for key in T:
+            if key.startswith(f"model.layers.{i}.") and not any(key.startswith(f"model.layers.{i}.{s}.")
+                                                                  for s in PROJ_SUFFIXES):
+                dense[key] = T[key].detach().float().cpu()  # norms
+        msg = "  ".join(f"{s.rsplit('.', 1)[-1]}:{errs[s]:.4f}" for s in PROJ_SUFFIXES)
+        (tqdm.write if progress else log)(f"layer {i:3d}  rel. weight error  {msg}"
+                                          + ("" if got is None else "  (resumed)"))
+        if stop_after is not None and computed >= stop_after and i + 1 < cfg.num_layers:
+            raise KeyboardInterrupt(f"stopped after {computed} computed layers")
+    dense["model.norm.weight"] = T["model.norm.weight"].detach().float().cpu()
+    # embedding dense fp16; LM head as a scalar codebook (the scalar quantizer's code)
+    E = T["model.embed_tokens.weight"]
+    dense["model.embed_tokens.weight"] = E.detach().to(torch.float16).cpu()
+    H = E if cfg.tie_word_embeddings else T["lm_head.weight"]
+    if recipe.head_bits is None:
+        if not cfg.tie_word_embeddings:
+            dense["lm_head.weight"] = H.detach().to(torch.float16).cpu()
+    else:
+        imp = None if stats is None else stats.get("lm_head")
+        rec, err = _quantize_matrix(H.float(), recipe.head_bits, imp, recipe.scalar_recipe(), device, None)
+        quantized["lm_head.weight"] = rec
+        cfg = replace(cfg, tie_word_embeddings=False)
+        report.append({"name": "lm_head", "bits": recipe.head_bits, "shape": list(H.shape), "rel_err": err["rel_err"]})
+        log(f"lm_head {recipe.head_bits}-bit  rel. weight error {err['rel_err']:.4f}")
+    return QuantizedModel(cfg, dense, quantized, report, time.perf_counter() - t0)
+
+
+def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveRecipe, *, device: str = "cpu",
+                             progress: bool = True, log: Callable[[str], None] | None = None,
+                             stop_after: int | None = None, keep_parts: bool = False,
+                             provenance: dict | None = None) -> tuple[Path, QuantizedModel]:
+    """Load ``src``, quantize (resuming from ``<out>.parts``), write ``out`` atomically."""
+    from ..api import load_checkpoint
+    from ..formats.cbk import write_cbk
+    from .quantize import _source_sha256
+
+    log = log or (lambda s: print(s, file=sys.stderr))
+    ckpt = load_checkpoint(src)
+    out = Path(out)
+    work = out.with_name(out.name + ".parts")
+    qm = quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=progress, log=log,
+                                      stop_after=stop_after)
+    prov = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format,
+            "source_sha256": _source_sha256(ckpt.source), **(provenance or {})}
+    rd = recipe.to_dict()
+    rd["bits_per_weight"] = {"projections": round(qm.bits_per_weight("projections"), 4),
+                             "all": round(qm.bits_per_weight("all"), 4)}
+    rd["layer_errors"] = {r["name"]: round(r["rel_err"], 6) for r in qm.report}
+    path = write_cbk(out, config=qm.config, dense=qm.dense, quantized=qm.quantized, tokenizer=ckpt.tokenizer,
+                     recipe=rd, provenance=prov, generation=getattr(ckpt, "generation", None) or None)
+    if not keep_parts:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"quantized in {qm.seconds:.1f} s")
+    return Path(path), qm
