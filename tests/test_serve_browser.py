@@ -111,3 +111,30 @@ def test_chat_streams_and_compare(server, page):
     assert server.health()[1]["engines"][0]["running"] == 0, "generation still running after Stop"
     assert not errors, errors
     print(f"\nscreenshots: {chat_png} {cmp_png}")
+
+
+@pytest.mark.skipif(not os.environ.get("TRAPETUM_DEMO_CBK"), reason="set TRAPETUM_DEMO_CBK to a .cbk of the "
+                    "embedded model (trapetum quantize) for the source-vs-4-bit compare screenshot")
+def test_compare_source_and_cbk(page):
+    """The seed's live compare demo: the GGUF source and its 4-bit .cbk on one prompt."""
+    srv = F.start_serve(["source=default", f"4bit={os.environ['TRAPETUM_DEMO_CBK']}", "--threads", "1"])
+    try:
+        page.goto(srv.url + "/")
+        page.wait_for_function("document.querySelector('#cmp-b .cmp-model').options.length === 2")
+        page.fill("#set-temp", "0")
+        page.fill("#set-max", "24")
+        page.click("#tab-compare")
+        page.fill("#cmp-input", "What is the capital of France?")
+        page.click("#cmp-send")
+        page.wait_for_function("""() => [...document.querySelectorAll('.cmp-col .state')]
+                                         .every(s => s.textContent.startsWith('done'))""", timeout=300_000)
+        assert "cbk" in page.inner_text("#cmp-b .cmp-info")
+        page.wait_for_selector("#health.ok", timeout=10_000)
+        png = F.SCREENSHOTS / "compare-source-vs-4bit.png"
+        page.screenshot(path=str(png))
+        page.click("#tab-chat")
+        page.select_option("#chat-model", "4bit")
+        page.screenshot(path=str(F.SCREENSHOTS / "model-info-4bit.png"))
+        print(f"\nscreenshot: {png}")
+    finally:
+        srv.stop()

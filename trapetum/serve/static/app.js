@@ -135,8 +135,16 @@ function addInfoRow(table, k, v) {
   const tr = table.insertRow();
   tr.insertCell().textContent = k;
   const td = tr.insertCell();
-  if (/^(source|path)$/.test(k) && v.includes("/")) { td.textContent = v.split("/").pop(); td.title = v; }
-  else td.textContent = v;
+  if (v !== null && typeof v === "object") {           // nested (recipe, sizes, ...): folded
+    const d = document.createElement("details"), s = document.createElement("summary"),
+          pre = document.createElement("pre");
+    s.textContent = Array.isArray(v) ? `${v.length} items` : `${Object.keys(v).length} fields`;
+    pre.textContent = JSON.stringify(v, null, 1);
+    d.append(s, pre);
+    td.appendChild(d);
+  } else if (/^(source|path)$/.test(k) && String(v).includes("/")) {
+    td.textContent = String(v).split("/").pop(); td.title = v;
+  } else td.textContent = v;
 }
 
 // One line per compare column: format, parameters, loaded weight size.
@@ -172,7 +180,10 @@ function showInfo() {
   t.innerHTML = "";
   const m = state.models.find((x) => x.id === $("#chat-model").value);
   if (!m) return;
-  for (const [k, v] of Object.entries(m.info || {})) addInfoRow(t, k.replace(/_/g, " "), human(k, v));
+  for (const [k, v] of Object.entries(m.info || {})) {
+    const flat = v !== null && typeof v === "object" && Object.values(v).every((x) => typeof x !== "object");
+    addInfoRow(t, k.replace(/_/g, " "), flat || typeof v !== "object" || v === null ? human(k, v) : v);
+  }
 }
 
 async function pollHealth() {
