@@ -153,7 +153,7 @@ def test_health_answers_during_long_generation(server):
             worst = max(worst, time.perf_counter() - t0)
             assert code == 200 and h["engines"][0]["running"] == 1
             assert httpx.get(server.url + "/v1/models", headers=H).status_code == 200
-        assert worst < 0.5, f"/health took {worst:.3f}s during generation"
+        assert worst < 1.0, f"/health took {worst:.3f}s during generation"
     assert idle(server) < 1.5         # closing the stream cancelled the 400-token generation
 
 
