@@ -162,18 +162,18 @@ def run_model(label: str, path: str, args, results: dict) -> dict:
     calib_name = Path(args.calib).name
     alt_name = Path(args.calib2).name if args.calib2 else None
     variants = [
-        ("4-bit codebook, unweighted k-means, 8-bit head", Recipe(weighted=False, calib="none"), None),
-        (f"4-bit codebook, E[x²]-weighted ({calib_name}), 8-bit head", Recipe(), "valid"),
-        ("4-bit codebook, E[x²]-weighted (self-sampled, default), 8-bit head", Recipe(), "self"),
+        ("4-bit codebook, unweighted k-means, 8-bit head", Recipe(weighted=False, calib="none", embed_bits=None), None),
+        (f"4-bit codebook, E[x²]-weighted ({calib_name}), 8-bit head", Recipe(embed_bits=None), "valid"),
+        ("4-bit codebook, E[x²]-weighted (self-sampled, default), 8-bit head", Recipe(embed_bits=None), "self"),
     ]
     if alt_name:
-        variants.append((f"4-bit codebook, E[x²]-weighted ({alt_name}), 8-bit head", Recipe(), "alt"))
+        variants.append((f"4-bit codebook, E[x²]-weighted ({alt_name}), 8-bit head", Recipe(embed_bits=None), "alt"))
     variants += [
         (f"4-bit codebook, seed recipe: weighted ({calib_name}), grid start, 10 iterations, 8-bit head",
-         Recipe(iters=10, starts=("grid",)), "valid"),
+         Recipe(iters=10, starts=("grid",), embed_bits=None), "valid"),
         (f"4-bit codebook, weighted ({calib_name}), 8-bit head + 8-bit embedding", Recipe(embed_bits=8), "valid"),
-        (f"3-bit codebook, weighted ({calib_name}), 8-bit head", Recipe(bits=3), "valid"),
-        (f"2-bit codebook, weighted ({calib_name}), 8-bit head", Recipe(bits=2), "valid"),
+        (f"3-bit codebook, weighted ({calib_name}), 8-bit head", Recipe(bits=3, embed_bits=None), "valid"),
+        (f"2-bit codebook, weighted ({calib_name}), 8-bit head", Recipe(bits=2, embed_bits=None), "valid"),
     ]
     if args.only:
         variants = [v for v in variants if any(s in v[0] for s in args.only)]

@@ -14,8 +14,9 @@ def register(sub) -> None:
     p.add_argument("--bits", type=int, default=4, help="index bits of the projections (2, 3, 4 or 8; default 4)")
     p.add_argument("--head-bits", default="8", metavar="BITS|fp16",
                    help="LM head: codebook bits, or fp16 to keep it dense (default 8)")
-    p.add_argument("--embed-bits", default="fp16", metavar="BITS|fp16",
-                   help="embedding table: codebook bits, or fp16 (default fp16)")
+    p.add_argument("--embed-bits", default="auto", metavar="BITS|fp16|auto",
+                   help="embedding table: codebook bits, or fp16; auto (default): a tied model shares the "
+                        "head's quantized table, an untied one keeps its embedding fp16")
     p.add_argument("--calib", default=None, metavar="FILE|none",
                    help="calibration text for E[x^2] (e.g. wikitext-2 valid.txt); default: text sampled "
                         "from the model itself; 'none': unweighted k-means")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     calib = args.calib
     recipe = Recipe(bits=args.bits, head_bits=_bits_or_none(args.head_bits, "--head-bits"),
-                    embed_bits=_bits_or_none(args.embed_bits, "--embed-bits"),
+                    embed_bits="auto" if args.embed_bits == "auto" else _bits_or_none(args.embed_bits, "--embed-bits"),
                     weighted=calib != "none", calib=calib, calib_seqs=args.calib_seqs, iters=args.iters,
                     keep_fp16=list(args.keep_fp16), bits_overrides=parse_bits_overrides(args.layer_bits)).validate()
     path, qm = quantize_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet)
