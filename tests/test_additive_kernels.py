@@ -134,3 +134,23 @@ def test_cuda_graph_bitwise_gpu():
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+def test_engine_projection_mixed_parts():
+    """runtime.projections: q/k/v-style group of additive parts (2x8 and 1x16 mixed), residual, prefill."""
+    import trapetum.runtime.projections as P
+
+    importlib.reload(P)
+    gen = torch.Generator().manual_seed(11)
+    mods = [AdditiveLinear(*[t.cpu() for t in _weights(n, 6, M, nb, gen)]) for n, M, nb in
+            [(20, 2, 8), (9, 1, 16), (9, 2, 8)]]
+    proj = P.make_proj(mods, DEVICE)
+    assert isinstance(proj, P.AdditiveProj) and proj.out_features == 38
+    x = torch.randn(48, generator=gen).half().to(DEVICE)
+    res = torch.randn(38, generator=gen).half().to(DEVICE)
+    out = torch.empty(38, dtype=torch.float16, device=DEVICE)
+    proj.gemv(x, out, residual=res)
+    W = torch.cat([m.dequantize(torch.float64) for m in mods]).to(DEVICE)
+    assert rel_err(out, W @ x.double() + res.double()) < TOL[torch.float16]
+    xs = torch.randn(5, 48, generator=gen).to(DEVICE)
+    assert rel_err(proj.matmul(xs.half()), xs.double() @ W.T) < 2e-3

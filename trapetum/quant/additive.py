@@ -300,22 +300,23 @@ def _refit_codebooks(v: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, C: tor
         return torch.where(den > 0, num / den.clamp_min(1e-300), C[0].to(dt)).to(C.dtype).unsqueeze(0)
     MK = M * K
     gidx = idx + torch.arange(M, device=dev) * K  # [N, M] global entry ids
-    new = torch.empty(M, K, d, dtype=dt, device=dev)
-    for j in range(d):
-        wj = w[:, j].to(dt)
-        A = torch.zeros(MK * MK, dtype=dt, device=dev)
-        for a in range(M):
-            for b in range(M):
-                A.index_add_(0, gidx[:, a] * MK + gidx[:, b], wj)
-        A = A.view(MK, MK)
-        rhs = torch.zeros(MK, dtype=dt, device=dev)
-        for a in range(M):
-            rhs.index_add_(0, gidx[:, a], wj * v[:, j].to(dt))
-        lam = ridge * (A.diagonal().mean() + 1e-30)
-        prev = C[:, :, j].reshape(MK).to(dt)
-        A = A + lam * torch.eye(MK, dtype=dt, device=dev)
-        rhs = rhs + lam * prev
-        new[:, :, j] = torch.linalg.solve(A, rhs).view(M, K)
+    A = torch.zeros(d, MK * MK, dtype=dt, device=dev)
+    rhs = torch.zeros(d, MK, dtype=dt, device=dev)
+    wt, wvt = w.t().to(dt), (w * v).t().to(dt)  # [d, N]
+    for a in range(M):
+        rhs.index_add_(1, gidx[:, a], wvt)
+        for b in range(M):
+            A.index_add_(1, gidx[:, a] * MK + gidx[:, b], wt)
+    A = A.view(d, MK, MK)
+    lam = ridge * (A.diagonal(dim1=1, dim2=2).mean(1) + 1e-30)  # [d]
+    A = A + lam[:, None, None] * torch.eye(MK, dtype=dt, device=dev)
+    rhs = rhs + lam[:, None] * C.permute(2, 0, 1).reshape(d, MK).to(dt)  # ridge towards the previous codebooks
+    L, info = torch.linalg.cholesky_ex(A)
+    if bool((info != 0).any()):
+        sol = torch.linalg.solve(A, rhs.unsqueeze(-1))
+    else:
+        sol = torch.cholesky_solve(rhs.unsqueeze(-1), L)
+    new = sol.squeeze(-1).view(d, M, K).permute(1, 2, 0)  # [M, K, d]
     return new.to(C.dtype)
 
 

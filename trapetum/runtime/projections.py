@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import codebook_gemv as cg
+from ..kernels.additive_gemv import supported as additive_supported
 from ..kernels.fused import act_mul
 
 
@@ -86,9 +87,48 @@ class CodebookProj:
         return self.codes.numel() + self.codebook.numel() * 2
 
 
-def make_proj(mods: list[nn.Module], device) -> DenseProj | CodebookProj:
+class AdditiveProj:
+    """Additive (AQLM 2x8 / 1x16) projections sharing an input: one deterministic GEMV per part into
+    its slice of ``out`` (parts keep their own codebooks, so they are not concatenated); prefill
+    dequantizes per call. The 2x8 lookup table lives in one static fp32 buffer (CUDA graphs)."""
+    kind = "additive"
+
+    def __init__(self, mods: list[nn.Module], device):
+        from ..kernels import additive_gemv as ag
+
+        self.ag = ag
+        self.parts = [(m.codes.to(device), m.codebooks.to(device=device, dtype=torch.float16),
+                       m.scales.to(device=device, dtype=torch.float16),
+                       None if m.bias is None else m.bias.to(device=device, dtype=torch.float16)) for m in mods]
+        self.in_features = mods[0].in_features
+        self.out_features = sum(m.out_features for m in mods)
+        self.bounds = [0]
+        for m in mods:
+            self.bounds.append(self.bounds[-1] + m.out_features)
+        G = self.in_features // 8
+        self.lut = torch.empty(G * max(c.shape[0] for _, c, _, _ in self.parts) * 256, dtype=torch.float32,
+                               device=device)
+
+    def gemv(self, x, out, residual=None):
+        for (codes, cb, sc, b), lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
+            self.ag.additive_gemv(x.view(1, -1), codes, cb, sc, b,
+                                  None if residual is None else residual[lo:hi], out=out[lo:hi], lut=self.lut)
+        return out
+
+    def matmul(self, x):
+        from ..quant.additive import dequantize_aqlm
+
+        return torch.cat([F.linear(x, dequantize_aqlm(c, cb, sc, torch.float16), b) for c, cb, sc, b in self.parts], -1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p[:3])
+
+
+def make_proj(mods: list[nn.Module], device) -> DenseProj | CodebookProj | AdditiveProj:
     """Concatenate projections sharing an input into one engine projection."""
     bias = _bias(mods, device)
+    if all(type(m).__name__ == "AdditiveLinear" and additive_supported(m.codes, m.codebooks) for m in mods):
+        return AdditiveProj(mods, device)
     parts = [codebook_parts(m) for m in mods]
     if all(p is not None for p in parts) and len({p[2] for p in parts}) == 1:
         codes = torch.cat([p[0].to(device) for p in parts])
