@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             raise TrapetumError(f"{args.model}: the tokenizer has no BOS token; run without --bos")
     t0 = time.perf_counter()
     r = perplexity(model.decoder, ids, args.ctx, windows, decode=args.decode, bos_id=bos_id,
-                   progress=not args.quiet and sys.stderr.isatty() or not args.quiet)
+                   progress=not args.quiet)
     dt = time.perf_counter() - t0
     print(r.line())
     print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device}; {dt:.1f} s",

@@ -119,14 +119,18 @@ class QuantizedModel:
     seconds: float = 0.0
 
     def bits_per_weight(self, which: str = "projections") -> float:
-        """Stored bits per weight: 'projections' (layers' q..down), 'all' (every tensor incl. head/embedding)."""
-        from .linear import record_bits_per_weight  # noqa: F401
+        """Stored bits per weight: 'projections' (layers' q..down, quantized or kept dense),
+        'all' (every tensor incl. head/embedding/norms/biases)."""
         nbits = nweights = 0
         for name, r in self.quantized.items():
             if which == "projections" and not name.startswith("model.layers."):
                 continue
             nbits += sum(t.numel() * t.element_size() * 8 for t in r.tensors.values())
             nweights += r.shape[0] * r.shape[1]
+        for name, t in self.dense.items():  # projections kept dense (fp16) count too
+            if which == "projections" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                nbits += t.numel() * t.element_size() * 8
+                nweights += t.numel()
         if which == "all":
             for name, t in self.dense.items():
                 nbits += t.numel() * t.element_size() * 8
