@@ -86,7 +86,9 @@ def test_quantize_tiny_end_to_end(tiny_dir, calib_file, tmp_path, calib):
 def test_overrides_keep_fp16_and_layer_bits(tiny_dir, tmp_path):
     recipe = Recipe(bits=4, head_bits=None, weighted=False, calib="none", iters=10,
                     keep_fp16=["model.layers.0.self_attn.q_proj"], bits_overrides=[("*.mlp.down_proj", 8), ("*.k_proj", 2)])
-    ckpt = trapetum.api.load_checkpoint(str(tiny_dir))
+    from trapetum.api import load_checkpoint
+
+    ckpt = load_checkpoint(str(tiny_dir))
     qm = quantize_checkpoint(ckpt, recipe, progress=False, log=lambda s: None)
     assert "model.layers.0.self_attn.q_proj.weight" in qm.dense
     assert qm.quantized["model.layers.1.self_attn.q_proj.weight"].params["bits"] == 4
