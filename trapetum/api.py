@@ -66,9 +66,14 @@ ENGINE_MAX_LEN = 8192  # KV cache positions the GPU engine allocates (at most th
 
 
 def default_dtype(ckpt: Checkpoint, device: str) -> torch.dtype:
+    """fp32 on the CPU; fp16 on CUDA, where the engine runs (its kernels are fp16). The torch
+    reference path on CUDA (TRAPETUM_ENGINE=reference) runs Gemma in bf16, whose activations
+    can overflow fp16."""
     if device == "cpu":
         return torch.float32
-    return torch.bfloat16 if ckpt.config.family.startswith("gemma") else torch.float16
+    if os.environ.get("TRAPETUM_ENGINE", "gpu") == "reference" and ckpt.config.family.startswith("gemma"):
+        return torch.bfloat16
+    return torch.float16
 
 
 class Model:

@@ -137,7 +137,9 @@ def run(models: list[str], switches: bool, out_dir: Path) -> dict:
             dec = random_decoder(shape, fmt)
             eng = GpuEngine(dec, max_len=4096 + 128)
             del dec
-            r = res[fmt] = {"weight_bytes": eng.weight_bytes()}
+            torch.cuda.empty_cache()
+            r = res[fmt] = {"weight_bytes": eng.weight_bytes(), "build_peak_bytes": torch.cuda.max_memory_allocated()}
+            torch.cuda.reset_peak_memory_stats()  # peak below = serving (engine + KV cache + activations)
             t0 = time.time()
             r["decode"] = decode_bins(eng)
             r["prefill"] = {n: prefill_rate(eng, n, eng.cfg.vocab_size) for n in (512, 2048)}
