@@ -9,6 +9,14 @@ def register(subparsers) -> None:
     k.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
     k.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     k.set_defaults(func=_kernels)
+    e = sub.add_parser("e2e", help="end-to-end decode/prefill tok/s, fp16 vs 4-bit, random weights at real shapes")
+    e.add_argument("--out", default="out/bench-e2e")
+    e.add_argument("--models", default="llama2-7b,llama3-8b")
+    e.add_argument("--switches", action="store_true", help="also measure with each kill switch")
+    e.set_defaults(func=_e2e)
+    s = sub.add_parser("suite", help="kernels, then end to end with kill switches (one command for the GPU machine)")
+    s.add_argument("--out", default="out/bench-suite")
+    s.set_defaults(func=_suite)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 
 
@@ -22,4 +30,35 @@ def _kernels(args) -> int:
     cmd = "trapetum bench kernels" + (f" --out {args.out}" if args.out else "") + (" --quick" if args.quick else "")
     res = run_all(args.out, quick=args.quick, command=cmd)
     print(res["markdown"])
+    return 0
+
+
+def _need_cuda(what: str) -> None:
+    import torch
+
+    from ..errors import UnsupportedError
+    if not torch.cuda.is_available():
+        raise UnsupportedError(f"bench {what} needs a CUDA GPU")
+
+
+def _e2e(args) -> int:
+    _need_cuda("e2e")
+    from pathlib import Path
+
+    from ..eval.bench_e2e import run
+    run(args.models.split(","), args.switches, Path(args.out))
+    return 0
+
+
+def _suite(args) -> int:
+    _need_cuda("suite")
+    from pathlib import Path
+
+    from ..eval.bench_e2e import run
+    from ..eval.bench_kernels import run_all
+    out = Path(args.out)
+    k = run_all(str(out / "kernels"), quick=False, command=f"trapetum bench suite --out {args.out}")
+    run(["llama2-7b"], True, out / "e2e-llama2-7b")
+    run(["llama3-8b"], False, out / "e2e-llama3-8b")
+    print(k["markdown"])
     return 0
