@@ -127,3 +127,18 @@ def test_untied_qkv_bias_model(tmp_path):
     with torch.inference_mode():
         assert _rel(q.decoder(toks), ref.decoder(toks)) < 0.25
     assert math.isfinite(qm.bits_per_weight("all"))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layerwise_calibration_equals_full_model(tmp_path, bias):
+    from trapetum.api import load_checkpoint
+    from trapetum.models.decoder import Decoder
+    from trapetum.quant.calibrate import collect_input_stats, collect_input_stats_layerwise
+
+    ck = load_checkpoint(str(_tiny_llama(tmp_path / "m", tie=not bias, bias=bias)))
+    toks = torch.randint(3, 96, (3, 24), generator=torch.Generator().manual_seed(5))
+    full = collect_input_stats(Decoder.from_checkpoint(ck).eval(), toks, batch=2, progress=False)
+    lw = collect_input_stats_layerwise(ck, toks, batch=2, progress=False)
+    assert sorted(full) == sorted(lw) and "lm_head" in lw and len(lw) == 2 * 7 + 1
+    for k in full:
+        assert torch.allclose(full[k], lw[k], rtol=1e-5, atol=1e-8), k

@@ -115,3 +115,78 @@ def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: li
     if not sums:
         raise TrapetumError("calibration saw no projection inputs")
     return {n: (sums[n] / counts[n]).float().cpu() for n in sums}
+
+
+@torch.inference_mode()
+def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torch.device = "cpu", batch: int = 4,
+                                  progress: bool = True) -> dict[str, torch.Tensor]:
+    """Same statistics as ``collect_input_stats`` with bounded memory: one block at a time.
+
+    The calibration hidden states ([N, L, hidden], fp32) are pushed through the source model one
+    block at a time; each block is built alone from the (lazy) checkpoint, run, and dropped, so
+    peak memory is one block's weights plus the hidden states, never the whole model. The LM
+    head's input statistics are those of the final norm's output (the head is never built)."""
+    import torch.nn.functional as F
+    from dataclasses import replace
+
+    from ..formats.checkpoint import Checkpoint, LazyTensors
+    from ..models.decoder import Decoder
+    from ..models.layers import RMSNorm
+    from .linear import build_embedding
+    from .record import QuantRecord
+
+    cfg = ckpt.config
+    T = ckpt.tensors
+    E = T["model.embed_tokens.weight"]
+    if isinstance(E, QuantRecord):
+        E = build_embedding(E).dequantize()
+    E = E.float()
+    xs = []
+    for i in range(0, tokens.shape[0], batch):
+        x = F.embedding(tokens[i:i + batch], E).to(device)  # [b, L, hidden]
+        if cfg.embed_scale is not None:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        xs.append(x)
+    del E
+    D, L = cfg.hidden_size, tokens.shape[1]
+    cfg1 = replace(cfg, num_layers=1, vocab_size=1, tie_word_embeddings=True)
+    sums: dict[str, torch.Tensor] = {}
+    count = tokens.numel()
+
+    def make_hook(name):
+        def hook(mod, args):
+            x2 = args[0].detach().double().pow(2).reshape(-1, args[0].shape[-1]).sum(0)
+            sums[name] = sums[name] + x2 if name in sums else x2
+        return hook
+
+    layers = range(cfg.num_layers)
+    if progress:
+        from tqdm import tqdm
+        layers = tqdm(layers, desc="calibration: statistics", unit="layer", leave=False, dynamic_ncols=True)
+    for i in layers:
+        prefix = f"model.layers.{i}."
+        getters = {"model.embed_tokens.weight": lambda: torch.zeros(1, D),
+                   "model.norm.weight": lambda: T["model.norm.weight"]}
+        for name in T:
+            if name.startswith(prefix):
+                getters["model.layers.0." + name[len(prefix):]] = (lambda n=name: T[n])
+        view = Checkpoint(replace(cfg1, layer_types=[cfg.layer_types[i]]), LazyTensors(getters), None,
+                          ckpt.source, ckpt.source_format)
+        dec = Decoder.from_checkpoint(view, dtype=torch.float32, device=device)
+        block = dec.model.layers[0]
+        hooks = [m.register_forward_pre_hook(make_hook(prefix + n)) for n, m in block.named_modules()
+                 if n.endswith("_proj")]
+        pos = torch.arange(L, device=device)
+        ropes = [(dec.rope_global, *dec.rope_global.cos_sin(pos))]
+        ropes.append((dec.rope_local, *dec.rope_local.cos_sin(pos)) if dec.rope_local is not None else None)
+        try:
+            xs = [block(x, ropes, 0, None) for x in xs]
+        finally:
+            for h in hooks:
+                h.remove()
+        del dec, block
+    norm = RMSNorm(T["model.norm.weight"].float().to(device), cfg.rms_norm_eps, cfg.norm_offset)
+    for x in xs:
+        h = norm(x).double().pow(2).reshape(-1, D).sum(0)
+        sums["lm_head"] = sums["lm_head"] + h if "lm_head" in sums else h
+    return {n: (s / count).float().cpu() for n, s in sums.items()}

@@ -21,8 +21,10 @@ The recipe (``Recipe``) for each projection weight ``P.weight`` of the checkpoin
 
 Memory: the checkpoint is read one tensor at a time (loaders are lazy) and each quantized
 tensor is reduced to its packed codes at once, so the quantization pass holds one layer's
-weights plus the output. Calibration runs the model once, before that pass; ``calib="none"``
-skips it (unweighted) for sources too large to run.
+weights plus the output. Calibration from a text file runs the source one block at a time
+(``calibrate.collect_input_stats_layerwise``: one block's weights plus the calibration hidden
+states); the no-dataset default samples text from the model, which needs the whole model once
+(use ``--calib FILE`` for sources that do not fit); ``calib="none"`` skips calibration (unweighted).
 """
 from __future__ import annotations
 
@@ -162,12 +164,17 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
     from ..models.decoder import Decoder
 
     log = log or (lambda s: None)
-    dec = decoder if decoder is not None else Decoder.from_checkpoint(ckpt, dtype=torch.float32, device=device).eval()
     t0 = time.perf_counter()
     if recipe.calib:
         toks = calibrate.file_calibration_tokens(ckpt.tokenizer, recipe.calib, recipe.calib_seqs, recipe.calib_len)
         what = f"{toks.shape[0]} windows x {toks.shape[1]} tokens of {recipe.calib}"
+        if decoder is None:  # bounded memory: one block of the source at a time
+            stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
+            log(f"calibration: {what}, layer by layer, {time.perf_counter() - t0:.1f} s")
+            return stats
+        dec = decoder
     else:
+        dec = decoder if decoder is not None else Decoder.from_checkpoint(ckpt, dtype=torch.float32, device=device).eval()
         bos = ckpt.tokenizer.bos_id if ckpt.tokenizer is not None else None
         toks = calibrate.sampled_calibration_tokens(dec, bos, recipe.calib_seqs, recipe.calib_sample_len,
                                                     seed=recipe.seed, progress=progress)
