@@ -12,6 +12,9 @@ Two sources of calibration tokens:
   Sampling from the model covers the inputs the model actually produces, needs no data file,
   and works for any model; ``QUALITY.md`` compares it with file calibration.
 
+``collect_input_stats_layerwise`` gives the same statistics from a checkpoint with bounded
+memory (one block of the source at a time); ``quantize.py`` uses it for file calibration.
+
 Statistics are collected with forward pre-hooks on every projection (q/k/v/o, gate/up/down and
 lm_head): for each projection the mean over all calibration tokens of x_j^2, float64 sums,
 returned as float32 [in_features]. Projections that share an input (q/k/v, gate/up) get equal

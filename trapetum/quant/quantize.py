@@ -234,14 +234,21 @@ def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu"
         report.append(row)
         return row
 
+    def dense_of(x):  # a .cbk source holds QuantRecords: requantize from their dequantized weights
+        if isinstance(x, QuantRecord):
+            from .linear import build_linear
+            return build_linear(x).dequantize(torch.float32)
+        return x
+
     layers = range(cfg.num_layers)
     bar = tqdm(layers, desc="quantize", unit="layer", disable=not progress, dynamic_ncols=True)
     for i in bar:
         rows = []
         for suf in PROJ_SUFFIXES:
             name = f"model.layers.{i}.{suf}"
-            W = T[name + ".weight"]
-            b = T[name + ".bias"] if (name + ".bias") in T else None
+            rec = T[name + ".weight"]
+            W = dense_of(rec)
+            b = T[name + ".bias"] if (name + ".bias") in T else getattr(rec, "bias", None)
             r = do(name, W, recipe.bits_for(name), b, imp_for(name))
             if r is not None:
                 rows.append(r)
@@ -256,7 +263,7 @@ def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu"
     dense["model.norm.weight"] = T["model.norm.weight"].detach().float().cpu()
 
     # Embedding and LM head.
-    E = T["model.embed_tokens.weight"]
+    E = dense_of(T["model.embed_tokens.weight"])
     head_bits = recipe.bits_for("lm_head")
     embed_bits = recipe.embed_bits
     if embed_bits == "auto":
@@ -274,7 +281,7 @@ def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu"
                 log(f"lm_head (untied from the embedding) {head_bits}-bit  rel. weight error {r['rel_err']:.4f}")
     else:
         do("model.embed_tokens", E, embed_bits, None, None)
-        H = T["lm_head.weight"]
+        H = dense_of(T["lm_head.weight"])
         r = do("lm_head", H, head_bits, None, head_imp)
         if r is not None:
             log(f"lm_head {head_bits}-bit  rel. weight error {r['rel_err']:.4f}")
