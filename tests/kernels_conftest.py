@@ -2,12 +2,10 @@
 
 On a machine without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1) at small
 shapes; with CUDA the same tests run at full size. Triton reads TRITON_INTERPRET when a kernel is
-decorated, so the kernel modules are reloaded after setting it (another test module may have
-imported them first).
+decorated: tests/conftest.py sets it before any test module imports a kernel.
 """
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -15,15 +13,11 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py should have switched the interpreter on"
 
 import trapetum.kernels.attention as attention  # noqa: E402
 import trapetum.kernels.codebook_gemv as codebook_gemv  # noqa: E402
 import trapetum.kernels.fused as fused  # noqa: E402
-
-if not ON_GPU:
-    for _m in (codebook_gemv, attention, fused):
-        importlib.reload(_m)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 requires_cuda = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
