@@ -219,3 +219,21 @@ def test_models_on_two_devices_get_two_engines():
             assert r.status_code == 200 and r.json()["model"] == name
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})      # no model: the first
         assert r.json()["model"] == "a"
+
+
+def test_cors_origins_and_api_key_in_process():
+    from starlette.testclient import TestClient
+
+    from trapetum.serve.server import ModelSpec, create_app
+
+    app = create_app([ModelSpec(loader=lambda: F.FakeModel(name="m"))], api_key="k",
+                     cors_origins=["http://ui.example"])
+    with TestClient(app) as c:
+        pre = c.options("/v1/chat/completions", headers={"Origin": "http://ui.example",
+                                                         "Access-Control-Request-Method": "POST",
+                                                         "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        r = c.get("/v1/models", headers={"Origin": "http://ui.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = c.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

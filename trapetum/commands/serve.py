@@ -43,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=_positive, default=None, metavar="N",
                    help="CPU threads per engine for torch (default: torch's choice); on a busy or small "
                         "machine 1 can be much faster than oversubscribing")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
+                        "from a browser; repeatable (default: same origin only)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)
@@ -73,5 +76,5 @@ def run(args) -> int:
             raise TrapetumError(f"{s.path}: file not found")
     serve(specs, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.queue,
           max_body=args.max_body, log_level=args.log_level, access_log=not args.no_access_log,
-          threads=args.threads)
+          threads=args.threads, cors_origins=args.cors_origin)
     return 0

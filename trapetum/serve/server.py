@@ -211,9 +211,11 @@ class _Channel:
 
 
 def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
-               max_body: int = DEFAULT_MAX_BODY, threads: int | None = None) -> FastAPI:
+               max_body: int = DEFAULT_MAX_BODY, threads: int | None = None,
+               cors_origins: list[str] | None = None) -> FastAPI:
     """Build the ASGI app; engines start (and load their models) when the app starts.
-    ``threads``: torch CPU threads per engine (None: torch's default)."""
+    ``threads``: torch CPU threads per engine (None: torch's default); ``cors_origins``: web
+    origins allowed to call the API from a browser (the page at / needs none)."""
     if not specs:
         specs = [ModelSpec()]
     registry = Registry()
@@ -246,6 +248,11 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
     app.state.workers = workers
     app.state.registry = registry
     app.add_middleware(BodyLimit, max_body=max_body)
+    if cors_origins:                  # added last = outermost: errors (401, 413, 429) carry the headers too
+        from starlette.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-API-Key"],
+                           expose_headers=["Retry-After"])
 
     # ------------------------------------------------------------------ errors, all in OpenAI's shape
     @app.exception_handler(APIError)
@@ -489,7 +496,7 @@ def _engine_error(e: BaseException) -> APIError:
 
 def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
-        access_log: bool = True, threads: int | None = None) -> None:
+        access_log: bool = True, threads: int | None = None, cors_origins: list[str] | None = None) -> None:
     """Serve until interrupted (what ``trapetum serve`` runs)."""
     import uvicorn
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
@@ -497,7 +504,8 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
     if threads is not None:
         import torch
         torch.set_num_threads(threads)      # this thread (tokenizing helpers) and the default
-    app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads)
+    app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads,
+                     cors_origins=cors_origins)
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
           f"GET /health is 200 once ready)", flush=True)
