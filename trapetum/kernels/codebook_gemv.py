@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ..quant.pack import unpack_codes
+
 try:  # Triton is optional on CPU-only installs
     import triton
     import triton.language as tl
@@ -39,38 +41,13 @@ except Exception:  # pragma: no cover - exercised only without triton
     triton = None
     tl = None
 
-_BITS = (2, 4, 8)
+_BITS = (2, 4, 8)  # widths with a GEMV kernel; trapetum.quant.pack also packs 1 and 3 bits
 
 
 # ----------------------------------------------------------------------------- references
-def unpack_indices(codes: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """Codebook indices int64 [out, in] from canonical packed codes uint8 [out, ceil(in*bits/8)]."""
-    if bits not in _BITS:
-        raise ValueError(f"bits: must be one of {_BITS}, got {bits}")
-    per = 8 // bits
-    c = codes.to(torch.int64)
-    shifts = torch.arange(per, device=codes.device, dtype=torch.int64) * bits
-    idx = (c.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [out, KB, per]
-    return idx.reshape(codes.shape[0], -1)[:, :in_features]
-
-
-def pack_indices(idx: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of unpack_indices: int [out, in] -> canonical uint8 codes [out, ceil(in*bits/8)]."""
-    if bits not in _BITS:
-        raise ValueError(f"bits: must be one of {_BITS}, got {bits}")
-    per = 8 // bits
-    n, k = idx.shape
-    kb = -(-k // per)
-    full = torch.zeros(n, kb * per, dtype=torch.int64, device=idx.device)
-    full[:, :k] = idx.to(torch.int64)
-    full = full.reshape(n, kb, per)
-    shifts = torch.arange(per, device=idx.device, dtype=torch.int64) * bits
-    return (full << shifts).sum(-1).to(torch.uint8)
-
-
 def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
-    """Dense W [out, in] in the codebook's dtype."""
-    idx = unpack_indices(codes, bits, in_features)
+    """Dense W [out, in] in the codebook's dtype (canonical packing: ``trapetum.quant.pack``)."""
+    idx = unpack_codes(codes, bits, in_features).long()
     return torch.gather(codebook, 1, idx)
 
 
