@@ -237,3 +237,22 @@ def test_cors_origins_and_api_key_in_process():
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
         r = c.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_sse_keepalive_while_waiting(monkeypatch):
+    from starlette.testclient import TestClient
+
+    from trapetum.serve import server as S
+
+    monkeypatch.setattr(S, "KEEPALIVE_S", 0.05)
+    app = S.create_app([S.ModelSpec(loader=lambda: F.FakeModel(name="m", token_delay=0.3))])
+    with TestClient(app) as c:
+        while c.get("/health").status_code != 200:
+            time.sleep(0.02)
+        body = {"messages": MSG, "max_tokens": 2, "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == "data: " + lines[0][6:] and ": keep-alive" in lines
+    events = F.sse_events(lines)
+    assert events[-1] == "[DONE]" and "".join(e["choices"][0]["delta"].get("content") or ""
+                                              for e in events[:-1]) == " w0 w1"
