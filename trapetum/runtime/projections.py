@@ -15,6 +15,7 @@ from torch import nn
 
 from ..kernels import codebook_gemv as cg
 from ..kernels.additive_gemv import supported as additive_supported
+from ..kernels.dequant import dequantize
 from ..kernels.fused import act_mul
 
 
@@ -78,7 +79,7 @@ class CodebookProj:
         return out
 
     def dense(self) -> torch.Tensor:
-        return cg.dequantize(self.codes, self.codebook, self.bits, self.in_features)
+        return dequantize(self.codes, self.codebook, self.bits, self.in_features)
 
     def matmul(self, x):
         return F.linear(x, self.dense(), self.bias)
