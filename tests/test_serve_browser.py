@@ -63,6 +63,7 @@ def test_chat_streams_and_compare(server, page):
     page.wait_for_function("""() => { const m = document.querySelector('.msg.assistant.streaming .body');
                                       return m && m.textContent.length > 0; }""", timeout=60_000)
     partial = page.inner_text(".msg.assistant .body")
+    page.screenshot(path=str(F.SCREENSHOTS / "chat-streaming.png"))       # mid-answer, cursor showing
     page.wait_for_selector(".msg.assistant .meta", timeout=60_000)      # finished
     final = page.inner_text(".msg.assistant .body")
     assert final.strip(), "no answer text"

@@ -245,7 +245,7 @@ async function sendChat(ev) {
   let answer = "", finish = null;
   try {
     await streamChat({ model: $("#chat-model").value, messages, ...settings() }, ctl.signal, {
-      onStart: () => meter.start(),
+      onStart: () => { meter.start(); pollHealth(); },
       onDelta: (t) => { answer += t; body.textContent = answer; meter.token(); out.scrollIntoView({ block: "end" }); },
       onDone: (u, f) => { meter.stop(u); finish = f; },
     });
@@ -288,7 +288,7 @@ async function runColumn(col, prompt, signal, accepted = () => {}) {
     await streamChat({ model: $(".cmp-model", col).value, messages: [{ role: "user", content: prompt }], ...settings() },
       signal, {
         onAccepted: accepted,
-        onStart: () => { meter.start(); st.textContent = "prefill"; st.className = "state streaming"; },
+        onStart: () => { meter.start(); pollHealth(); st.textContent = "prefill"; st.className = "state streaming"; },
         onDelta: (t) => { text += t; out.textContent = text; meter.token(); st.textContent = "streaming";
                           out.scrollTop = out.scrollHeight; },
         onDone: (u, f) => { meter.stop(u); pollHealth(); st.textContent = f === "length" ? "done (length)" : "done";
