@@ -33,6 +33,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM if the test process dies (a killed run leaves no server)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ServerProcess:
     def __init__(self, argv: list[str], port: int, api_key: str | None = None):
         self.port = port
@@ -41,7 +50,8 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="trapetum-serve-", suffix=".log", delete=False)
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
         self.pid = self.proc.pid
 
     def log_text(self) -> str:
