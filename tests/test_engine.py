@@ -94,3 +94,25 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+def test_engine_runs_quantized_cbk(tmp_path, family):
+    """A .cbk from the quantizer (4-bit projections, 8-bit head) through the engine's codebook path."""
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    build(family, tmp_path / "src")
+    out = tmp_path / "m.cbk"
+    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=5).validate(),
+                    progress=False, log=lambda s: None)
+    m = trapetum.load(out)
+    eng = GpuEngine(m.decoder, 40)
+    assert all(type(p).__name__ == "CodebookProj" for L in eng.layers for p in L.qkv + [L.o, L.down])
+    assert eng.layers[0].gate_up.interleaved is not None and type(eng.head).__name__ == "CodebookProj"
+    ids = torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = m.logits(ids)
+    assert rel(eng.prefill(ids[:-1]), ref[-2]) < TOL.get(family, 2e-3)
+    eng.set_position(ids[-1], 15)
+    eng.step(greedy=False)
+    assert rel(eng.logits, ref[-1]) < TOL.get(family, 2e-3)
+    toks = list(eng.tokens(ids, GenerationSettings(max_new_tokens=12), 28))
+    assert toks == m.generate(ids, max_new_tokens=12, ignore_eos=True).token_ids

@@ -199,6 +199,8 @@ class Decoder(nn.Module):
             lm_head = proj("lm_head")
         elif cfg.tie_word_embeddings and isinstance(embed, Embedding):
             lm_head = Linear(embed.weight.data)
+        elif cfg.tie_word_embeddings and hasattr(embed, "as_linear"):
+            lm_head = embed.as_linear()  # quantized table shared with the head
         elif cfg.tie_word_embeddings:
             lm_head = Linear(embed.dequantize().to(dtype))
         else:

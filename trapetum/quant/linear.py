@@ -185,6 +185,10 @@ class CodebookEmbedding(CodebookLinear):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids, self.dtype)
 
+    def as_linear(self) -> CodebookLinear:
+        """The tied LM head: a projection sharing this table's codes and codebook (no copy)."""
+        return CodebookLinear(self.codes, self.codebook, self.in_features, self.bits, None)
+
 
 def _build(record: QuantRecord, name: str) -> nn.Module:
     if not isinstance(record, QuantRecord):
