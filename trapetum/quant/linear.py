@@ -80,9 +80,14 @@ class CodebookLinear(nn.Module):
             y = self._cuda_forward(x)
             if y is not None:
                 return y
-        # Reference path (CPU, or CUDA before the kernels land): dequantize, then matmul.
+        # Reference path (CPU, or CUDA before the kernels land): dequantize once, then matmul.
+        # The dense copy is cached: the reference path trades memory for speed (decode on the
+        # CPU would otherwise unpack every weight at every token).
+        cached = self.__dict__.get("_dense")
+        if cached is None or cached.dtype != x.dtype or cached.device != x.device:
+            cached = self.__dict__["_dense"] = self.dequantize(x.dtype).to(x.device)
         b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), b)
+        return F.linear(x, cached, b)
 
     def _cuda_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Hook for the fused GPU kernels: ``trapetum.kernels.codebook_gemv.codebook_linear(x,
