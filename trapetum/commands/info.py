@@ -47,8 +47,22 @@ def run(args) -> int:
     print("formats      " + ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_formats"].items())))
     print(f"memory       {_size(info['memory_fp16_weights_bytes'])} as fp16 weights; KV cache "
           f"{_size(info['kv_cache_fp16_bytes_per_token'] * 1024)} per 1k positions (fp16)")
-    if "sizes" in info:
-        print("sizes        " + json.dumps(info["sizes"], default=str))
-    if ckpt.meta.get("recipe"):
-        print("recipe       " + json.dumps(ckpt.meta["recipe"], default=str))
+    sizes = info.get("sizes")
+    if sizes:
+        print(f"file         {_size(sizes['file_bytes'])}, {sizes['file_bits_per_weight']:.3f} bits per weight overall")
+        for kind, k in sizes["kinds"].items():
+            fmts = ", ".join(f"{f} x{n}" for f, n in k["formats"].items())
+            print(f"  {kind:11s} {_size(k['bytes']):>10s}  {k['bits_per_weight']:7.3f} bits/weight  ({fmts})")
+    recipe = ckpt.meta.get("recipe")
+    if recipe:
+        brief = {k: v for k, v in recipe.items() if k not in ("layer_errors", "bits_per_weight")}
+        print("recipe       " + json.dumps(brief, default=str))
+        errs = recipe.get("layer_errors") or {}
+        if errs:
+            worst = max(errs, key=errs.get)
+            print(f"errors       {len(errs)} layers, mean relative error {sum(errs.values()) / len(errs):.4f}, "
+                  f"worst {worst} {errs[worst]:.4f} (--json for all)")
+    prov = ckpt.meta.get("provenance")
+    if prov:
+        print("provenance   " + json.dumps(prov, default=str))
     return 0
