@@ -247,7 +247,8 @@ def _get(meta: dict[str, Any], key: str, kind: type, where: str, default: Any = 
             return v
         return kind(v)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: GGUF metadata {key!r} = {str(v)[:60]!r} is not a {kind.__name__}") from None
+        what = {int: "an integer", float: "a number", str: "a string"}.get(kind, kind.__name__)
+        raise ConfigError(f"{where}: GGUF metadata {key!r} = {str(v)[:60]!r} is not {what}") from None
 
 
 # -- config ----------------------------------------------------------------------------------
