@@ -1,0 +1,187 @@
+"""The .cbk format: constants, dtype table, tensor/layer specs and the model-consistency check
+shared by the writer (cbk_write.py) and the reader (cbk.py). The format itself is described in cbk.py."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..models.config import ModelConfig
+from ..quant.record import QuantRecord
+from .checkpoint import expected_names, expected_shapes
+
+FORMAT_NAME = "trapetum-cbk"
+VERSION = 1
+MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
+MAX_DIMS = 8
+MAX_ELEMENTS = 2**62
+_CHUNK = 64 * 2**20
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in [
+        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
+        ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"), ("F16", "float16"),
+        ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")] if hasattr(torch, attr)}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
+
+
+def _itemsize(dtype_name: str) -> int:
+    return _ITEMSIZE[dtype_name]
+
+
+def _one_line(x: Any, limit: int = 120) -> str:
+    s = " ".join(str(x).split())
+    return s if len(s) <= limit else s[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor and layer descriptions shared by the writer and the reader
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype (safetensors name, e.g. "F16") and shape of a stored tensor, known before its bytes."""
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        if t.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype {t.dtype} cannot be stored in a .cbk file")
+        return cls(DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape))
+
+    @property
+    def nbytes(self) -> int:
+        n = _itemsize(self.dtype)
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class QuantSpec:
+    """Everything about a quantized projection except its bytes (see ``QuantRecord``)."""
+    scheme: str
+    shape: tuple[int, int]
+    params: dict[str, Any]
+    tensors: dict[str, TensorSpec]
+    bias: TensorSpec | None = None
+
+    @classmethod
+    def of(cls, r: QuantRecord) -> "QuantSpec":
+        return cls(r.scheme, tuple(int(d) for d in r.shape), dict(r.params),
+                   {role: TensorSpec.of(t) for role, t in r.tensors.items()},
+                   TensorSpec.of(r.bias) if r.bias is not None else None)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One entry of the safetensors table; ``begin``/``end`` are absolute file offsets."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass
+class LayerEntry:
+    name: str  # canonical weight name
+    scheme: str
+    shape: tuple[int, int]
+    params: dict[str, Any]
+    tensors: dict[str, str]  # role -> stored name
+    bias: str | None = None
+
+
+def format_label(scheme: str, params: Mapping[str, Any]) -> str:
+    """Storage label of a quantized layer for ``LazyTensors.formats``: "codebook-4bit", "aqlm-2x8"..."""
+    bits = params.get("bits")
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return f"{scheme}-{bits}bit"
+    layout = params.get("layout")
+    return f"{scheme}-{layout}" if isinstance(layout, str) else scheme
+
+
+def _header_digest(trapetum_text: str, table: Mapping[str, tuple], with_offsets: bool = False) -> str:
+    """Hash of the metadata and each tensor's name, dtype and shape. Offsets are left out: a tool that
+    rewrites the file with its tensors in another order (safetensors' save_file) keeps it valid.
+    (``with_offsets``: the form written before 2026-11-30 02:07 UTC, still accepted on read.)"""
+    rows = [[n, d, list(s), *(x[:2] if with_offsets else [])] for n, (d, s, *x) in sorted(table.items())]
+    blob = json.dumps([trapetum_text, rows], ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("ascii")).hexdigest()
+
+
+def _check_model(cfg: ModelConfig, layers: Mapping[str, LayerEntry], dense: list[str],
+                 table: Mapping[str, TensorSpec], fail: Callable[[str], Any]) -> None:
+    """Check names and shapes against the config; every stored tensor referenced exactly once."""
+    if cfg.num_layers > len(table):  # bound the work below by the file's own size
+        fail(f"config has {cfg.num_layers} layers but the file stores only {len(table)} tensors")
+    exp = expected_shapes(cfg)
+
+    def expected(name: str) -> tuple[int, ...] | None:
+        if name in exp:
+            return exp[name]
+        if name.endswith(".bias"):  # o_bias / mlp_bias projections: bias is [out_features]
+            w = exp.get(name[:-len(".bias")] + ".weight")
+            if w is not None and len(w) == 2:
+                return (w[0],)
+        return None
+
+    owner: dict[str, str] = {}
+
+    def claim(stored: str, what: str) -> TensorSpec:
+        if stored not in table:
+            fail(f"{what} names tensor {stored!r}, which is not in the file")
+        if stored in owner:
+            fail(f"tensor {stored!r} is used both as {owner[stored]} and as {what}")
+        owner[stored] = what
+        return table[stored]
+
+    seen: set[str] = set()
+    for name in dense:
+        if name in seen:
+            fail(f"dense tensor {name!r} is listed twice")
+        seen.add(name)
+        shape = expected(name)
+        if shape is None:
+            fail(f"dense tensor {name!r} is not a tensor of this model config")
+        spec = claim(name, f"dense tensor {name!r}")
+        if spec.shape != shape:
+            fail(f"dense tensor {name!r} has shape {list(spec.shape)}, config expects {list(shape)}")
+        if spec.dtype not in FLOAT_DTYPES:
+            fail(f"dense tensor {name!r} has dtype {spec.dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    for name, layer in layers.items():
+        if name in seen:
+            fail(f"{name!r} is stored both dense and quantized")
+        seen.add(name)
+        shape = exp.get(name)
+        if shape is None or len(shape) != 2 or not name.endswith(".weight"):
+            fail(f"quantized layer {name!r} is not a projection of this model config")
+        if tuple(layer.shape) != shape:
+            fail(f"quantized layer {name!r} has shape {list(layer.shape)}, config expects {list(shape)}")
+        if not layer.tensors:
+            fail(f"quantized layer {name!r} has no tensors")
+        for role, stored in layer.tensors.items():
+            claim(stored, f"{role} of {name!r}")
+        if layer.bias is not None:
+            spec = claim(layer.bias, f"bias of {name!r}")
+            if spec.shape != (shape[0],) or spec.dtype not in FLOAT_DTYPES:
+                fail(f"bias of {name!r} is {spec.dtype} {list(spec.shape)}, expected a float vector "
+                     f"of {shape[0]}")
+    missing = [n for n in expected_names(cfg) if n not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        fail(f"tensor {missing[0]!r} required by the config is missing{more}")
+    unused = [n for n in table if n not in owner]
+    if unused:
+        fail(f"stored tensor {unused[0]!r} is not referenced by the metadata")

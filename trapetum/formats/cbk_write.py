@@ -1,0 +1,260 @@
+"""Writer of .cbk files: streams tensors to a temp file, then fsync and rename (atomic).
+Format: see trapetum/formats/cbk.py."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .. import __version__
+from ..models.config import ModelConfig
+from ..quant.record import QuantRecord
+from ..tokenizer import Tokenizer
+from .cbk_spec import (
+    _CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, VERSION, LayerEntry, QuantSpec, TensorSpec, _check_model,
+    _header_digest, _itemsize, _one_line)
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------
+class CbkWriter:
+    """Streams a ``.cbk`` file to disk atomically, one tensor at a time.
+
+    Declare every tensor first (``declare_dense`` / ``declare_quantized``: dtype and shape only),
+    then ``put_dense`` / ``put_quantized`` each in any order, then ``commit()``. Bytes go straight
+    to a temporary file in the target's directory while their sha256 is computed; ``commit``
+    rewrites the header with the checksums (same length as the placeholder), fsyncs, renames over
+    the target and fsyncs the directory. Any failure (or ``abort()``, or leaving the ``with`` block
+    by an exception) removes the temporary file and leaves the target untouched. Memory use is one
+    tensor, so a file bigger than RAM can be written from a source that is read lazily.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, config: ModelConfig, tokenizer: Tokenizer | None = None,
+                 recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None):
+        self.path = Path(path)
+        self.config = config
+        prov = {"tool_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **(provenance or {})}
+        self.meta: dict[str, Any] = {  # JSON copies: later changes to the arguments cannot reach the file
+            "format": FORMAT_NAME, "version": VERSION, "config": self._plain(config.to_dict(), "config"),
+            "tokenizer": self._plain(tokenizer.to_dict(), "tokenizer") if tokenizer is not None else None,
+            "generation": self._plain(generation, "generation") if generation else None,
+            "layers": {}, "dense": [], "recipe": self._plain(recipe, "recipe") if recipe is not None else None,
+            "provenance": self._plain(prov, "provenance"), "checksum": "sha256", "checksums": {}}
+        self.specs: dict[str, TensorSpec] = {}  # stored name -> spec, in declaration order
+        self._layers: dict[str, LayerEntry] = {}
+        self._rel: dict[str, tuple[int, int]] = {}  # stored name -> [begin, end) within the data
+        self._offsets: dict[str, tuple[int, int]] = {}  # stored name -> absolute [begin, end)
+        self._digests: dict[str, str] = {}
+        self._file = None
+        self._tmp: Path | None = None
+        self._header_len = 0
+        self._done = False
+        self._committed = False
+
+    def _plain(self, x: Any, what: str) -> Any:
+        try:
+            return json.loads(json.dumps(x, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cannot write {self.path}: {what} is not plain JSON ({_one_line(e, 120)})") from None
+
+    # -- declarations --------------------------------------------------------------------------
+    def _add(self, stored: str, spec: TensorSpec) -> None:
+        if self._file is not None:
+            raise ValueError("declare every tensor before the first put")
+        if stored in self.specs:
+            raise ValueError(f"tensor name {stored!r} is declared twice")
+        if spec.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {spec.dtype!r} for {stored!r}")
+        if not stored or stored == "__metadata__":
+            raise ValueError(f"bad tensor name {stored!r}")
+        shape = tuple(int(d) for d in spec.shape)
+        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+            raise ValueError(f"bad shape {list(shape)} for {stored!r}")
+        self.specs[stored] = TensorSpec(spec.dtype, shape)
+
+    def declare_dense(self, name: str, spec: TensorSpec) -> None:
+        self._add(name, spec)
+        self.meta["dense"].append(name)
+
+    def declare_quantized(self, name: str, spec: QuantSpec) -> None:
+        if not name.endswith(".weight"):
+            raise ValueError(f"quantized layer name {name!r} must end with '.weight'")
+        prefix = name[:-len(".weight")]
+        roles = {}
+        for role, ts in spec.tensors.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", role) or role in ("weight", "bias"):
+                raise ValueError(f"bad tensor role {role!r} for {name!r}")
+            self._add(f"{prefix}.{role}", ts)
+            roles[role] = f"{prefix}.{role}"
+        bias = None
+        if spec.bias is not None:
+            bias = f"{prefix}.bias"
+            self._add(bias, spec.bias)
+        shape = tuple(int(d) for d in spec.shape)
+        params = self._plain(spec.params, f"params of {name}")
+        self._layers[name] = LayerEntry(name, spec.scheme, shape, params, roles, bias)
+        self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(shape), "params": params,
+                                     "tensors": roles, "bias": bias}
+
+    # -- writing -------------------------------------------------------------------------------
+    def _header(self) -> bytes:
+        table, rel = {}, {}
+        for n, (b, e) in self._rel.items():  # offsets relative to the data: independent of the header
+            s = self.specs[n]
+            table[n] = (s.dtype, s.shape, b, e)
+            rel[n] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [b, e]}
+        self.meta["checksums"] = {n: self._digests.get(n, "0" * 64) for n in self._rel}
+        text = json.dumps(self.meta, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        header = {"__metadata__": {"trapetum": text, "trapetum_sha256": _header_digest(text, table)}, **rel}
+        raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return raw + b" " * (-len(raw) % 8)
+
+    def _begin(self) -> None:
+        self.config.validate(f"cannot write {self.path}: config")
+
+        def fail(msg: str) -> None:
+            raise ValueError(f"cannot write {self.path}: {msg}")
+        _check_model(self.config, self._layers, self.meta["dense"], self.specs, fail)
+        # Layout: descending element size keeps every tensor aligned to its element size.
+        order = sorted(self.specs, key=lambda n: -_itemsize(self.specs[n].dtype))
+        pos = 0
+        for n in order:
+            self._rel[n] = (pos, pos + self.specs[n].nbytes)
+            pos += self.specs[n].nbytes
+        self._header_len = len(self._header())  # placeholder digests have the final length
+        if self._header_len > MAX_HEADER_BYTES:
+            fail(f"header would be {self._header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        start = 8 + self._header_len
+        self._offsets = {n: (start + b, start + e) for n, (b, e) in self._rel.items()}
+        directory = self.path.parent
+        name = f".{self.path.name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # within NAME_MAX
+        self._tmp = directory / name
+        self._file = open(self._tmp, "xb")
+
+    def _put(self, stored: str, t: torch.Tensor) -> None:
+        if self._done:
+            raise ValueError("writer is already committed or aborted")
+        if stored not in self.specs:
+            raise ValueError(f"tensor {stored!r} was not declared")
+        if stored in self._digests:
+            raise ValueError(f"tensor {stored!r} is written twice")
+        got = TensorSpec.of(t)
+        if got != self.specs[stored]:
+            raise ValueError(f"tensor {stored!r} is {got.dtype} {list(got.shape)}, declared "
+                             f"{self.specs[stored].dtype} {list(self.specs[stored].shape)}")
+        if self._file is None:
+            self._begin()
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        h = hashlib.sha256()
+        self._file.seek(self._offsets[stored][0])
+        with memoryview(flat) as mv:
+            for i in range(0, len(mv), _CHUNK):
+                h.update(mv[i:i + _CHUNK])
+                self._file.write(mv[i:i + _CHUNK])
+        self._digests[stored] = h.hexdigest()
+
+    def put_dense(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self.meta["dense"]:
+            raise ValueError(f"{name!r} was not declared dense")
+        self._put(name, tensor)
+
+    def put_quantized(self, name: str, record: QuantRecord) -> None:
+        layer = self._layers.get(name)
+        if layer is None:
+            raise ValueError(f"{name!r} was not declared quantized")
+        if (record.scheme, tuple(record.shape)) != (layer.scheme, layer.shape) or set(record.tensors) != set(layer.tensors):
+            raise ValueError(f"record for {name!r} does not match its declaration")
+        if (record.bias is None) != (layer.bias is None):
+            raise ValueError(f"record for {name!r}: bias presence does not match its declaration")
+        for role, t in record.tensors.items():
+            self._put(layer.tensors[role], t)
+        if record.bias is not None:
+            self._put(layer.bias, record.bias)
+
+    def commit(self) -> Path:
+        """Finish the file and move it into place; returns the path."""
+        if self._done:
+            raise ValueError("writer is already committed or aborted")
+        try:
+            if self._file is None:
+                self._begin()
+            missing = [n for n in self.specs if n not in self._digests]
+            if missing:
+                raise ValueError(f"cannot write {self.path}: tensor {missing[0]!r} was declared but not written")
+            header = self._header()
+            if len(header) != self._header_len:  # cannot happen: digests have a fixed length
+                raise RuntimeError(f"cannot write {self.path}: header length changed while writing")
+            self._file.seek(0)
+            self._file.write(struct.pack("<Q", len(header)) + header)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self.path)
+            self._committed = self._done = True
+        except BaseException:
+            self.abort()
+            raise
+        try:
+            fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass  # some filesystems cannot fsync a directory; the rename itself is atomic
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the temporary file; the target path is left as it was."""
+        self._done = True
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+        if self._tmp is not None and not self._committed:
+            try:
+                self._tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "CbkWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        elif not self._done:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            self.abort()
+
+
+def write_cbk(path: str | os.PathLike, *, config: ModelConfig, dense: Mapping[str, torch.Tensor],
+              quantized: Mapping[str, QuantRecord], tokenizer: Tokenizer | None = None, recipe: dict | None = None,
+              provenance: dict | None = None, generation: dict | None = None) -> Path:
+    """Write a ``.cbk`` file atomically. ``dense``: canonical name -> tensor; ``quantized``: canonical
+    weight name -> QuantRecord. Values are read twice (spec, then bytes): for a source that is costly to
+    produce (quantized on the fly), use ``CbkWriter`` with the specs declared up front."""
+    w = CbkWriter(path, config=config, tokenizer=tokenizer, recipe=recipe, provenance=provenance,
+                  generation=generation)
+    try:
+        for name, t in dense.items():
+            w.declare_dense(name, TensorSpec.of(t))
+        for name, r in quantized.items():
+            w.declare_quantized(name, QuantSpec.of(r))
+        for name, t in dense.items():
+            w.put_dense(name, t)
+        for name, r in quantized.items():
+            w.put_quantized(name, r)
+        return w.commit()
+    except BaseException:
+        w.abort()
+        raise
