@@ -424,3 +424,32 @@ def test_bad_tokenizer_metadata(tmp_path):
           "tokenizer.ggml.merges": (['! "'], arr)}
     tk = load_gguf(write_gguf(tmp_path / "ok.gguf", "llama", hf_tensors("llama"), tokenizer=ok)).tokenizer
     assert tk.encode('!"#', add_special_tokens=False) == [tokens.index('!"'), tokens.index("#")]
+
+
+def test_random_corruption_fuzz(tmp_path):
+    """Random byte flips and cuts in the header: every outcome is a load or a one-line project error."""
+    import random
+
+    from trapetum.errors import TrapetumError
+
+    arr = gguf.GGUFValueType.ARRAY
+    tokens = [chr(c) for c in range(33, 33 + TINY["V"] - 1)] + ['!"']
+    src = write_gguf(tmp_path / "src.gguf", "qwen2", hf_tensors("qwen2"), tokenizer={
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": (tokens, arr),
+        "tokenizer.ggml.merges": (['! "'], arr), "tokenizer.ggml.token_type": ([1] * len(tokens), arr)}).read_bytes()
+    header = len(src) - sum(t.n_bytes for t in open_gguf(tmp_path / "src.gguf").tensors)
+    rng = random.Random(0)
+    p = tmp_path / "fuzz.gguf"
+    for _ in range(150):
+        b = bytearray(src)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(header)] = rng.randrange(256)
+        if rng.random() < 0.3:
+            b = b[:rng.randrange(len(b))]
+        p.write_bytes(bytes(b))
+        try:
+            ck = load_gguf(p)
+            for n in ck.tensors:
+                ck.tensors[n]
+        except TrapetumError as e:
+            assert str(p) in str(e) and "\n" not in str(e), str(e)
