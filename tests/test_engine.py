@@ -116,3 +116,16 @@ def test_engine_runs_quantized_cbk(tmp_path, family):
     assert rel(eng.logits, ref[-1]) < TOL.get(family, 2e-3)
     toks = list(eng.tokens(ids, GenerationSettings(max_new_tokens=12), 28))
     assert toks == m.generate(ids, max_new_tokens=12, ignore_eos=True).token_ids
+
+
+def test_engine_scores_windows_like_the_reference(tiny):
+    """Perplexity through the engine (prefill, and step by step) equals the reference decoder's."""
+    from trapetum.eval.perplexity import window_nll
+    m = tiny["qwen2"]
+    eng = GpuEngine(m.decoder, 64)
+    w = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(5))
+    ref, n = window_nll(m.decoder, w)
+    pre, n1 = window_nll(eng, w)
+    dec, n2 = window_nll(eng, w, decode=True)
+    assert n == n1 == n2 == 39
+    assert abs(pre - ref) / n < 2e-3 and abs(dec - pre) / n < 2e-3

@@ -56,10 +56,11 @@ def run(args: argparse.Namespace) -> int:
         if bos_id is None:
             raise TrapetumError(f"{args.model}: the tokenizer has no BOS token; run without --bos")
     t0 = time.perf_counter()
-    r = perplexity(model.decoder, ids, args.ctx, windows, decode=args.decode, bos_id=bos_id,
-                   progress=not args.quiet)
+    scorer = model.runner if hasattr(model.runner, "logits_for") else model.decoder  # GPU engine on CUDA
+    r = perplexity(scorer, ids, args.ctx, windows, decode=args.decode, bos_id=bos_id, progress=not args.quiet)
     dt = time.perf_counter() - t0
     print(r.line())
-    print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device}; {dt:.1f} s",
+    path = "GPU engine" if scorer is model.runner else "reference decoder"
+    print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device} ({path}); {dt:.1f} s",
           file=sys.stderr)
     return 0

@@ -83,8 +83,16 @@ def make_windows(ids: torch.Tensor, ctx: int, windows: int | None = None, bos_id
 
 
 @torch.inference_mode()
-def window_nll(decoder, window: torch.Tensor, decode: bool = False) -> tuple[float, int]:
-    """Sum of NLL (float64) and count of predicted tokens for one window [T] (all but the first)."""
+def window_nll(model, window: torch.Tensor, decode: bool = False) -> tuple[float, int]:
+    """Sum of NLL (float64) and count of predicted tokens for one window [T] (all but the first).
+
+    ``model`` is a Decoder (torch reference path) or the GPU engine (anything with ``logits_for``)."""
+    if hasattr(model, "logits_for"):
+        tok = window.to(model.device)
+        logits = model.logits_for(tok, decode=decode)  # [T, V] float32
+        nll = F.cross_entropy(logits[:-1].float(), tok[1:], reduction="sum")
+        return float(nll.double()), tok.numel() - 1
+    decoder = model
     dev = next(iter(decoder.buffers()), None)
     p = next(iter(decoder.parameters()), None)
     device = (p if p is not None else dev).device

@@ -279,6 +279,21 @@ class GpuEngine:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
+    @torch.inference_mode()
+    def logits_for(self, ids: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Logits fp32 [T, V] of every position of ``ids`` [T]: one prefill, or (decode=True) one
+        prefill of the first token then a decode step per position (the self-check of the step)."""
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(-1)
+        if not decode:
+            return self.prefill(ids, all_logits=True)
+        out = torch.empty(ids.numel(), self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        out[0] = self.prefill(ids[:1])
+        for t in range(1, ids.numel()):
+            self.set_position(ids[t], t)
+            self.step(greedy=False)
+            out[t] = self.logits
+        return out
+
     # -- Runner protocol -------------------------------------------------------------------
     @torch.inference_mode()
     def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
