@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 import trapetum
 from trapetum.quant.quantize import Recipe, quantize_to_cbk

@@ -25,7 +25,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -101,7 +100,6 @@ def run_model(label: str, path: str, args, results: dict) -> dict:
     dev = args.device
     log(f"{label}: loading {path}")
     ckpt = load_checkpoint(path)
-    cfg = ckpt.config
     ids = tokenize_file(ckpt.tokenizer, args.text)
     n_all = ids.numel() // args.ctx
     log(f"{label}: {ids.numel()} test tokens, {n_all} windows of {args.ctx}")

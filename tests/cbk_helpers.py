@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer as HFTokenizer

@@ -1,6 +1,5 @@
 """Bad input: one-line error naming the file and the problem, non-zero exit, no traceback."""
 import json
-import os
 import subprocess
 import sys
 

@@ -5,7 +5,6 @@ FormatError with a one-line message naming the file; anything else fails with th
 """
 from __future__ import annotations
 
-import json
 import random
 import struct
 import time

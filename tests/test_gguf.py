@@ -4,7 +4,6 @@ own GGUF loading (config and every dequantized tensor)."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np

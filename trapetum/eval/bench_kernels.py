@@ -220,7 +220,7 @@ def copy_bandwidth_GBps() -> float:
 
 
 def _md(res: dict) -> str:
-    L = [f"# Kernel benchmark", "", f"- command: `{res['command']}`", f"- GPU: {res['gpu']}",
+    L = ["# Kernel benchmark", "", f"- command: `{res['command']}`", f"- GPU: {res['gpu']}",
          f"- date: {res['date']}", f"- torch {res['torch']}, triton {res['triton']}, CUDA {res['cuda']}",
          f"- device copy bandwidth (read+write): {res['copy_GBps']:.0f} GB/s", "",
          "## GEMV, batch 1 unless noted (shape = in x out; CUDA-graph replays, weights rotated past L2, median)", "",

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -42,8 +41,7 @@ import torch
 from ..errors import ConfigError
 from ..formats.checkpoint import Checkpoint
 from .kmeans import kmeans_rows, weighted_error
-from .linear import CodebookLinear
-from .pack import SUPPORTED_BITS, pack_codes, unpack_codes
+from .pack import SUPPORTED_BITS, pack_codes
 from .record import QuantRecord
 
 __all__ = ["Recipe", "QuantizedModel", "quantize_checkpoint", "calibration_stats", "quantize_to_cbk",
