@@ -75,3 +75,20 @@ def test_context_overflow_is_an_error(model_dir):
     m = trapetum.load(model_dir, max_context=16)
     with pytest.raises(trapetum.TrapetumError, match="exceeds the context size of 16"):
         m.generate("ROMEO: hello there", max_new_tokens=12)
+
+
+def test_sharded_safetensors_with_index(tmp_path):
+    """A checkpoint split over several safetensors files with model.safetensors.index.json."""
+    import torch
+    hf = build("qwen2", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "many", safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 1
+    ids = list(range(3, 30))
+    a = trapetum.load(tmp_path / "one").logits(ids)
+    b = trapetum.load(tmp_path / "many").logits(ids)
+    assert torch.equal(a, b)
+    (tmp_path / "many" / "model-00002-of-{:05d}.safetensors".format(
+        len(list((tmp_path / "many").glob("*.safetensors"))))).unlink()
+    with pytest.raises(trapetum.FormatError, match="not found"):
+        trapetum.load(tmp_path / "many")
