@@ -27,6 +27,8 @@ def register(sub) -> None:
     p.add_argument("--iters", type=int, default=60, help="Lloyd iterations per start (default 60)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--scheme", default="scalar", choices=["scalar", "aqlm-2x8", "aqlm-1x16"],
+                   help="per-row scalar codebooks (default) or 2-bit additive codebooks in the AQLM layout")
     p.set_defaults(func=run)
 
 
@@ -47,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from ..quant.quantize import Recipe, parse_bits_overrides, quantize_to_cbk
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.scheme != "scalar":  # additive codebooks: trapetum/quant/additive_driver.py
+        from ..quant.additive_driver import run_cli
+        return run_cli(args, device)
     calib = args.calib
     recipe = Recipe(bits=args.bits, head_bits=_bits_or_none(args.head_bits, "--head-bits"),
                     embed_bits="auto" if args.embed_bits == "auto" else _bits_or_none(args.embed_bits, "--embed-bits"),

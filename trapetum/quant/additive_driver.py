@@ -266,3 +266,16 @@ def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveR
         shutil.rmtree(work, ignore_errors=True)
     log(f"quantized in {qm.seconds:.1f} s")
     return Path(path), qm
+
+
+def run_cli(args, device: str) -> int:
+    """``trapetum quantize SRC -o OUT.cbk --scheme aqlm-2x8|aqlm-1x16`` (uses --head-bits, --calib,
+    --calib-seqs, --device, --quiet; the scalar-only options do not apply)."""
+    hb = None if str(args.head_bits).lower() in ("fp16", "none", "dense") else int(args.head_bits)
+    recipe = AdditiveRecipe(scheme=args.scheme, head_bits=hb, weighted=args.calib != "none", calib=args.calib,
+                            calib_seqs=args.calib_seqs).validate()
+    path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet)
+    print(f"wrote {path}  {path.stat().st_size / 1e6:.1f} MB  {qm.bits_per_weight('projections'):.3f} bits/weight "
+          f"(projections, codebooks and scales included)  {qm.bits_per_weight('all'):.3f} bits/weight (all tensors)  "
+          f"{qm.seconds:.1f} s")
+    return 0
