@@ -225,6 +225,7 @@ def _kmeans(v: torch.Tensor, h: torch.Tensor, K: int, iters: int, gen: torch.Gen
 def _nearest(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, chunk: int) -> torch.Tensor:
     """Index of the nearest row of C [K, d] to each v [N, d] under the weights h [N, d]."""
     out = torch.empty(v.shape[0], dtype=torch.int64, device=v.device)
+    chunk = min(chunk, max(256, (1 << 24) // C.shape[0]))  # score block at most 64 MiB (1x16: 256 rows)
     Ct, C2t = C.t().contiguous(), (C * C).t().contiguous()
     for s in range(0, v.shape[0], chunk):
         vv, hh = v[s:s + chunk], h[s:s + chunk]
@@ -320,13 +321,28 @@ def _refit_codebooks(v: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, C: tor
     return new.to(C.dtype)
 
 
-def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *, num_codebooks: int = 2,
+def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, **kw) -> AdditiveResult:
+    """Quantize W [out, in] to additive codebooks (out_group 1, per-row scales); see the module docstring.
+
+    importance: E[x_j^2] per input channel [in] (None: unweighted). Keywords: num_codebooks (2),
+    nbits (8), in_group_size (8), beam (4), iters (6), beam_steps (2), kmeans_iters (10), seed (0),
+    device ("cpu"), chunk (8192). On CUDA the run uses PyTorch's deterministic algorithms (index_add_
+    without atomics), so a layer quantizes to the same bits every time (resumable runs)."""
+    dev = torch.device(kw.get("device", "cpu"))
+    if dev.type != "cuda":
+        return _quantize_additive(W, importance, **kw)
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        return _quantize_additive(W, importance, **kw)
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+def _quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *, num_codebooks: int = 2,
                       nbits: int = 8, in_group_size: int = 8, beam: int = 4, iters: int = 6, beam_steps: int = 2,
                       kmeans_iters: int = 10, seed: int = 0, device: str | torch.device = "cpu",
                       chunk: int = 8192) -> AdditiveResult:
-    """Quantize W [out, in] to additive codebooks (out_group 1, per-row scales); see the module docstring.
-
-    importance: E[x_j^2] per input channel [in] (None: unweighted)."""
     out_f, in_f = W.shape
     if in_f % in_group_size:
         raise ValueError(f"in_features {in_f} is not a multiple of in_group_size {in_group_size}")
