@@ -230,3 +230,50 @@ def additive_linear(x, codes, codebooks, scales, bias=None) -> torch.Tensor | No
     if x.numel() // x.shape[-1] > GEMV_MAX_ROWS or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     return additive_gemv(x, codes, codebooks, scales, bias)
+
+
+# ----------------------------------------------------------------------------- benchmark (GPU)
+def bench(shapes=((4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672), (28672, 8192)),
+          layouts=((2, 8), (1, 16)), block_r: int = 64, block_g: int = 16) -> list[dict]:
+    """Batch-1 GEMV vs cuBLAS fp16 in one process (shape = in x out), CUDA-graph replays with weights
+    rotated past L2 (``trapetum.eval.bench_kernels.graph_time_us``); the 2x8 time includes its LUT launch."""
+    from ..eval.bench_kernels import graph_time_us
+    from ..quant.additive import index_to_codes
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n in shapes:
+        fp16_bytes = n * k * 2 + k * 2 + n * 2
+
+        def make_dense(i):
+            w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen)
+            x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+            y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+            return lambda: torch.matmul(x, w.t(), out=y)
+
+        cublas = graph_time_us(make_dense, fp16_bytes)
+        for M, nb in layouts:
+            K = 1 << nb
+            q_bytes = n * (k // 8) * M * (nb // 8) + M * K * 16 + n * 2 + k * 2 + n * 2
+
+            def make_q(i, M=M, nb=nb, K=K):
+                codes = index_to_codes(torch.randint(0, K, (n, k // 8, M), device="cuda", generator=gen), nb)
+                cb = torch.randn(M, K, 1, 8, device="cuda", generator=gen).half()
+                sc = torch.rand(n, 1, 1, 1, device="cuda", generator=gen).half()
+                x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+                y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+                lut = torch.empty((k // 8) * M * 256, device="cuda")
+                return lambda: additive_gemv(x, codes, cb, sc, out=y, lut=lut, block_r=block_r, block_g=block_g)
+
+            us = graph_time_us(make_q, q_bytes)
+            rows.append({"shape": f"{k}x{n}", "layout": f"{M}x{nb}", "cublas_us": round(cublas, 2),
+                         "us": round(us, 2), "vs_cublas": round(cublas / us, 3), "GBps": round(q_bytes / us / 1e3, 1)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+if __name__ == "__main__":  # python -m trapetum.kernels.additive_gemv [BLOCK_R BLOCK_G]
+    import sys
+
+    args = [int(a) for a in sys.argv[1:3]]
+    bench(**dict(zip(("block_r", "block_g"), args)))
