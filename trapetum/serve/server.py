@@ -509,5 +509,22 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
           f"GET /health is 200 once ready)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                timeout_graceful_shutdown=3, timeout_keep_alive=5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            timeout_graceful_shutdown=3, timeout_keep_alive=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # Ctrl-C: end every generation now, so open streams finish ("cancelled", then [DONE])
+            # and their connections close, instead of being cut after the graceful timeout.
+            for w in app.state.workers:
+                w.cancel_all()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:        # uvicorn re-raises the signal it handled
+        pass
+    if not server.started:
+        raise TrapetumError(f"the server could not start on {shown}:{port} (see the message above; "
+                            "is the port in use?)")

@@ -109,12 +109,17 @@ class Worker:
     def stop(self, timeout: float = 5.0) -> None:
         with self._cv:
             self._stop = True
+        self.cancel_all()
+        self._thread.join(timeout)
+
+    def cancel_all(self) -> None:
+        """Cancel every waiting and running job (the engine keeps running)."""
+        with self._cv:
             for j in self._waiting:
                 j.cancel.set()
             if self._running is not None:
                 self._running.cancel.set()
             self._cv.notify_all()
-        self._thread.join(timeout)
 
     def submit(self, job: Job) -> None:
         with self._cv:
