@@ -300,3 +300,27 @@ def test_fuzzed_fields_never_500(fake):
                     elif body.get("stream") is True:
                         assert r.text.rstrip().endswith("data: [DONE]")
     assert fake.health()[0] == 200 and {200, 400} <= seen
+
+
+def test_ctrl_c_ends_open_streams_cleanly():
+    import signal
+    import threading
+
+    srv = F.start_fake(token_delay=0.05)
+    got: list = []
+
+    def client():
+        body = {"prompt": "a", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=30) as r:
+            got.extend(line for line in r.iter_lines() if line)
+
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.8)
+    t0 = time.time()
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(10) == 0 and time.time() - t0 < 3
+    t.join(5)
+    events = F.sse_events(got)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "cancelled"
+    srv.stop()
