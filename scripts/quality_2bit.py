@@ -19,7 +19,6 @@ each ``.cbk`` read back from disk:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -88,7 +87,7 @@ def layer_mode(args) -> str:
             rows.append(row)
             print(name, "  ".join(f"{s} {row[s][0]:.4f} ({row[s][1]:.2f} bpw, {row[s][2]:.0f} s)" for s in schemes),
                   flush=True)
-    out = [f"# 2-bit quality: additive (AQLM layout) vs scalar codebooks\n",
+    out = ["# 2-bit quality: additive (AQLM layout) vs scalar codebooks\n",
            f"Model: `{Path(ckpt.source).name}` (its dequantized weights are the reference). Calibration: "
            f"{args.calib_seqs} windows x {args.calib_len} tokens of `{args.calib.name}` ({t_cal:.0f} s); never the "
            f"test file. Additive quantizer: beam {args.beam}, {args.iters} rounds of beam search ({args.beam_steps} "

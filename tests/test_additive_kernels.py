@@ -4,14 +4,13 @@ CPU: Triton interpreter at small shapes; GPU: the same tests at real sizes plus 
 from __future__ import annotations
 
 import importlib
-import os
 import random
 
 import pytest
 import torch
 
 from kernels_conftest import DEVICE, ON_GPU, TOL, rel_err, requires_cuda
-from shapes import AWKWARD, MODELS, gemv_shapes
+from shapes import AWKWARD, gemv_shapes
 import trapetum.kernels.additive_gemv as ag
 from trapetum.quant.additive import AdditiveLinear, index_to_codes
 

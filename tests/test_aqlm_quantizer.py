@@ -12,7 +12,7 @@ from tiny_models import build
 from trapetum.formats.aqlm import export_aqlm
 from trapetum.formats.cbk import open_cbk
 from trapetum.models.decoder import Decoder
-from trapetum.quant.additive import AdditiveLinear, dequantize_aqlm, quantize_additive
+from trapetum.quant.additive import dequantize_aqlm, quantize_additive
 from trapetum.quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
 from trapetum.quant.kmeans import kmeans_rows, weighted_error
 

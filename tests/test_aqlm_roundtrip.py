@@ -12,7 +12,7 @@ from trapetum.cli import main
 from trapetum.errors import FormatError
 from trapetum.formats.aqlm import export_aqlm, import_aqlm
 from trapetum.formats.cbk import open_cbk
-from trapetum.quant.additive import AdditiveLinear, dequantize_aqlm
+from trapetum.quant.additive import AdditiveLinear
 from trapetum.quant.linear import build_linear
 
 ROLES = (".codes", ".codebooks", ".scales")
