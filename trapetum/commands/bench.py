@@ -14,6 +14,11 @@ def register(subparsers) -> None:
     e.add_argument("--models", default="llama2-7b,llama3-8b")
     e.add_argument("--switches", action="store_true", help="also measure with each kill switch")
     e.set_defaults(func=_e2e)
+    ld = sub.add_parser("load", help="serving load benchmark: TTFT, inter-token latency and throughput for N "
+                                     "concurrent streaming clients (starts `trapetum serve` unless --url)")
+    from ..eval.loadbench import add_arguments
+    add_arguments(ld)
+    ld.set_defaults(func=_load)
     s = sub.add_parser("suite", help="kernels, then end to end with kill switches (one command for the GPU machine)")
     s.add_argument("--out", default="out/bench-suite")
     s.set_defaults(func=_suite)
@@ -62,3 +67,8 @@ def _suite(args) -> int:
     run(["llama3-8b"], False, out / "e2e-llama3-8b")
     print(k["markdown"])
     return 0
+
+
+def _load(args) -> int:
+    from ..eval.loadbench import run
+    return run(args)

@@ -11,8 +11,10 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int = 1, max_len: int = 2048,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # Uninitialized: positions are written before they are read (attention reads [0, end) only),
+        # and a large cache is then allocated without touching its pages.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.batch = batch
         self.max_len = max_len
 
