@@ -21,6 +21,9 @@ from .cbk_spec import (
     _CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, VERSION, LayerEntry, QuantSpec, TensorSpec, _check_model,
     _header_digest, _itemsize, _one_line)
 
+_MOVE_CHUNK = 16 * 2**20  # bytes per step when commit moves the data to grow the header
+
+
 # ---------------------------------------------------------------------------------------------
 # Writer
 # ---------------------------------------------------------------------------------------------
@@ -34,14 +37,28 @@ class CbkWriter:
     the target and fsyncs the directory. Any failure (or ``abort()``, or leaving the ``with`` block
     by an exception) removes the temporary file and leaves the target untouched. Memory use is one
     tensor, so a file bigger than RAM can be written from a source that is read lazily.
+
+    Metadata known only at the end (a quantizer's per-layer errors, its duration) is set with
+    ``update(recipe=..., provenance=..., generation=...)`` at any time before ``commit()``. The
+    header's length is fixed when the first tensor is written: ``reserve_bytes`` keeps that many
+    spare bytes in it (the final header is padded with spaces, which JSON and safetensors readers
+    skip). A final header that outgrows the reservation is not an error: ``commit`` moves the data
+    further into the temporary file to make room (no second copy on disk, still atomic, but it
+    rewrites every data byte once; ``header_moved_bytes`` records it), so size the reservation
+    generously (e.g. ~120 bytes per layer whose error will be logged, plus 64 KiB).
     """
 
     def __init__(self, path: str | os.PathLike, *, config: ModelConfig, tokenizer: Tokenizer | None = None,
-                 recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None):
+                 recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None,
+                 reserve_bytes: int = 0):
         self.path = Path(path)
         self.config = config
-        prov = {"tool_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **(provenance or {})}
+        if not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be a non-negative integer, got {reserve_bytes!r}")
+        self.reserve_bytes = reserve_bytes
+        self.header_moved_bytes = 0  # data bytes moved by commit because the header outgrew its room
+        self._created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        prov = {"tool_version": __version__, "created": self._created, **(provenance or {})}
         self.meta: dict[str, Any] = {  # JSON copies: later changes to the arguments cannot reach the file
             "format": FORMAT_NAME, "version": VERSION, "config": self._plain(config.to_dict(), "config"),
             "tokenizer": self._plain(tokenizer.to_dict(), "tokenizer") if tokenizer is not None else None,
@@ -64,6 +81,20 @@ class CbkWriter:
             return json.loads(json.dumps(x, allow_nan=False))
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot write {self.path}: {what} is not plain JSON ({_one_line(e, 120)})") from None
+
+    def update(self, *, recipe: dict | None = None, provenance: dict | None = None,
+               generation: dict | None = None) -> None:
+        """Replace the recipe, provenance or generation settings (only those given) before ``commit``.
+        ``provenance`` keeps ``tool_version`` and ``created`` unless it sets them itself."""
+        if self._done:
+            raise ValueError("writer is already committed or aborted")
+        if recipe is not None:
+            self.meta["recipe"] = self._plain(recipe, "recipe")
+        if provenance is not None:
+            prov = {"tool_version": __version__, "created": self._created, **provenance}
+            self.meta["provenance"] = self._plain(prov, "provenance")
+        if generation is not None:
+            self.meta["generation"] = self._plain(generation, "generation") if generation else None
 
     # -- declarations --------------------------------------------------------------------------
     def _add(self, stored: str, spec: TensorSpec) -> None:
@@ -105,7 +136,8 @@ class CbkWriter:
                                      "tensors": roles, "bias": bias}
 
     # -- writing -------------------------------------------------------------------------------
-    def _header(self) -> bytes:
+    def _header(self, length: int | None = None) -> bytes:
+        """The header JSON padded with spaces to a multiple of 8, or to ``length`` when it fits."""
         table, rel = {}, {}
         for n, (b, e) in self._rel.items():  # offsets relative to the data: independent of the header
             s = self.specs[n]
@@ -115,6 +147,8 @@ class CbkWriter:
         text = json.dumps(self.meta, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         header = {"__metadata__": {"trapetum": text, "trapetum_sha256": _header_digest(text, table)}, **rel}
         raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        if length is not None and len(raw) <= length:
+            return raw + b" " * (length - len(raw))
         return raw + b" " * (-len(raw) % 8)
 
     def _begin(self) -> None:
@@ -132,12 +166,15 @@ class CbkWriter:
         self._header_len = len(self._header())  # placeholder digests have the final length
         if self._header_len > MAX_HEADER_BYTES:
             fail(f"header would be {self._header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit")
+        if self.reserve_bytes:  # room for update(); a multiple of 8 keeps the data aligned
+            room = self._header_len + self.reserve_bytes
+            self._header_len = min(room + (-room % 8), MAX_HEADER_BYTES)
         start = 8 + self._header_len
         self._offsets = {n: (start + b, start + e) for n, (b, e) in self._rel.items()}
         directory = self.path.parent
         name = f".{self.path.name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # within NAME_MAX
         self._tmp = directory / name
-        self._file = open(self._tmp, "xb")
+        self._file = open(self._tmp, "x+b")  # read too: commit may move the data (_move_data)
 
     def _put(self, stored: str, t: torch.Tensor) -> None:
         if self._done:
@@ -189,9 +226,12 @@ class CbkWriter:
             missing = [n for n in self.specs if n not in self._digests]
             if missing:
                 raise ValueError(f"cannot write {self.path}: tensor {missing[0]!r} was declared but not written")
-            header = self._header()
-            if len(header) != self._header_len:  # cannot happen: digests have a fixed length
-                raise RuntimeError(f"cannot write {self.path}: header length changed while writing")
+            header = self._header(self._header_len)
+            if len(header) > MAX_HEADER_BYTES:
+                raise ValueError(f"cannot write {self.path}: header would be {len(header)} bytes, over the "
+                                 f"{MAX_HEADER_BYTES}-byte limit")
+            if len(header) != self._header_len:  # update() outgrew the reserved room: make more
+                self._move_data(len(header))
             self._file.seek(0)
             self._file.write(struct.pack("<Q", len(header)) + header)
             self._file.flush()
@@ -211,6 +251,35 @@ class CbkWriter:
         except OSError:
             pass  # some filesystems cannot fsync a directory; the rename itself is atomic
         return self.path
+
+    def _move_data(self, header_len: int) -> None:
+        """Move the data section so that it starts after a header of ``header_len`` bytes.
+
+        Copies chunks from the end backwards (the destination is further on, so a chunk is never
+        overwritten before it is read): no second file, one chunk of memory. The checksums are of
+        the bytes, which do not change; offsets in the header are relative to the data.
+        """
+        delta = header_len - self._header_len
+        if delta < 0 or delta % 8:
+            raise RuntimeError(f"cannot write {self.path}: bad header growth {delta}")
+        self._file.flush()
+        fd = self._file.fileno()
+        start = 8 + self._header_len
+        end = start + sum(s.nbytes for s in self.specs.values())
+        pos = end
+        while pos > start:
+            n = min(_MOVE_CHUNK, pos - start)
+            pos -= n
+            buf = os.pread(fd, n, pos)
+            if len(buf) != n:
+                raise OSError(f"cannot write {self.path}: short read while moving the data")
+            view = memoryview(buf)
+            while view:
+                k = os.pwrite(fd, view, pos + delta + (n - len(view)))
+                view = view[k:]
+        self.header_moved_bytes += end - start
+        self._header_len = header_len
+        self._offsets = {n: (b + delta, e + delta) for n, (b, e) in self._offsets.items()}
 
     def abort(self) -> None:
         """Drop the temporary file; the target path is left as it was."""

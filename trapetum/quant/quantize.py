@@ -20,8 +20,12 @@ The recipe (``Recipe``) for each projection weight ``P.weight`` of the checkpoin
   embedding and fp16-kept projections in fp16.
 
 Memory: the checkpoint is read one tensor at a time (loaders are lazy) and each quantized
-tensor is reduced to its packed codes at once, so the quantization pass holds one layer's
-weights plus the output. Calibration from a text file runs the source one block at a time
+tensor is reduced to its packed codes at once. ``plan_quantization`` lists every output tensor
+(name, dtype, shape, scheme) from the config and the recipe before anything is quantized;
+``quantize_to_cbk`` declares that plan to a streaming ``CbkWriter`` and writes each tensor as soon
+as it is produced, so it holds about one tensor of the source plus its k-means work, never the
+output (a 70B model needs no more RAM than a 7B one). ``quantize_checkpoint`` runs the same
+generator (``iter_quantized``) but keeps the output in memory, for callers that want it. Calibration from a text file runs the source one block at a time
 (``calibrate.collect_input_stats_layerwise``: one block's weights plus the calibration hidden
 states); the no-dataset default samples text from the model, which needs the whole model once
 (use ``--calib FILE`` for sources that do not fit); ``calib="none"`` skips calibration (unweighted).
@@ -34,18 +38,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ..errors import ConfigError
-from ..formats.checkpoint import Checkpoint
+from ..formats.cbk_spec import QuantSpec, TensorSpec
+from ..formats.checkpoint import Checkpoint, expected_shapes
+from ..models.config import ModelConfig
 from .kmeans import kmeans_rows, weighted_error
-from .pack import SUPPORTED_BITS, pack_codes
+from .pack import SUPPORTED_BITS, pack_codes, packed_width
 from .record import QuantRecord
 
-__all__ = ["Recipe", "QuantizedModel", "quantize_checkpoint", "calibration_stats", "quantize_to_cbk",
-           "parse_bits_overrides"]
+__all__ = ["Recipe", "QuantizedModel", "QuantPlan", "plan_quantization", "iter_quantized", "quantize_checkpoint",
+           "calibration_stats", "quantize_to_cbk", "parse_bits_overrides"]
 
 PROJ_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -118,27 +124,43 @@ class QuantizedModel:
     report: list[dict[str, Any]]  # per quantized tensor: name, bits, shape, rel errors, seconds
     seconds: float = 0.0
 
+    plan: "QuantPlan | None" = None  # the output's specs, when known (the streaming path)
+
     def bits_per_weight(self, which: str = "projections") -> float:
         """Stored bits per weight: 'projections' (layers' q..down, quantized or kept dense),
         'all' (every tensor incl. head/embedding/norms/biases)."""
-        nbits = nweights = 0
-        for name, r in self.quantized.items():
-            if which == "projections" and not name.startswith("model.layers."):
-                continue
-            nbits += sum(t.numel() * t.element_size() * 8 for t in r.tensors.values())
-            nweights += r.shape[0] * r.shape[1]
-        for name, t in self.dense.items():  # projections kept dense (fp16) count too
-            if which == "projections" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                nbits += t.numel() * t.element_size() * 8
-                nweights += t.numel()
-        if which == "all":
-            for name, t in self.dense.items():
-                nbits += t.numel() * t.element_size() * 8
-                nweights += t.numel()
-            for r in self.quantized.values():
-                if r.bias is not None:
-                    nbits += r.bias.numel() * r.bias.element_size() * 8
-        return nbits / max(1, nweights)
+        if self.plan is not None:
+            return self.plan.bits_per_weight(which)
+        return _bits_per_weight({n: TensorSpec.of(t) for n, t in self.dense.items()},
+                                {n: QuantSpec.of(r) for n, r in self.quantized.items()}, which)
+
+
+def _bits_per_weight(dense: Mapping[str, TensorSpec], quantized: Mapping[str, QuantSpec], which: str) -> float:
+    nbits = nweights = 0
+    for name, q in quantized.items():
+        if which == "projections" and not name.startswith("model.layers."):
+            continue
+        nbits += sum(t.nbytes * 8 for t in q.tensors.values())
+        nweights += q.shape[0] * q.shape[1]
+    for name, t in dense.items():  # projections kept dense (fp16) count too
+        if which == "projections" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            nbits += t.nbytes * 8
+            nweights += _numel(t.shape)
+    if which == "all":
+        for name, t in dense.items():
+            nbits += t.nbytes * 8
+            nweights += _numel(t.shape)
+        for q in quantized.values():
+            if q.bias is not None:
+                nbits += q.bias.nbytes * 8
+    return nbits / max(1, nweights)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _source_sha256(path: str) -> str | None:
@@ -195,42 +217,145 @@ def _quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recip
     return rec, err
 
 
-def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu",
-                        stats: dict[str, torch.Tensor] | None = None, progress: bool = True,
-                        log: Callable[[str], None] | None = None) -> QuantizedModel:
-    """Quantize every projection of ``ckpt`` per ``recipe`` (calibration stats computed if needed)."""
-    from tqdm import tqdm
+def codebook_spec(shape: tuple[int, int], bits: int, bias: bool) -> QuantSpec:
+    """The spec ``_quantize_matrix`` produces for a [out, in] weight (kept in step with it; the
+    writer refuses a record that differs from its declaration)."""
+    out, inp = shape
+    return QuantSpec("codebook", (out, inp), {"bits": bits},
+                     {"codes": TensorSpec("U8", (out, packed_width(inp, bits))),
+                      "codebook": TensorSpec("F16", (out, 1 << bits))},
+                     TensorSpec("F16", (out,)) if bias else None)
 
+
+@dataclass
+class _Job:
+    """One step of the plan. kind "proj": the weight ``src`` (and bias ``bias_src``, or the bias
+    carried by a QuantRecord source when ``record_bias``) becomes ``out``.weight quantized to
+    ``bits`` (None: dense fp16), k-means weighted by stats[``imp``]; kind "norm": ``src`` is copied
+    dense fp32 to ``out``."""
+    kind: str
+    src: str
+    out: str
+    shape: tuple[int, ...]
+    bits: int | None = None
+    bias_src: str | None = None
+    record_bias: bool = False
+    imp: str | None = None
+    layer: int | None = None  # model layer (progress and the per-layer log line)
+    label: str | None = None  # log line for the embedding / head
+
+
+@dataclass
+class QuantPlan:
+    """Every output tensor, known before anything is quantized: output config, dense specs and
+    quantized specs in the order ``iter_quantized`` yields them (also the order of declaration,
+    hence of the file's layout)."""
+    config: ModelConfig
+    dense: dict[str, TensorSpec]
+    quantized: dict[str, QuantSpec]
+    jobs: list[_Job]
+
+    def bits_per_weight(self, which: str = "projections") -> float:
+        return _bits_per_weight(self.dense, self.quantized, which)
+
+
+def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> QuantPlan:
+    """The output of ``quantize_checkpoint(ckpt, recipe)`` without computing it: names, dtypes,
+    shapes and schemes, from the config, the recipe and the source's tensor names (shapes come
+    from the config; small tensors of unknown shape, e.g. norms, are read once)."""
     recipe.validate()
-    log = log or (lambda s: print(s, file=sys.stderr))
-    t_start = time.perf_counter()
-    if stats is None and recipe.weighted and recipe.calib != "none":
-        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
     cfg = replace(ckpt.config)
     T = ckpt.tensors
-    dense: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantRecord] = {}
-    report: list[dict[str, Any]] = []
+    keys = list(T)  # iteration only: ``in T`` on a lazy mapping would load the tensor
+    keyset = set(keys)
+    exp = expected_shapes(cfg)
+    known = dict(getattr(T, "shapes", {}) or {})
+    peek_records = ckpt.source_format not in ("hf", "gguf")  # .cbk / AQLM: a record carries its bias
+    jobs: list[_Job] = []
 
-    def imp_for(name: str) -> torch.Tensor | None:
-        if not recipe.weighted or stats is None:
+    def shape_of(key: str) -> tuple[int, ...]:
+        if key in exp:
+            return tuple(exp[key])
+        if key in known:
+            return tuple(known[key])
+        return tuple(T[key].shape)  # a small tensor the config does not describe
+
+    def proj(name: str, src: str, bits: int | None, imp: str | None, *, out: str | None = None,
+             bias: bool = True, **kw) -> None:
+        out = out or name
+        bias_src = name + ".bias" if bias and (name + ".bias") in keyset else None
+        record_bias = False
+        if bias and bias_src is None and peek_records:
+            rec = T[src]
+            record_bias = isinstance(rec, QuantRecord) and rec.bias is not None
+        jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw))
+
+    by_layer: dict[int, list[str]] = {}
+    for key in keys:
+        if key.startswith("model.layers."):
+            idx = key.split(".", 3)[2]
+            if idx.isdigit():
+                by_layer.setdefault(int(idx), []).append(key)
+    for i in range(cfg.num_layers):
+        for suf in PROJ_SUFFIXES:
+            name = f"model.layers.{i}.{suf}"
+            proj(name, name + ".weight", recipe.bits_for(name), name, layer=i)
+        for key in by_layer.get(i, []):
+            if not any(key.startswith(f"model.layers.{i}.{s}.") for s in PROJ_SUFFIXES):
+                jobs.append(_Job("norm", key, key, shape_of(key), layer=i))
+    jobs.append(_Job("norm", "model.norm.weight", "model.norm.weight", shape_of("model.norm.weight")))
+
+    # Embedding and LM head.
+    E = "model.embed_tokens.weight"
+    head_bits = recipe.bits_for("lm_head")
+    embed_bits = recipe.embed_bits
+    if embed_bits == "auto":
+        embed_bits = head_bits if cfg.tie_word_embeddings else None
+    if cfg.tie_word_embeddings:
+        if head_bits is not None and embed_bits == head_bits:  # one quantized table for both
+            proj("model.embed_tokens", E, embed_bits, "lm_head", bias=False,
+                 label=f"embed_tokens+lm_head (tied) {embed_bits}-bit")
+        else:
+            proj("model.embed_tokens", E, embed_bits, None, bias=False)
+            if head_bits is not None:
+                cfg = replace(cfg, tie_word_embeddings=False)
+                exp = expected_shapes(cfg)
+                proj("lm_head", E, head_bits, "lm_head", bias=False,
+                     label=f"lm_head (untied from the embedding) {head_bits}-bit")
+    else:
+        proj("model.embed_tokens", E, embed_bits, None, bias=False)
+        proj("lm_head", "lm_head.weight", head_bits, "lm_head", bias=False, label=f"lm_head {head_bits}-bit")
+
+    dense: dict[str, TensorSpec] = {}
+    quantized: dict[str, QuantSpec] = {}
+    for j in jobs:
+        has_bias = j.bias_src is not None or j.record_bias
+        if j.kind == "norm":
+            dense[j.out] = TensorSpec("F32", j.shape)
+        elif j.bits is None:
+            dense[j.out + ".weight"] = TensorSpec("F16", j.shape)
+            if has_bias:
+                dense[j.out + ".bias"] = TensorSpec("F16", (j.shape[0],))
+        else:
+            quantized[j.out + ".weight"] = codebook_spec(j.shape, j.bits, has_bias)
+    return QuantPlan(cfg, dense, quantized, jobs)
+
+
+def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device: str = "cpu",
+                   stats: dict[str, torch.Tensor] | None = None, progress: bool = True,
+                   log: Callable[[str], None] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor | QuantRecord, dict[str, Any] | None]]:
+    """Carry out ``plan``: yields (output name, dense tensor or QuantRecord, report row or None) in
+    the plan's order, one at a time (the caller decides whether to keep or write each)."""
+    from tqdm import tqdm
+
+    log = log or (lambda s: print(s, file=sys.stderr))
+    T = ckpt.tensors
+
+    def imp_for(name: str | None) -> torch.Tensor | None:
+        if name is None or not recipe.weighted or stats is None:
             return None
         return stats.get(name)
-
-    def do(name: str, W: torch.Tensor, bits: int | None, bias: torch.Tensor | None, imp=None, store_as=None):
-        key = (store_as or name) + ".weight"
-        if bits is None:
-            dense[key] = W.detach().to(torch.float16).cpu()
-            if bias is not None:
-                dense[(store_as or name) + ".bias"] = bias.detach().to(torch.float16).cpu()
-            return None
-        t0 = time.perf_counter()
-        rec, err = _quantize_matrix(W.float(), bits, imp, recipe, device, bias)
-        quantized[key] = rec
-        row = {"name": store_as or name, "bits": bits, "shape": list(W.shape), **err,
-               "seconds": time.perf_counter() - t0}
-        report.append(row)
-        return row
 
     def dense_of(x):  # a .cbk source holds QuantRecords: requantize from their dequantized weights
         if isinstance(x, QuantRecord):
@@ -238,70 +363,137 @@ def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu"
             return build_linear(x).dequantize(torch.float32)
         return x
 
-    layers = range(cfg.num_layers)
-    bar = tqdm(layers, desc="quantize", unit="layer", disable=not progress, dynamic_ncols=True)
-    for i in bar:
-        rows = []
-        for suf in PROJ_SUFFIXES:
-            name = f"model.layers.{i}.{suf}"
-            rec = T[name + ".weight"]
-            W = dense_of(rec)
-            b = T[name + ".bias"] if (name + ".bias") in T else getattr(rec, "bias", None)
-            r = do(name, W, recipe.bits_for(name), b, imp_for(name))
-            if r is not None:
-                rows.append(r)
-            del W
-        for key in T:
-            if key.startswith(f"model.layers.{i}.") and not any(key.startswith(f"model.layers.{i}.{s}.") for s in PROJ_SUFFIXES):
-                dense[key] = T[key].detach().float().cpu()  # norms
-        if rows:
-            msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}" for r in rows)
-            bar.set_postfix_str(f"max rel err {max(r['rel_err'] for r in rows):.4f}")
-            (tqdm.write if progress else log)(f"layer {i:3d}  rel. weight error  {msg}")
-    dense["model.norm.weight"] = T["model.norm.weight"].detach().float().cpu()
-
-    # Embedding and LM head.
-    E = dense_of(T["model.embed_tokens.weight"])
-    head_bits = recipe.bits_for("lm_head")
-    embed_bits = recipe.embed_bits
-    if embed_bits == "auto":
-        embed_bits = head_bits if cfg.tie_word_embeddings else None
-    head_imp = imp_for("lm_head")
-    if cfg.tie_word_embeddings:
-        if head_bits is not None and embed_bits == head_bits:  # one quantized table for both
-            r = do("model.embed_tokens", E, embed_bits, None, head_imp)
-            log(f"embed_tokens+lm_head (tied) {embed_bits}-bit  rel. weight error {r['rel_err']:.4f}")
-        else:
-            do("model.embed_tokens", E, embed_bits, None, None)
-            if head_bits is not None:
-                r = do("lm_head", E, head_bits, None, head_imp)
-                cfg = replace(cfg, tie_word_embeddings=False)
-                log(f"lm_head (untied from the embedding) {head_bits}-bit  rel. weight error {r['rel_err']:.4f}")
-    else:
-        do("model.embed_tokens", E, embed_bits, None, None)
-        H = dense_of(T["lm_head.weight"])
-        r = do("lm_head", H, head_bits, None, head_imp)
-        if r is not None:
-            log(f"lm_head {head_bits}-bit  rel. weight error {r['rel_err']:.4f}")
-    seconds = time.perf_counter() - t_start
-    return QuantizedModel(cfg, dense, quantized, report, seconds)
+    bar = tqdm(total=plan.config.num_layers, desc="quantize", unit="layer", disable=not progress, dynamic_ncols=True)
+    rows: list[dict[str, Any]] = []
+    cached: tuple[str, torch.Tensor] | None = None  # the embedding, read once for a tied head
+    try:
+        for k, j in enumerate(plan.jobs):
+            nxt = plan.jobs[k + 1] if k + 1 < len(plan.jobs) else None
+            if j.kind == "norm":
+                yield j.out, T[j.src].detach().float().cpu(), None
+            else:
+                if cached is not None and cached[0] == j.src:
+                    W = cached[1]
+                else:
+                    src = T[j.src]
+                    W = dense_of(src)
+                    cached = (j.src, W) if nxt is not None and nxt.src == j.src else None
+                b = T[j.bias_src] if j.bias_src is not None else (src.bias if j.record_bias else None)
+                if j.bits is None:
+                    yield j.out + ".weight", W.detach().to(torch.float16).cpu(), None
+                    if b is not None:
+                        yield j.out + ".bias", b.detach().to(torch.float16).cpu(), None
+                else:
+                    t0 = time.perf_counter()
+                    rec, err = _quantize_matrix(W.float(), j.bits, imp_for(j.imp), recipe, device, b)
+                    row = {"name": j.out, "bits": j.bits, "shape": list(W.shape), **err,
+                           "seconds": time.perf_counter() - t0}
+                    if j.layer is not None:
+                        rows.append(row)
+                    elif j.label:
+                        log(f"{j.label}  rel. weight error {row['rel_err']:.4f}")
+                    yield j.out + ".weight", rec, row
+                    del rec
+                del W, b
+                if cached is None:
+                    src = None
+            if j.layer is not None and (nxt is None or nxt.layer != j.layer):  # end of a layer
+                if rows:
+                    msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}" for r in rows)
+                    bar.set_postfix_str(f"max rel err {max(r['rel_err'] for r in rows):.4f}")
+                    (tqdm.write if progress else log)(f"layer {j.layer:3d}  rel. weight error  {msg}")
+                rows = []
+                bar.update(1)
+    finally:
+        bar.close()
 
 
-def quantize_to_cbk(src: str | None, out: str | Path, recipe: Recipe, *, device: str = "cpu",
-                    progress: bool = True, log: Callable[[str], None] | None = None) -> tuple[Path, QuantizedModel]:
-    """Load ``src`` (HF dir, .gguf, .cbk source; None = default model), quantize, write ``out`` atomically."""
-    from ..api import load_checkpoint
-    from ..formats.cbk import write_cbk
-
+def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu",
+                        stats: dict[str, torch.Tensor] | None = None, progress: bool = True,
+                        log: Callable[[str], None] | None = None) -> QuantizedModel:
+    """Quantize every projection of ``ckpt`` per ``recipe`` (calibration stats computed if needed),
+    keeping the whole output in memory (``quantize_to_cbk`` streams it to a file instead)."""
+    recipe.validate()
     log = log or (lambda s: print(s, file=sys.stderr))
-    ckpt = load_checkpoint(src)
-    qm = quantize_checkpoint(ckpt, recipe, device=device, progress=progress, log=log)
+    t_start = time.perf_counter()
+    plan = plan_quantization(ckpt, recipe)
+    if stats is None and recipe.weighted and recipe.calib != "none":
+        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
+    dense: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantRecord] = {}
+    report: list[dict[str, Any]] = []
+    for name, x, row in iter_quantized(ckpt, recipe, plan, device=device, stats=stats, progress=progress, log=log):
+        if isinstance(x, QuantRecord):
+            quantized[name] = x
+        else:
+            dense[name] = x
+        if row is not None:
+            report.append(row)
+    return QuantizedModel(plan.config, dense, quantized, report, time.perf_counter() - t_start)
+
+
+def _recipe_and_provenance(ckpt: Checkpoint, recipe: Recipe, qm: QuantizedModel) -> tuple[dict, dict]:
+    """The file's recipe (with bits per weight and per-layer errors) and provenance."""
     prov = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format,
             "source_sha256": _source_sha256(ckpt.source), "quantize_seconds": round(qm.seconds, 2)}
     rd = recipe.to_dict()
     rd["bits_per_weight"] = {"projections": round(qm.bits_per_weight("projections"), 4),
                              "all": round(qm.bits_per_weight("all"), 4)}
     rd["layer_errors"] = {r["name"]: round(r["rel_err"], 6) for r in qm.report}
-    path = write_cbk(out, config=qm.config, dense=qm.dense, quantized=qm.quantized, tokenizer=ckpt.tokenizer,
-                     recipe=rd, provenance=prov, generation=getattr(ckpt, "generation", None) or None)
-    return Path(path), qm
+    return rd, prov
+
+
+def _header_reserve(plan: QuantPlan) -> int:
+    """Header room for what ``quantize_to_cbk`` learns at the end: a layer_errors entry per
+    quantized layer (~50 bytes for "model.layers.123.self_attn.q_proj":0.012345), bits per
+    weight and the duration; generous, since outgrowing it costs a move of the whole data."""
+    return 64 * 1024 + 120 * len(plan.quantized)
+
+
+def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recipe, *, device: str = "cpu",
+                    progress: bool = True, log: Callable[[str], None] | None = None,
+                    stats: dict[str, torch.Tensor] | None = None) -> tuple[Path, QuantizedModel]:
+    """Load ``src`` (HF dir, .gguf, .cbk source, a loaded Checkpoint; None = default model),
+    quantize, and stream every tensor into ``out`` as it is produced (written atomically).
+
+    Memory stays about one tensor of work however large the model. The returned QuantizedModel's
+    ``dense`` and ``quantized`` are read back lazily from the written file (memory-mapped)."""
+    from ..api import load_checkpoint
+    from ..formats.cbk import CbkFile, CbkWriter
+    from ..formats.checkpoint import LazyTensors
+
+    recipe.validate()
+    log = log or (lambda s: print(s, file=sys.stderr))
+    ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
+    t_start = time.perf_counter()
+    plan = plan_quantization(ckpt, recipe)
+    if stats is None and recipe.weighted and recipe.calib != "none":
+        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
+    report: list[dict[str, Any]] = []
+    prov0 = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format}
+    writer = CbkWriter(out, config=plan.config, tokenizer=ckpt.tokenizer, recipe=recipe.to_dict(), provenance=prov0,
+                       generation=getattr(ckpt, "generation", None) or None, reserve_bytes=_header_reserve(plan))
+    with writer:  # an exception (or Ctrl-C) aborts: no file, the target untouched
+        for name, spec in plan.dense.items():
+            writer.declare_dense(name, spec)
+        for name, qspec in plan.quantized.items():
+            writer.declare_quantized(name, qspec)
+        for name, x, row in iter_quantized(ckpt, recipe, plan, device=device, stats=stats, progress=progress,
+                                           log=log):
+            if isinstance(x, QuantRecord):
+                writer.put_quantized(name, x)
+            else:
+                writer.put_dense(name, x)
+            if row is not None:
+                report.append(row)
+            del x
+        summary = QuantizedModel(plan.config, {}, {}, report, time.perf_counter() - t_start, plan)
+        rd, prov = _recipe_and_provenance(ckpt, recipe, summary)
+        writer.update(recipe=rd, provenance=prov)
+    path = writer.path
+    if writer.header_moved_bytes:
+        log(f"note: the header outgrew its reserved room; {writer.header_moved_bytes / 1e6:.1f} MB of data were moved")
+    f = CbkFile(path)
+    dense = LazyTensors({n: (lambda n=n: f.tensor(n)) for n in plan.dense})
+    quantized = LazyTensors({n: (lambda n=n: f.record(n)) for n in plan.quantized})
+    return Path(path), QuantizedModel(plan.config, dense, quantized, report, summary.seconds, plan)
