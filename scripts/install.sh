@@ -2,7 +2,7 @@
 # Install Trapetum and its dependencies on a fresh machine (CPU).  --test adds the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PIP="python3 -m pip install -q --disable-pip-version-check"
+PIP="python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore"
 # torch is pinned: on these machines torch==2.13.0 is a CPU build on local disk, while an
 # unpinned 'torch' would pull a multi-GB CUDA build.
 $PIP torch==2.13.0
