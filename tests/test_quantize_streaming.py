@@ -324,3 +324,44 @@ def test_streaming_peak_memory_does_not_grow_with_the_model(tmp_path):
     # ...streaming three times as many layers costs no more than a layer or two of extra peak
     assert big["peak_growth"] - small["peak_growth"] < 2 * layer
     assert big["peak_growth"] < 0.25 * big["tensor_bytes"]
+
+
+def test_record_bias_is_planned_or_refused(tmp_path):
+    """A QuantRecord source carries its bias inside the record: the plan peeks at records (known
+    formats: .cbk, AQLM, or a non-dtype format label) and never drops a bias it did not expect."""
+    from dataclasses import replace
+
+    from cbk_helpers import tiny_config
+    from trapetum.errors import ConfigError
+    from trapetum.formats.cbk import load_cbk
+    from trapetum.formats.checkpoint import LazyTensors
+    from trapetum.quant.quantize import Recipe, plan_quantization, quantize_checkpoint
+
+    cfg, dense, quantized = tiny_model(tiny_config(qkv_bias=True))
+    write_cbk(tmp_path / "src.cbk", config=cfg, dense=dense, quantized=quantized)
+    ck = load_cbk(tmp_path / "src.cbk")
+    recipe = Recipe(bits=4, head_bits=8, weighted=False, calib="none", iters=2)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert plan_quantization(ck, recipe).quantized[q].bias == TensorSpec("F16", (cfg.num_heads * cfg.head_dim,))
+    qm = quantize_checkpoint(ck, recipe, progress=False, log=lambda s: None)
+    assert torch.equal(qm.quantized[q].bias, quantized[q].bias)
+    T = ck.tensors
+    labelled = replace(ck, source_format="other", tensors=LazyTensors(T._getters, dict(T.formats), dict(T.shapes)))
+    assert plan_quantization(labelled, recipe).quantized[q].bias is not None
+    bare = replace(ck, source_format="other", tensors=LazyTensors(T._getters))
+    with pytest.raises(ConfigError, match="carries a bias the plan did not expect"):
+        quantize_checkpoint(bare, recipe, progress=False, log=lambda s: None)
+
+
+def test_streamed_file_equals_in_memory_file_gemma3(tmp_path):
+    """qk-norm and sandwich norms inside the layers, a tied 8-bit table (the default "auto")."""
+    import tiny_models
+    from trapetum.api import load_checkpoint
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+
+    tiny_models.build("gemma3", tmp_path / "src")
+    recipe = Recipe(bits=4, head_bits=8, weighted=False, calib="none", iters=3)
+    _in_memory_file(load_checkpoint(str(tmp_path / "src")), recipe, tmp_path / "mem.cbk")
+    quantize_to_cbk(str(tmp_path / "src"), tmp_path / "stream.cbk", recipe, progress=False, log=lambda s: None)
+    _assert_same_file(tmp_path / "mem.cbk", tmp_path / "stream.cbk")
+    assert "model.layers.0.self_attn.q_norm.weight" in CbkFile(tmp_path / "stream.cbk").dense

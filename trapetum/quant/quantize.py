@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..errors import ConfigError
-from ..formats.cbk_spec import QuantSpec, TensorSpec
+from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
 from ..formats.checkpoint import Checkpoint, expected_shapes
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows, weighted_error
@@ -123,7 +123,6 @@ class QuantizedModel:
     quantized: dict[str, QuantRecord]
     report: list[dict[str, Any]]  # per quantized tensor: name, bits, shape, rel errors, seconds
     seconds: float = 0.0
-
     plan: "QuantPlan | None" = None  # the output's specs, when known (the streaming path)
 
     def bits_per_weight(self, which: str = "projections") -> float:
@@ -270,7 +269,15 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> QuantPlan:
     keyset = set(keys)
     exp = expected_shapes(cfg)
     known = dict(getattr(T, "shapes", {}) or {})
-    peek_records = ckpt.source_format not in ("hf", "gguf")  # .cbk / AQLM: a record carries its bias
+    formats = dict(getattr(T, "formats", {}) or {})
+
+    def may_be_record(key: str) -> bool:
+        """A QuantRecord source (.cbk, AQLM) carries a projection's bias inside the record: such a
+        weight is peeked at (cheap: its tensors are memory-mapped) to learn whether it has one."""
+        if ckpt.source_format in ("cbk", "aqlm"):
+            return True
+        fmt = formats.get(key)
+        return ckpt.source_format not in ("hf", "gguf") and fmt is not None and fmt not in DTYPES
     jobs: list[_Job] = []
 
     def shape_of(key: str) -> tuple[int, ...]:
@@ -285,7 +292,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> QuantPlan:
         out = out or name
         bias_src = name + ".bias" if bias and (name + ".bias") in keyset else None
         record_bias = False
-        if bias and bias_src is None and peek_records:
+        if bias and bias_src is None and may_be_record(src):
             rec = T[src]
             record_bias = isinstance(rec, QuantRecord) and rec.bias is not None
         jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw))
@@ -379,6 +386,9 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     W = dense_of(src)
                     cached = (j.src, W) if nxt is not None and nxt.src == j.src else None
                 b = T[j.bias_src] if j.bias_src is not None else (src.bias if j.record_bias else None)
+                if b is None and isinstance(src, QuantRecord) and src.bias is not None:  # never drop it silently
+                    raise ConfigError(f"{j.src} carries a bias the plan did not expect (source format "
+                                      f"{ckpt.source_format!r} does not list it as a quantized record)")
                 if j.bits is None:
                     yield j.out + ".weight", W.detach().to(torch.float16).cpu(), None
                     if b is not None:
