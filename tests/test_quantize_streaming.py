@@ -365,3 +365,24 @@ def test_streamed_file_equals_in_memory_file_gemma3(tmp_path):
     quantize_to_cbk(str(tmp_path / "src"), tmp_path / "stream.cbk", recipe, progress=False, log=lambda s: None)
     _assert_same_file(tmp_path / "mem.cbk", tmp_path / "stream.cbk")
     assert "model.layers.0.self_attn.q_norm.weight" in CbkFile(tmp_path / "stream.cbk").dense
+
+
+@pytest.mark.parametrize("R,C,bits", [(300, 97, 3), (5, 1025, 4), (257, 53, 2), (64, 64, 8)])
+def test_chunked_packing_and_errors_equal_whole_matrix(monkeypatch, R, C, bits):
+    """_quantize_matrix packs and measures row chunk by row chunk (bounded float64 work): same codes
+    as packing the whole matrix, same errors as kmeans.weighted_error up to rounding."""
+    from trapetum.quant import quantize as Q
+    from trapetum.quant.kmeans import kmeans_rows, weighted_error
+    from trapetum.quant.pack import pack_codes
+
+    monkeypatch.setattr(Q, "_POST_CHUNK", 1000)  # several chunks, rows not dividing evenly
+    g = torch.Generator().manual_seed(R + C)
+    W, imp = torch.randn(R, C, generator=g), torch.rand(C, generator=g)
+    recipe = Q.Recipe(iters=2)
+    rec, err = Q._quantize_matrix(W, bits, imp, recipe, "cpu", None)
+    res = kmeans_rows(W, 1 << bits, imp, iters=2, starts=recipe.starts)
+    Wq = torch.gather(res.codebook.float(), 1, res.codes.long())
+    assert torch.equal(rec.tensors["codes"], pack_codes(res.codes, bits))
+    assert torch.equal(rec.tensors["codebook"], res.codebook)
+    assert err["rel_err"] == pytest.approx(weighted_error(W, Wq), rel=1e-12)
+    assert err["rel_err_weighted"] == pytest.approx(weighted_error(W, Wq, imp), rel=1e-12)

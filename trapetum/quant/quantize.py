@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -46,7 +47,7 @@ from ..errors import ConfigError
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
 from ..formats.checkpoint import Checkpoint, expected_shapes
 from ..models.config import ModelConfig
-from .kmeans import kmeans_rows, weighted_error
+from .kmeans import kmeans_rows
 from .pack import SUPPORTED_BITS, pack_codes, packed_width
 from .record import QuantRecord
 
@@ -205,14 +206,39 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
     return stats
 
 
+_POST_CHUNK = 1 << 21  # elements per step of packing and error measurement (~70 MB of float64 work)
+
+
 def _quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
                      bias: torch.Tensor | None) -> tuple[QuantRecord, dict[str, float]]:
+    """k-means, then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)|| row chunk by
+    row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
+    its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take."""
     res = kmeans_rows(W, 1 << bits, imp, iters=recipe.iters, starts=recipe.starts, device=device)
-    rec = QuantRecord("codebook", (W.shape[0], W.shape[1]), {"bits": bits},
-                      {"codes": pack_codes(res.codes, bits), "codebook": res.codebook},
+    R, C = W.shape
+    codes, book = res.codes, res.codebook  # uint8 [R, C], fp16 [R, K] (CPU)
+    packed = torch.empty(R, packed_width(C, bits), dtype=torch.uint8)
+    w = None if imp is None else imp.to(W.device, torch.float64)
+    num = den = num_w = den_w = 0.0
+    step = max(1, _POST_CHUNK // max(1, C))
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        packed[r0:r1] = pack_codes(codes[r0:r1], bits)
+        Wc = W[r0:r1].to(torch.float64)
+        Wq = torch.gather(book[r0:r1].to(W.device, torch.float64), 1, codes[r0:r1].to(W.device, torch.long))
+        d2 = Wq.sub_(Wc).square_()  # [r, C]
+        w2 = Wc.square_()
+        num += float(d2.sum())
+        den += float(w2.sum())
+        if w is not None:
+            wc = w if w.dim() == 1 else w[r0:r1]
+            num_w += float((d2 * wc).sum())
+            den_w += float((w2 * wc).sum())
+        del Wc, Wq, d2, w2
+    rec = QuantRecord("codebook", (R, C), {"bits": bits}, {"codes": packed, "codebook": book},
                       None if bias is None else bias.detach().to(torch.float16).cpu())
-    Wq = torch.gather(res.codebook.float(), 1, res.codes.long())
-    err = {"rel_err": weighted_error(W, Wq), "rel_err_weighted": weighted_error(W, Wq, imp) if imp is not None else float("nan")}
+    err = {"rel_err": math.sqrt(num / max(den, 1e-300)),
+           "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan")}
     return rec, err
 
 
