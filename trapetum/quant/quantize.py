@@ -421,8 +421,12 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                         yield j.out + ".bias", b.detach().to(torch.float16).cpu(), None
                 else:
                     t0 = time.perf_counter()
-                    rec, err = _quantize_matrix(W.float(), j.bits, imp_for(j.imp), recipe, device, b)
-                    row = {"name": j.out, "bits": j.bits, "shape": list(W.shape), **err,
+                    shape, Wf = list(W.shape), W.float()
+                    if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
+                        W = src = None
+                    rec, err = _quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b)
+                    del Wf
+                    row = {"name": j.out, "bits": j.bits, "shape": shape, **err,
                            "seconds": time.perf_counter() - t0}
                     if j.layer is not None:
                         rows.append(row)
