@@ -184,8 +184,10 @@ def test_streamed_file_equals_in_memory_file(tmp_path, case):
     recipe = Recipe(weighted=False, calib="none", iters=6, **c["recipe"])
     ckpt = load_checkpoint(str(d))
     qm_mem = _in_memory_file(ckpt, recipe, tmp_path / "mem.cbk")
-    path, qm = quantize_to_cbk(str(d), tmp_path / "stream.cbk", recipe, progress=False, log=lambda s: None)
+    logged = []
+    path, qm = quantize_to_cbk(str(d), tmp_path / "stream.cbk", recipe, progress=False, log=logged.append)
     _assert_same_file(tmp_path / "mem.cbk", path)
+    assert not any("outgrew" in m for m in logged)  # the reserved header room was enough
     assert [r["name"] for r in qm.report] == [r["name"] for r in qm_mem.report]
     for which in ("projections", "all"):
         assert qm.bits_per_weight(which) == qm_mem.bits_per_weight(which)
@@ -386,3 +388,16 @@ def test_chunked_packing_and_errors_equal_whole_matrix(monkeypatch, R, C, bits):
     assert torch.equal(rec.tensors["codebook"], res.codebook)
     assert err["rel_err"] == pytest.approx(weighted_error(W, Wq), rel=1e-12)
     assert err["rel_err_weighted"] == pytest.approx(weighted_error(W, Wq, imp), rel=1e-12)
+
+
+def test_header_reserve_covers_worst_case_layer_errors():
+    """80 layers (a 70B model): the end-of-run recipe additions, escaped twice as in the header
+    (JSON text inside a JSON string), fit the reserve with the slack left for the rest."""
+    from trapetum.quant.quantize import PROJ_SUFFIXES, QuantPlan, _header_reserve
+
+    names = [f"model.layers.{i}.{s}" for i in range(80) for s in PROJ_SUFFIXES] + ["lm_head"]
+    plan = QuantPlan(None, {}, {n + ".weight": None for n in names}, [])
+    extra = {"bits_per_weight": {"projections": 4.123456, "all": 12.123456},
+             "layer_errors": {n: 1.234567e-05 for n in names}}
+    size = len(json.dumps(json.dumps(extra, separators=(",", ":"))))
+    assert size + 2048 < _header_reserve(plan) < 3 * size + 8192  # enough, and not wasteful
