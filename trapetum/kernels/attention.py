@@ -38,20 +38,8 @@ _NEG = tl.constexpr(-1.0e30) if tl is not None else -1.0e30
 
 def decode_attention_reference(q, k_cache, v_cache, length, *, scale, window=None, softcap=None):
     """float64 reference. Returns float64 [Hq, D]."""
-    L = int(length)
-    hq, d = q.shape
-    hkv = k_cache.shape[0]
-    g = hq // hkv
-    k = k_cache[:, :L].double().repeat_interleave(g, 0)  # [Hq, L, D]
-    v = v_cache[:, :L].double().repeat_interleave(g, 0)
-    s = torch.einsum("hd,hld->hl", q.double(), k) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if window is not None:
-        pos = torch.arange(L, device=s.device)
-        s = s.masked_fill(pos[None, :] < L - window, float("-inf"))
-    p = torch.softmax(s, -1)
-    return torch.einsum("hl,hld->hd", p, v)
+    return decode_attention_torch(q, k_cache, v_cache, length, scale=scale, window=window, softcap=softcap,
+                                  dtype=torch.float64)
 
 
 def decode_attention_torch(q, k_cache, v_cache, length, *, scale, window=None, softcap=None, dtype=torch.float16):
