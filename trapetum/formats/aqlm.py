@@ -289,6 +289,8 @@ def export_aqlm(src: str | os.PathLike, out: str | os.PathLike, log: Callable[[s
     cfg = f.config
     if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
         tensors.pop("lm_head.weight")
+    if "lm_head.weight" not in not_quantized and "lm_head.weight" not in f.layers:
+        not_quantized.append("lm_head.weight")  # a dense or tied head must stay an nn.Linear in transformers
     src_cfg = (f.recipe or {}).get("hf_config") if isinstance(f.recipe, dict) else None
     if isinstance(src_cfg, dict) and src_cfg.get("quantization_config", {}).get("quant_method") == "aqlm":
         hf_cfg = dict(src_cfg)
