@@ -92,3 +92,19 @@ def test_bad_records_and_dirs(tmp_path):
     assert main(["import-aqlm", str(tmp_path / "nothere"), "-o", str(tmp_path / "y.cbk")]) == 1
     # a scalar-only .cbk has nothing to export as AQLM
     assert rec.scheme == "aqlm"
+
+
+def test_aqlm_dir_loads_directly(tmp_path):
+    """trapetum.load / ppl / quantize accept an AQLM directory as a model (routed by load_checkpoint)."""
+    import trapetum
+    src = make_aqlm_dir(tmp_path, "llama2", 2, 8, random_codes=True)
+    m = trapetum.load(src)
+    assert isinstance(m.decoder.get_submodule("model.layers.0.mlp.down_proj"), AdditiveLinear)
+    import_aqlm(src, tmp_path / "m.cbk")
+    c = trapetum.load(tmp_path / "m.cbk")
+    ids = list(range(3, 20))
+    a, b = m.logits(ids), c.logits(ids)
+    assert torch.isfinite(a).all()
+    # same additive layers; only the LM head differs (fp16 in the directory, 8-bit codebook in the .cbk)
+    assert float((a - b).norm() / b.norm()) < 5e-2
+    assert len(m.generate(ids, max_new_tokens=4, ignore_eos=True).token_ids) == 4

@@ -53,6 +53,9 @@ def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
     p = Path(path) if path is not None else Path(default_model_path())
     fmt = detect_format(p)
     if fmt == "hf":
+        from .formats.aqlm import is_aqlm_dir, load_aqlm
+        if is_aqlm_dir(p):  # HF directory whose projections are AQLM additive codebooks
+            return load_aqlm(p)
         from .formats.hf import load_hf
         return load_hf(p)
     if fmt == "gguf":
