@@ -19,6 +19,11 @@ def register(subparsers) -> None:
     from ..eval.loadbench import add_arguments
     add_arguments(ld)
     ld.set_defaults(func=_load)
+    q = sub.add_parser("quantize", help="quantizer speed on a random-weight model at a real shape")
+    q.add_argument("--shape", default="llama2-7b")
+    q.add_argument("--device", default=None, help="default: cuda when available")
+    q.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
+    q.set_defaults(func=_quantize)
     s = sub.add_parser("suite", help="kernels, then end to end with kill switches (one command for the GPU machine)")
     s.add_argument("--out", default="out/bench-suite")
     s.set_defaults(func=_suite)
@@ -72,3 +77,15 @@ def _suite(args) -> int:
 def _load(args) -> int:
     from ..eval.loadbench import run
     return run(args)
+
+
+def _quantize(args) -> int:
+    import torch
+
+    from ..errors import TrapetumError
+    from ..eval.bench_e2e import SHAPES
+    from ..eval.bench_quantize import run
+    if args.shape not in SHAPES:
+        raise TrapetumError(f"--shape: unknown shape {args.shape!r} (known: {', '.join(sorted(SHAPES))})")
+    run(args.shape, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, args.layers)
+    return 0
