@@ -8,6 +8,17 @@ from ..runtime.sampling import GenerationSettings
 
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    from ..errors import TrapetumError
+    if args.threads is not None:
+        if args.threads < 1:
+            raise TrapetumError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
 
 
 def add_sampling(p: argparse.ArgumentParser, temperature: float = 0.0, max_new: int = 256) -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from ._common import add_device, add_sampling, settings_from
+from ._common import add_device, add_sampling, apply_threads, settings_from
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
 
@@ -20,6 +20,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..api import load
     s = settings_from(args)
+    apply_threads(args)
     m = load(args.model, device=args.device)
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     base = [{"role": "system", "content": args.system}] if args.system else []

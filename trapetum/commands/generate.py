@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import add_device, add_sampling, settings_from
+from ._common import add_device, add_sampling, apply_threads, settings_from
 
 
 def register(sub) -> None:
@@ -25,6 +25,7 @@ def run(args) -> int:
         raise TrapetumError("generate takes [MODEL] PROMPT (quote the prompt)")
     model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
     s = settings_from(args)
+    apply_threads(args)
     m = load(model_path, device=args.device)
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
