@@ -129,3 +129,30 @@ def test_engine_scores_windows_like_the_reference(tiny):
     dec, n2 = window_nll(eng, w, decode=True)
     assert n == n1 == n2 == 39
     assert abs(pre - ref) / n < 2e-3 and abs(dec - pre) / n < 2e-3
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp16", "cbk"])
+def test_engine_shares_weights_with_the_decoder(tmp_path, quantized):
+    """Building the engine makes no second copy of the weights: single projections are used as they are,
+    and the decoder's q/k/v point into the engine's fused tensor (logits unchanged)."""
+    from trapetum.models.decoder import Decoder
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    build("llama3", tmp_path / "src")
+    src = tmp_path / "src"
+    if quantized:
+        quantize_to_cbk(str(src), tmp_path / "m.cbk", Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
+                        progress=False, log=lambda s: None)
+        src = tmp_path / "m.cbk"
+    from trapetum.api import load_checkpoint
+    dec = Decoder.from_checkpoint(load_checkpoint(src), dtype=torch.float16)
+    ids = torch.tensor([list(range(5, 17))])
+    before = dec(ids)
+    eng = GpuEngine(dec, 32)
+    a = dec.model.layers[1].self_attn
+    attr = "codes" if quantized else "weight"
+    fused = eng.layers[1].qkv[0].codes if quantized else eng.layers[1].qkv[0].w
+    assert getattr(a.q_proj, attr).data_ptr() == fused.data_ptr()
+    assert getattr(a.k_proj, attr).data_ptr() == fused[a.q_proj.out_features:].data_ptr()
+    o = eng.layers[1].o.codes if quantized else eng.layers[1].o.w
+    assert getattr(a.o_proj, attr).data_ptr() == o.data_ptr()
+    assert torch.equal(dec(ids), before)

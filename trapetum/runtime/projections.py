@@ -125,17 +125,41 @@ class AdditiveProj:
         return sum(t.numel() * t.element_size() for p in self.parts for t in p[:3])
 
 
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _alias(mods: list[nn.Module], fused: torch.Tensor, attr: str) -> None:
+    """Point each module's ``attr`` at its rows of ``fused`` so the reference decoder and the engine
+    share one copy of the weights (only where dtype and device already agree)."""
+    lo = 0
+    for m in mods:
+        t = getattr(m, attr)
+        hi = lo + t.shape[0]
+        if t.dtype == fused.dtype and t.device == fused.device and t.data_ptr() != fused[lo:hi].data_ptr():
+            if isinstance(t, nn.Parameter):
+                t.data = fused[lo:hi]
+            elif attr in m._buffers:
+                m._buffers[attr] = fused[lo:hi]
+        lo = hi
+
+
 def make_proj(mods: list[nn.Module], device) -> DenseProj | CodebookProj | AdditiveProj:
-    """Concatenate projections sharing an input into one engine projection."""
+    """Concatenate projections sharing an input into one engine projection (no copy for a single one)."""
     bias = _bias(mods, device)
     if all(type(m).__name__ == "AdditiveLinear" and additive_supported(m.codes, m.codebooks) for m in mods):
         return AdditiveProj(mods, device)
     parts = [codebook_parts(m) for m in mods]
     if all(p is not None for p in parts) and len({p[2] for p in parts}) == 1:
-        codes = torch.cat([p[0].to(device) for p in parts])
-        cb = torch.cat([p[1].to(device) for p in parts])
+        codes = _cat([p[0].to(device) for p in parts])
+        cb = _cat([p[1].to(device) for p in parts])
+        if len(mods) > 1:
+            _alias(mods, codes, "codes")
+            _alias(mods, cb, "codebook")
         return CodebookProj(codes, cb, parts[0][2], mods[0].in_features, bias)
-    w = torch.cat([m.dequantize().to(device=device, dtype=torch.float16) for m in mods])
+    w = _cat([m.dequantize().to(device=device, dtype=torch.float16) for m in mods])
+    if len(mods) > 1 and all(isinstance(getattr(m, "weight", None), nn.Parameter) for m in mods):
+        _alias(mods, w, "weight")
     return DenseProj(w, bias)
 
 
