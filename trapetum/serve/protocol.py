@@ -398,45 +398,43 @@ def _round(x):
     return None if x is None else round(float(x), 4)
 
 
+def _envelope(rid: str, model: str, created: int, obj: str, choices: list, **extra) -> dict:
+    """The fields every OpenAI response and chunk share."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices, **extra}
+
+
+def _final(c, queue_s: float | None) -> dict:
+    return {"usage": usage(c.prompt_tokens, c.completion_tokens), "timings": timings(c, queue_s)}
+
+
 def chat_response(rid: str, model: str, created: int, c, queue_s: float | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                         "logprobs": None, "finish_reason": c.finish_reason}],
-            "usage": usage(c.prompt_tokens, c.completion_tokens), "timings": timings(c, queue_s)}
+    choice = {"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
+              "logprobs": None, "finish_reason": c.finish_reason}
+    return _envelope(rid, model, created, "chat.completion", [choice], **_final(c, queue_s))
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None = None,
                *, with_usage_field: bool = False) -> dict:
-    d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-         "system_fingerprint": SYSTEM_FINGERPRINT,
-         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage_field:
-        d["usage"] = None
-    return d
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    extra = {"usage": None} if with_usage_field else {}
+    return _envelope(rid, model, created, "chat.completion.chunk", [choice], **extra)
 
 
 def completion_response(rid: str, model: str, created: int, c, queue_s: float | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [{"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}],
-            "usage": usage(c.prompt_tokens, c.completion_tokens), "timings": timings(c, queue_s)}
+    choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+    return _envelope(rid, model, created, "text_completion", [choice], **_final(c, queue_s))
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None = None,
                      *, with_usage_field: bool = False) -> dict:
-    d = {"id": rid, "object": "text_completion", "created": created, "model": model,
-         "system_fingerprint": SYSTEM_FINGERPRINT,
-         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if with_usage_field:
-        d["usage"] = None
-    return d
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    extra = {"usage": None} if with_usage_field else {}
+    return _envelope(rid, model, created, "text_completion", [choice], **extra)
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, c, queue_s: float | None) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model,
-            "system_fingerprint": SYSTEM_FINGERPRINT, "choices": [],
-            "usage": usage(c.prompt_tokens, c.completion_tokens), "timings": timings(c, queue_s)}
+    return _envelope(rid, model, created, obj, [], **_final(c, queue_s))
 
 
 def sse(obj: dict | str) -> bytes:
