@@ -228,7 +228,9 @@ def test_non_streamed_request_cancelled_when_client_leaves(fake):
 
 def test_small_queue_overflow_gets_429_and_stays_healthy(fake):
     async def one(c, i):
-        body = {"prompt": f"p {i}", "max_tokens": 10, "stream": True}
+        # 40 tokens at 50 ms: each request holds the engine ~2 s, so 12 arrivals overflow a queue of 2
+        # even on a slow, busy machine (10 tokens were not always enough under a full test run)
+        body = {"prompt": f"p {i}", "max_tokens": 40, "stream": True}
         async with c.stream("POST", fake.url + "/v1/completions", json=body) as r:
             data = await r.aread()
             return r.status_code, r.headers.get("retry-after"), data
