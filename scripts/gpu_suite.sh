@@ -6,6 +6,9 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
+if [ -z "${TRAPETUM_GEMV_V:-}" ] && [ -f "$OUT/best_variant" ]; then  # written by scripts/gpu_kernels.sh
+  export TRAPETUM_GEMV_V=$(cat "$OUT/best_variant"); echo "GEMV variant $TRAPETUM_GEMV_V"
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout 150 python3 -m pytest -q tests/test_engine_gpu.py tests/test_kernels_dequant.py tests/test_additive_kernels.py \
   -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1; tail -3 "$OUT/pytest_gpu.log"

@@ -7,7 +7,7 @@ from trapetum.kernels.codebook_gemv import dequantize as reference
 from trapetum.quant.pack import pack_codes
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(1, 1), (3, 7), (53, 97), (17, 257), (64, 1025), (5, 130), (33, 64)]
+SHAPES = [(1, 1), (3, 7), (53, 97), (17, 257), (64, 1025), (5, 130), (33, 64), (9, 96), (70, 4096)]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

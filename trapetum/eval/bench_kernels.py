@@ -66,7 +66,11 @@ def _rand_codes(n, kb, gen):
     return torch.randint(0, 256, (n, kb), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v3", "mma_v2", "triton")) -> dict:
+VARIANTS = tuple(range(3, 11))
+GEMV_BACKENDS = ("mma",) + tuple(f"mma_v{v}" for v in VARIANTS) + ("triton",)
+
+
+def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=GEMV_BACKENDS) -> dict:
     """One GEMV shape: cuBLAS fp16 (torch.matmul) vs the codebook kernels, same process."""
     from trapetum.kernels import codebook_gemv as cg
     gen = torch.Generator(device="cuda").manual_seed(k * 7 + n)
@@ -97,9 +101,10 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=("mma", "mma_v3",
             return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be)
 
         old_v = os.environ.get("TRAPETUM_GEMV_V")
-        if bits == 8 and be == "mma_v3":
-            continue  # 8-bit: v3 == the default
-        os.environ["TRAPETUM_GEMV_V"] = {"mma_v2": "2", "mma_v3": "3"}.get(be, "4")
+        if bits == 8 and be.startswith("mma_v") and be not in ("mma_v3", "mma_v5", "mma_v7"):
+            continue  # the 8-bit head has the table kernels only (v4 == v3, v6 == v5, v8-v10 == v7)
+        if be.startswith("mma_v"):
+            os.environ["TRAPETUM_GEMV_V"] = be[len("mma_v"):]
         try:
             us = graph_time_us(make_q, q_bytes)
         except Exception as e:  # report, keep going
@@ -224,14 +229,17 @@ def _md(res: dict) -> str:
          f"- date: {res['date']}", f"- torch {res['torch']}, triton {res['triton']}, CUDA {res['cuda']}",
          f"- device copy bandwidth (read+write): {res['copy_GBps']:.0f} GB/s", "",
          "## GEMV, batch 1 unless noted (shape = in x out; CUDA-graph replays, weights rotated past L2, median)", "",
-         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | v3 us | v2 us | Triton us | Triton vs cuBLAS |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         f"default mma variant: v{res.get('default_variant', '?')}; vN columns: TRAPETUM_GEMV_V=N (NOTES-kernels.md)", "",
+         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | "
+         + " | ".join(f"v{v} us" for v in VARIANTS) + " | Triton us | Triton vs cuBLAS |",
+         "|---|---|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|---|"]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
     for r in res["gemv"]:
+        vs = " | ".join(f(r.get(f"mma_v{v}_us"), ".1f") for v in VARIANTS)
         L.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {f(r.get('cublas_us'), '.1f')} | {f(r.get('mma_us'), '.1f')} | "
-                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {f(r.get('mma_v3_us'), '.1f')} | {f(r.get('mma_v2_us'), '.1f')} | {f(r.get('triton_us'), '.1f')} | "
+                 f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {vs} | {f(r.get('triton_us'), '.1f')} | "
                  f"{f(r.get('triton_vs_cublas'), '.2f')}x |")
     if res.get("gate_up"):
         L += ["", "## Fused gate/up (SiLU) GEMV, 4-bit, batch 1", "", "| shape | GEMV + act_mul us | fused us | fused GB/s |", "|---|---|---|---|"]
@@ -255,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     p.add_argument("--ncu-driver", action="store_true", help="a few eager GEMV launches to profile under ncu")
     p.add_argument("--only", choices=["all", "gemv"], default="all", help="gemv: GEMV tables only")
-    p.add_argument("--backends", default="mma,mma_v3,mma_v2,triton",
-                   help="comma list of GEMV backends to time (mma = default variant)")
+    p.add_argument("--backends", default=",".join(GEMV_BACKENDS),
+                   help="comma list of GEMV backends to time (mma = default variant, mma_vN = TRAPETUM_GEMV_V=N)")
     a = p.parse_args(argv)
     if a.ncu_driver:
         return ncu_driver()
@@ -267,17 +275,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ncu_driver() -> int:
-    """Eager launches for `ncu -k regex:cb_gemv`: per shape, variants 2 then 3, 3 launches each."""
+    """Eager launches for `ncu -k regex:cb_gemv`: per shape, variants 5, 7-10 (one launch each)."""
     from trapetum.kernels import codebook_gemv as cg
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n, bits in ((4096, 11008, 4), (8192, 28672, 4), (4096, 32000, 8)):
         codes = _rand_codes(n, k * bits // 8, gen)
         cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
         x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
-        for v in ("2", "3", "4"):
+        for v in (("5", "7") if bits == 8 else ("5", "7", "8", "9", "10")):
             os.environ["TRAPETUM_GEMV_V"] = v
-            for _ in range(3):
-                cg.codebook_gemv(x, codes, cb, bits, backend="mma")
+            cg.codebook_gemv(x, codes, cb, bits, backend="mma")
     torch.cuda.synchronize()
     os.environ.pop("TRAPETUM_GEMV_V", None)
     return 0
@@ -288,7 +295,7 @@ BENCH_8BIT = [(4096, 32000)]
 
 
 def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only: str = "all",
-            backends: tuple = ("mma", "mma_v3", "mma_v2", "triton")) -> dict:
+            backends: tuple = GEMV_BACKENDS) -> dict:
     """Run every benchmark; write kernels.json / kernels.md under out_dir; return the results."""
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels: needs a CUDA GPU")
@@ -296,6 +303,8 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only
     res = {"command": command, "gpu": torch.cuda.get_device_name(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "host": platform.node(), "TRAPETUM_TC": os.environ.get("TRAPETUM_TC", "1")}
+    from trapetum.kernels import codebook_gemv as cg
+    res["default_variant"] = cg._variant()
     res["copy_GBps"] = copy_bandwidth_GBps()
     shapes4 = BENCH_4BIT[:2] if quick else BENCH_4BIT
     gemv = []
@@ -306,7 +315,7 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only
         gemv.append(bench_gemv(k, n, 8, backends=backends))
         print(json.dumps(gemv[-1]), flush=True)
     for m in ((2, 4, 8, 16) if not quick else (8,)):  # speculative-verify rows
-        gemv.append(bench_gemv(4096, 11008, 4, m=m, backends=("mma", "mma_v3")))
+        gemv.append(bench_gemv(4096, 11008, 4, m=m, backends=tuple(b for b in backends if b.startswith("mma"))))
         print(json.dumps(gemv[-1]), flush=True)
     res["gemv"] = gemv
     res["gate_up"], res["attention"], res["fused"] = [], [], []

@@ -12,9 +12,9 @@ Backends (``codebook_gemv(..., backend=None)`` picks one):
            dequantized straight into mma.sync m16n8k16 operands (fp32 accumulation, fixed-order
            reduction) from per-row lookup tables in shared memory (4-bit: 256 half2 pairs, one
            lookup per code byte; 8-bit: 256 entries), each replicated 4x so that a warp's lookups
-           hit 32 distinct banks. TRAPETUM_GEMV_V=4 (4-bit, experimental): byte-permute (PRMT)
-           lookups from codebook byte planes in registers instead. Reads the canonical layout directly (no
-           repacking). Off with TRAPETUM_TC=0 (Triton then).
+           hit 32 distinct banks. TRAPETUM_GEMV_V picks a variant (see ``_variant``), e.g. byte-permute
+           (PRMT) lookups from codebook byte planes in registers instead. Reads the canonical layout
+           directly (no repacking). Off with TRAPETUM_TC=0 (Triton then).
   "triton" Triton kernel, any bits in {2, 4, 8}, any M and shape; also runs on the CPU under
            TRITON_INTERPRET=1. fp32 accumulation, fixed reduction order, no atomics.
   "torch"  dequantize + fp32 matmul (CPU fallback when Triton cannot run).
@@ -235,10 +235,11 @@ def _load_ext():
             src = _CU_PATH.read_text()
             cpp = ("void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, "
                    "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, "
-                   "int64_t variant);")
-            _EXT = load_inline(name="trapetum_cb_gemv_mma_v4", cpp_sources=cpp,
+                   "int64_t variant);\n"
+                   "void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);")
+            _EXT = load_inline(name="trapetum_cb_gemv_mma_v6", cpp_sources=cpp,
                                cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + src,
-                               functions=["cb_gemv_mma"],
+                               functions=["cb_gemv_mma", "cb_dequant4"],
                                extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
         except Exception as e:  # keep Triton as the fallback, but say why
             _EXT_ERR = f"{type(e).__name__}: {e}"
@@ -257,15 +258,20 @@ def mma_available(device: torch.device | None = None) -> bool:
     return _CU_PATH.exists()
 
 
-def _variant() -> int:
-    """Kernel variant of the mma path (TRAPETUM_GEMV_V=2|3|4; default 3, the fastest measured).
+DEFAULT_VARIANT = 7  # fastest measured on the H200 (NOTES-kernels.md, run 4)
+_VARIANTS = tuple(str(v) for v in range(3, 11))
 
-    2, 3: shared-memory pair tables (NOTES-kernels.md); 4: byte-permute lookups from registers
-    (4-bit only; the 8-bit LM head always uses the v3 table kernel for variants 3 and 4).
-    v4 is compiled and its lookup logic is checked on the CPU (NOTES-kernels.md), but it has not
-    yet run on a GPU: it stays opt-in until it is measured."""
-    v = os.environ.get("TRAPETUM_GEMV_V", "3")
-    return int(v) if v in ("2", "3", "4") else 3
+
+def _variant() -> int:
+    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3..10, default DEFAULT_VARIANT.
+
+    3: shared-memory pair tables; 4: byte-permute lookups from codebook byte planes in registers
+    (4-bit only; the 8-bit LM head uses the table kernel); 5 / 6: 3 / 4 with the activation x
+    loaded only by the lanes whose row exists; 7: 5 with no code loads past the last chunk;
+    8 / 9 / 10: 7 with 2 / 3 / 4 of every 8 tiles looked up by byte permutes (hybrid: the L1 and
+    ALU pipes share the lookups). NOTES-kernels.md has the measurements."""
+    v = os.environ.get("TRAPETUM_GEMV_V", "")
+    return int(v) if v in _VARIANTS else DEFAULT_VARIANT
 
 
 def _mma_shape_ok(M, K, bits):

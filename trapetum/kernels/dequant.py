@@ -4,7 +4,9 @@ W[r, c] = codebook[r, idx(r, c)] with the canonical packed layout (``trapetum.qu
 The torch reference (``trapetum.kernels.codebook_gemv.dequantize``) unpacks to int64 indices and
 gathers: about 20 bytes of memory traffic per weight. The Triton kernel reads the packed byte
 once and writes the fp16 weight: 2.5 bytes per weight at 4 bits; the row's codebook (32 bytes at
-4 bits) stays in L1.
+4 bits) stays in L1. On CUDA with the tensor-core extension, 4-bit rows whose byte count is a
+multiple of 16 go to its ``cb_dequant4`` kernel instead (byte-permute lookups from registers,
+16-byte loads and stores); TRAPETUM_TC=0 keeps them on Triton.
 """
 from __future__ import annotations
 
@@ -67,10 +69,16 @@ def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_featur
         out = torch.empty(n, in_features, dtype=torch.float16, device=codes.device)
     elif out.shape != (n, in_features) or out.dtype != torch.float16 or out.stride(1) != 1:
         raise ValueError(f"out: expected float16 [{n}, {in_features}] with a contiguous last dim")
-    if not _use_triton(codes.device):
-        return out.copy_(dequantize_reference(codes, codebook, bits, in_features))
     codes = codes.contiguous()
     codebook = codebook.contiguous()
+    if bits == 4 and kb % 16 == 0 and codes.is_cuda and out.is_contiguous() and in_features == 2 * kb:
+        from .codebook_gemv import mma_available, _load_ext
+        ext = _load_ext() if mma_available(codes.device) else None
+        if ext is not None:  # CUDA kernel: byte-permute lookups, 16-byte loads and stores
+            ext.cb_dequant4(codes, codebook, out)
+            return out
+    if not _use_triton(codes.device):
+        return out.copy_(dequantize_reference(codes, codebook, bits, in_features))
     BLOCK_R, BLOCK_B = 16, 64
     grid = (triton.cdiv(n, BLOCK_R), triton.cdiv(kb, BLOCK_B))
     _dequant_kernel[grid](codes, codebook, out, n, in_features, kb, codes.stride(0), codebook.stride(0),

@@ -70,14 +70,17 @@ template <int BITS>
 struct XWords { static constexpr int value = (BITS == 4) ? 16 : 8; };  // half2 words of x per lane-chunk
 
 // x words of one lane-chunk for activation rows g (nt = 0) and g + 8 (nt = 1).
-template <int BITS, int NT>
+// Columns n >= M of the mma result are never read. XP = false: lanes past M load row M-1 (valid,
+// unused; at M = 1 all 8 lane groups read the same x, 8x the L1 wavefronts). XP = true: lanes
+// past M skip the load and keep the zeros their registers were initialised with.
+template <int BITS, int NT, bool XP>
 __device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], const half* __restrict__ x,
                                        int M, int K, int g, int off) {
   constexpr int XW = XWords<BITS>::value;
   const int col0 = (BITS == 4) ? 2 * off : off;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    // Columns n >= M of the mma result are never read, so lanes past M may load any valid row.
+    if (XP && nt * 8 + g >= M) continue;
     const int m = min(nt * 8 + g, M - 1);
     const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + col0);
 #pragma unroll
@@ -89,18 +92,68 @@ __device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// V = 4 (4-bit only): no shared-memory table. Each lane keeps the 16-entry codebooks of its two
+// rows as byte planes in registers (low bytes L[4], high bytes H[4]: 8 registers per row) and
+// dequantizes 4 weights (one 16-bit piece = 4 nibbles) with byte permutes:
+//   s7 = v & 0x7777                    byte index inside each 8-entry half
+//   sf = ((v >> 1) & 0x4444) | 0x3210  per output byte: take half 0 or half 1 (bit 3 of the nibble)
+//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf); hi likewise from H
+//   A-operand pairs = PRMT(lo, hi, 0x5140), PRMT(lo, hi, 0x7362)
+// 11 ALU instructions per 4 weights and no shared-memory traffic: the V3 kernel was bound by the
+// L1/shared-memory pipe (ncu: L1/TEX 83%, MIO-queue stalls), this one by instruction issue.
+// Raw PTX prmt: selectors here never set bit 3, and going around __byte_perm keeps nvcc from
+// re-masking every selector (it emits an extra LOP3 per __byte_perm with a run-time selector).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// s7 / sf: selectors of one 16-bit piece (see above), computed for both pieces of a word at once.
+__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
+                                     uint32_t& p01, uint32_t& p23) {
+  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
+  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
+  p01 = __byte_perm(lo, hi, 0x5140);
+  p23 = __byte_perm(lo, hi, 0x7362);
+}
+
+__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
+  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
+  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
+    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
+  }
+}
+
+// Codebook byte planes of a lane's two rows (V = 4/6, and the PRMT tiles of the hybrid V >= 8).
+struct Planes {
+  uint32_t LA[4], HA[4], LB[4], HB[4];
+};
+
 // One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
-template <int BITS, int NT>
+// Tiles j < PT (4-bit) are looked up with byte permutes from the register planes P instead of the
+// shared-memory table: the hybrid variants split the lookups between the ALU and the L1 pipes.
+template <int BITS, int NT, int PT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
                                               const uint32_t sb, const uint32_t lane4,
-                                              const uint32_t (&xw)[NT][XWords<BITS>::value]) {
+                                              const uint32_t (&xw)[NT][XWords<BITS>::value], const Planes& P) {
   constexpr int TILES = XWords<BITS>::value / 2;
   const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
   const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
     uint32_t A[4];
-    if (BITS == 4) {
+    if (BITS == 4 && j < PT) {
+      const int sh = 16 * (j & 1);
+      const uint32_t wa = wa4[j >> 1] >> sh, wb = wb4[j >> 1] >> sh;
+      lut4(wa & 0x7777u, ((wa >> 1) & 0x4444u) | 0x3210u, P.LA, P.HA, A[0], A[2]);
+      lut4(wb & 0x7777u, ((wb >> 1) & 0x4444u) | 0x3210u, P.LB, P.HB, A[1], A[3]);
+    } else if (BITS == 4) {
       const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
       const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
       A[0] = lds(sb + sel_byte(wa, lane4, k0));
@@ -170,15 +223,25 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
 
 // EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per
 // 16-row tile; y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F.
-// V = 2: first GPU-measured version (table built from a staged codebook, x loaded inside the
-// chunk). V = 3: conflict-free register-sourced table build, x prefetched one chunk ahead (M<=8).
+// V = 3: conflict-free register-sourced table build, x prefetched one chunk ahead (M<=8).
+// V = 5: V = 3 with x loaded only by the lanes whose activation row exists (load_x's XP).
+// V = 7: V = 5 with no loads past the last chunk (the clamped prefetches re-read the last chunk:
+//        +25% code traffic through L1 at in = 8192, +50% at in = 4096).
+// V = 8, 9, 10 (4-bit): V = 7 with the first 2, 3, 4 of every 8 tiles looked up by PRMT from
+//        registers (V = 4's method), the rest from the table: L1 and ALU pipes share the lookups.
+// (V = 2, the first GPU-measured version, is in NOTES-kernels.md and git history.)
+template <int V> struct Flags {
+  static constexpr bool XP = V >= 5, PP = V >= 7;
+  static constexpr int PT = V >= 8 ? V - 6 : 0;
+};
 template <int BITS, int NT, int EPI, int V>
-__global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, (NT == 1 && Flags<V>::PT == 0) ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
+  constexpr bool XP = Flags<V>::XP, PP = Flags<V>::PP;
+  constexpr int PT = BITS == 4 ? Flags<V>::PT : 0;
   uint32_t* smem = trapetum_cbgemv_smem;
-  __shared__ half cbs[16 * 16];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
@@ -190,40 +253,25 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   const int nchunks = (KB + 63) >> 6;  // 64 bytes per row per warp step (16 per lane)
 
   auto load = [&](int c, uint4& qa, uint4& qb) {
-    const int cc = min(c, nchunks - 1);
-    qa = ld_stream(pa + cc * 64);
-    qb = ld_stream(pb + cc * 64);
+    if (PP) {
+      if (c < nchunks) {
+        qa = ld_stream(pa + c * 64);
+        qb = ld_stream(pb + c * 64);
+      }
+    } else {
+      const int cc = min(c, nchunks - 1);
+      qa = ld_stream(pa + cc * 64);
+      qb = ld_stream(pb + cc * 64);
+    }
   };
 
   // Two chunks in flight before the table build, so DRAM latency overlaps it.
+  // (with PP, registers of chunks past the end are left unloaded: they are never computed)
   uint4 qa0, qb0, qa1, qb1;
   load(warp, qa0, qb0);
   load(warp + kWarps, qa1, qb1);
 
-  if (V == 2 && BITS == 4) {
-    {
-      const int r = row0 + (tid >> 4);
-      cbs[tid] = r < N ? cb[(size_t)r * 16 + (tid & 15)] : __float2half(0.0f);
-    }
-    __syncthreads();
-#pragma unroll 4
-    for (int i = tid; i < 4096; i += kThreads) {
-      const int gg = i & 7, h = (i >> 3) & 1, e = i >> 4;
-      const int rr = h * 8 + gg;
-      const uint32_t lo = __half_as_ushort(cbs[rr * 16 + (e & 15)]);
-      const uint32_t hi = __half_as_ushort(cbs[rr * 16 + (e >> 4)]);
-      const uint32_t v = lo | (hi << 16);
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  } else if (V == 2) {
-#pragma unroll 4
-    for (int i = tid; i < 4096; i += kThreads) {
-      const int gg = i & 7, h = (i >> 3) & 1, e = i >> 4;
-      const int r = row0 + h * 8 + gg;
-      const uint32_t v = r < N ? (uint32_t)__half_as_ushort(cb[(size_t)r * 256 + e]) : 0u;
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  } else {
+  {
     // Thread (gg, h, s): row h*8+gg (clamped: rows past N are never stored), 16 entries whose
     // words land, for each unrolled step, as 8 consecutive uint4 per quarter-warp: no conflicts.
     const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
@@ -257,36 +305,41 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   uint32_t sb;
   asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
   const uint32_t lane4 = (uint32_t)lane * 4u;
+  Planes P;
+  if (PT > 0) {
+    load_planes(cb, min(ra, N - 1), P.LA, P.HA);
+    load_planes(cb, min(rb, N - 1), P.LB, P.HB);
+  }
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   constexpr int XW = XWords<BITS>::value;
   const int offt = t * 16;
 
-  if (V == 3 && NT == 1) {
+  if (NT == 1) {
     // one chunk per step; codes two steps ahead, x one step ahead
-    uint32_t xw0[NT][XW], xw1[NT][XW];
-    load_x<BITS, NT>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
+    uint32_t xw0[NT][XW] = {}, xw1[NT][XW] = {};
+    load_x<BITS, NT, XP>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
     for (int c = warp; c < nchunks; c += kWarps) {
       uint4 qa2, qb2;
       load(c + 2 * kWarps, qa2, qb2);
-      load_x<BITS, NT>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
-      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
+      load_x<BITS, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
+      compute_chunk<BITS, NT, PT>(acc, qa0, qb0, sb, lane4, xw0, P);
       qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
 #pragma unroll
       for (int i = 0; i < XW; ++i) xw0[0][i] = xw1[0][i];
     }
   } else {
+    uint32_t xw[NT][XW] = {};
     for (int c = warp; c < nchunks; c += 2 * kWarps) {
       uint4 qa2, qb2, qa3, qb3;
-      uint32_t xw[NT][XW];
       load(c + 2 * kWarps, qa2, qb2);
-      load_x<BITS, NT>(xw, x, M, K, g, c * 64 + offt);
-      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
+      load_x<BITS, NT, XP>(xw, x, M, K, g, c * 64 + offt);
+      compute_chunk<BITS, NT, PT>(acc, qa0, qb0, sb, lane4, xw, P);
       load(c + 3 * kWarps, qa3, qb3);
       if (c + kWarps < nchunks) {
-        load_x<BITS, NT>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
-        compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
+        load_x<BITS, NT, XP>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
+        compute_chunk<BITS, NT, PT>(acc, qa1, qb1, sb, lane4, xw, P);
       }
       qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
     }
@@ -294,44 +347,6 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
 
   __syncthreads();  // every warp is done with the table: reuse it for the reduction
   reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
-}
-
-// ---------------------------------------------------------------------------------------------
-// V = 4 (4-bit only): no shared-memory table. Each lane keeps the 16-entry codebooks of its two
-// rows as byte planes in registers (low bytes L[4], high bytes H[4]: 8 registers per row) and
-// dequantizes 4 weights (one 16-bit piece = 4 nibbles) with byte permutes:
-//   s7 = v & 0x7777                    byte index inside each 8-entry half
-//   sf = ((v >> 1) & 0x4444) | 0x3210  per output byte: take half 0 or half 1 (bit 3 of the nibble)
-//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf); hi likewise from H
-//   A-operand pairs = PRMT(lo, hi, 0x5140), PRMT(lo, hi, 0x7362)
-// 11 ALU instructions per 4 weights and no shared-memory traffic: the V3 kernel was bound by the
-// L1/shared-memory pipe (ncu: L1/TEX 83%, MIO-queue stalls), this one by instruction issue.
-// Raw PTX prmt: selectors here never set bit 3, and going around __byte_perm keeps nvcc from
-// re-masking every selector (it emits an extra LOP3 per __byte_perm with a run-time selector).
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// s7 / sf: selectors of one 16-bit piece (see above), computed for both pieces of a word at once.
-__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                     uint32_t& p01, uint32_t& p23) {
-  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
-  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
-  p01 = __byte_perm(lo, hi, 0x5140);
-  p23 = __byte_perm(lo, hi, 0x7362);
-}
-
-__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
-  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
-    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
-  }
 }
 
 template <int NT>
@@ -360,7 +375,8 @@ __device__ __forceinline__ void compute_chunk_prmt(float (&acc)[NT][4], const ui
   }
 }
 
-template <int NT, int EPI>
+// XP: as load_x (V = 4 without, V = 6 with).
+template <int NT, int EPI, bool XP>
 __global__ void __launch_bounds__(kThreads, 2)
 cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                     const half* __restrict__ cb, const half* __restrict__ res,
@@ -388,19 +404,47 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   const int offt = t * 16;
-  uint32_t xw0[NT][16], xw1[NT][16];
-  load_x<4, NT>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
+  uint32_t xw0[NT][16] = {}, xw1[NT][16] = {};
+  load_x<4, NT, XP>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
   for (int c = warp; c < nchunks; c += 2 * kWarps) {  // two chunks per step: x ping-pongs
     uint4 qa2, qb2, qa3, qb3;
     load(c + 2 * kWarps, qa2, qb2);
-    load_x<4, NT>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
+    load_x<4, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
     compute_chunk_prmt<NT>(acc, qa0, qb0, LA, HA, LB, HB, xw0);
     load(c + 3 * kWarps, qa3, qb3);
-    load_x<4, NT>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
+    load_x<4, NT, XP>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
     if (c + kWarps < nchunks) compute_chunk_prmt<NT>(acc, qa1, qb1, LA, HA, LB, HB, xw1);
     qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
   }
   reduce_store<NT, EPI>(red, acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4-bit dequantization for prefill: W[r, c] = cb[r, idx(r, c)] as a dense fp16 [N, 2*KB] matrix.
+// One thread = 16 code bytes (32 weights) of one row: one 16-byte code load, the row's codebook
+// as byte planes (two 16-byte loads, L1 hits for the row's other threads), V = 4's PRMT lookups,
+// four 16-byte stores. Consecutive threads take consecutive segments of a row: coalesced.
+// Memory-bound at 2.5 bytes per weight. Requires KB % 16 == 0.
+__global__ void __launch_bounds__(256)
+cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ cb, half* __restrict__ w,
+                   int N, int KB) {
+  const int segs = KB >> 4;
+  const long long i = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (i >= (long long)N * segs) return;
+  const int r = (int)(i / segs), sgm = (int)(i - (long long)r * segs);
+  uint32_t L[4], H[4];
+  load_planes(cb, r, L, H);
+  const uint4 q = __ldg(reinterpret_cast<const uint4*>(codes + (size_t)r * KB + sgm * 16));
+  const uint32_t qw[4] = {q.x, q.y, q.z, q.w};
+  uint4* out = reinterpret_cast<uint4*>(w + (size_t)r * KB * 2 + sgm * 32);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // word k: columns 8k .. 8k+7 of the segment, low nibble first
+    uint32_t a0, a1, a2, a3;
+    const uint32_t lo = qw[k], hi = qw[k] >> 16;
+    lut4(lo & 0x7777u, ((lo >> 1) & 0x4444u) | 0x3210u, L, H, a0, a1);
+    lut4(hi & 0x7777u, ((hi >> 1) & 0x4444u) | 0x3210u, L, H, a2, a3);
+    out[k] = make_uint4(a0, a1, a2, a3);
+  }
 }
 
 }  // namespace trapetum_mma
@@ -410,9 +454,16 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<2, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 2>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 5>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 7>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 8>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 9>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 10>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 9>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 7>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0, false>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0, true>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<2, 0, false>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
@@ -444,12 +495,12 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int NT, int EPI>
+template <int NT, int EPI, bool XP>
 static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                         const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                         int has_res, int F, cudaStream_t stream) {
   const int grid = (N + 15) / 16;
-  cb_gemv_prmt_kernel<NT, EPI><<<grid, kThreads, 0, stream>>>(
+  cb_gemv_prmt_kernel<NT, EPI, XP><<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
       reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
@@ -457,51 +508,87 @@ static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// One launcher per kernel family; NT (activation rows <= 8 or <= 16) and the epilogue are picked here.
 template <int BITS, int V>
+struct TableKernel {
+  template <int NT, int EPI>
+  static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
+                 torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
+    launch<BITS, NT, EPI, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+  }
+};
+template <bool XP>
+struct PrmtKernel {
+  template <int NT, int EPI>
+  static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
+                 torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
+    launch_prmt<NT, EPI, XP>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+  }
+};
+
+template <class Kern>
 static void dispatch_nt_epi(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                             const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                             int has_res, int F, int epi, cudaStream_t s) {
   if (M <= 8) {
-    if (epi == 0) launch<BITS, 1, 0, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) launch<BITS, 1, 1, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else launch<BITS, 1, 2, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    if (epi == 0) Kern::template go<1, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) Kern::template go<1, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else Kern::template go<1, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   } else {
-    if (epi == 0) launch<BITS, 2, 0, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) launch<BITS, 2, 1, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else launch<BITS, 2, 2, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    if (epi == 0) Kern::template go<2, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else if (epi == 1) Kern::template go<2, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    else Kern::template go<2, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   }
 }
 }  // namespace trapetum_mma
 
+void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
+  TORCH_CHECK(codes.is_cuda() && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.dim() == 2, "codes");
+  TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf && cb.size(0) == codes.size(0) && cb.size(1) == 16, "codebook");
+  const int N = codes.size(0), KB = codes.size(1);
+  TORCH_CHECK(KB % 16 == 0 && w.is_contiguous() && w.scalar_type() == at::kHalf && w.size(0) == N && w.size(1) == 2 * KB, "out");
+  const c10::cuda::CUDAGuard guard(codes.device());
+  const long long threads = (long long)N * (KB / 16);
+  if (threads == 0) return;
+  trapetum_mma::cb_dequant4_kernel<<<(unsigned)((threads + 255) / 256), 256, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(
+      codes.data_ptr<uint8_t>(), reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
+      reinterpret_cast<half*>(w.data_ptr<at::Half>()), N, KB);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
+// uses the table kernel), 5 / 6 = 3 / 4 with x loaded only by lanes whose activation row exists,
+// 7 = 5 without loads past the last chunk, 8 / 9 / 10 = 7 with 2 / 3 / 4 of 8 tiles by PRMT.
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
                  torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
+  using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
   TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf, "codebook");
   const int M = x.size(0), K = x.size(1), N = codes.size(0), KB = codes.size(1);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
+  TORCH_CHECK(variant >= 3 && variant <= 10, "variant");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  TORCH_CHECK(variant >= 2 && variant <= 4, "variant");
-  if (bits == 4 && variant == 4) {
-    const int F = (int)f, hr = (int)has_res;
-    if (M <= 8) {
-      if (epi == 0) trapetum_mma::launch_prmt<1, 0>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
-      else if (epi == 1) trapetum_mma::launch_prmt<1, 1>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
-      else trapetum_mma::launch_prmt<1, 2>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
-    } else {
-      if (epi == 0) trapetum_mma::launch_prmt<2, 0>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
-      else if (epi == 1) trapetum_mma::launch_prmt<2, 1>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
-      else trapetum_mma::launch_prmt<2, 2>(x, codes, cb, res, y, M, N, K, KB, hr, F, s);
+  const int F = (int)f, hr = (int)has_res, e = (int)epi;
+  const bool xp = variant >= 5;
+  if (bits == 4 && (variant == 4 || variant == 6)) {
+    if (xp) dispatch_nt_epi<PrmtKernel<true>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+    else dispatch_nt_epi<PrmtKernel<false>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  } else if (bits == 4) {
+    switch (variant) {
+      case 10: dispatch_nt_epi<TableKernel<4, 10>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
+      case 9: dispatch_nt_epi<TableKernel<4, 9>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
+      case 8: dispatch_nt_epi<TableKernel<4, 8>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
+      case 7: dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
+      case 5: dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
+      default: dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
     }
-  } else if (bits == 4 && variant == 3)
-    trapetum_mma::dispatch_nt_epi<4, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
-  else if (bits == 4)
-    trapetum_mma::dispatch_nt_epi<4, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
-  else if (variant >= 3)  // the 8-bit LM head keeps the shared-memory table (256 entries)
-    trapetum_mma::dispatch_nt_epi<8, 3>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
-  else
-    trapetum_mma::dispatch_nt_epi<8, 2>(x, codes, cb, res, y, M, N, K, KB, (int)has_res, (int)f, (int)epi, s);
+  } else {
+    if (variant >= 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+    else if (xp) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+    else dispatch_nt_epi<TableKernel<8, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  }
 }
 #endif
