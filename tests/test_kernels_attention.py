@@ -112,3 +112,18 @@ def test_attention_cuda_graph_length_tensor_gpu():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, at.decode_attention(q, k, v, length, scale=d ** -0.5)), length
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_attention_merge_in_several_steps(monkeypatch, window):
+    """The merge kernel walks the chunks MERGE_CHUNKS at a time: with 2 per step a 7-chunk cache takes
+    4 steps (and a window starts mid-step); the result must match the float64 reference."""
+    monkeypatch.setattr(at, "MERGE_CHUNKS", 2)
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, tmax = 4, 2, 64, 7 * at.CHUNK
+    q, k, v = _inputs(hq, hkv, d, tmax, gen, amp=2.0)
+    for length in (tmax, tmax - 30, 3 * at.CHUNK + 1):
+        kw = dict(scale=d ** -0.5, window=window)
+        y = at.decode_attention(q, k, v, length, split=True, **kw).double()
+        ref = at.decode_attention_reference(q, k, v, length, **kw)
+        assert rel_err(y, ref) < 2e-3, (length, rel_err(y, ref))
