@@ -8,7 +8,7 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
-python3 -c "from trapetum.kernels import codebook_gemv as cg; assert cg._load_ext() is not None, cg._EXT_ERR" \
+python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" \
   > "$OUT/build.log" 2>&1; echo "build rc=$? $(( $(date +%s) - t0 )) s"
 timeout 200 python3 -m pytest -q -x tests/test_kernels_gemv.py -p no:cacheprovider > "$OUT/pytest_gemv.log" 2>&1
 tail -2 "$OUT/pytest_gemv.log"; echo "tests $(( $(date +%s) - t0 )) s"

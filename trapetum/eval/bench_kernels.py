@@ -85,6 +85,16 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=GEMV_BACKENDS) ->
 
     row["cublas_us"] = graph_time_us(make_dense, fp16_bytes)
     row["cublas_GBps"] = fp16_bytes / row["cublas_us"] / 1e3
+    from trapetum.kernels import cuda_ext
+    from trapetum.kernels.dense_gemv import dense_gemv
+    if m == 1 and bits == 4 and k % 8 == 0 and cuda_ext.ready() is not None:  # our fp16 GEMV (fp16 path)
+        def make_ours(i):
+            w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen)
+            x = torch.randn(k, device="cuda", dtype=torch.float16, generator=gen)
+            y = torch.empty(n, device="cuda", dtype=torch.float16)
+            return lambda: dense_gemv(x, w, out=y)
+        row["dense_us"] = graph_time_us(make_ours, fp16_bytes)
+        row["dense_GBps"] = fp16_bytes / row["dense_us"] / 1e3
     kb = -(-k * bits // 8)
     q_bytes = n * kb + n * (1 << bits) * 2 + m * k * 2 + m * n * 2
     row["bytes"] = q_bytes
@@ -230,15 +240,16 @@ def _md(res: dict) -> str:
          f"- device copy bandwidth (read+write): {res['copy_GBps']:.0f} GB/s", "",
          "## GEMV, batch 1 unless noted (shape = in x out; CUDA-graph replays, weights rotated past L2, median)", "",
          f"default mma variant: v{res.get('default_variant', '?')}; vN columns: TRAPETUM_GEMV_V=N (NOTES-kernels.md)", "",
-         "| shape | bits | M | cuBLAS fp16 us | mma us | mma GB/s | mma vs cuBLAS | "
+         "| shape | bits | M | cuBLAS fp16 us | our fp16 us (GB/s) | mma us | mma GB/s | mma vs cuBLAS | "
          + " | ".join(f"v{v} us" for v in VARIANTS) + " | Triton us | Triton vs cuBLAS |",
-         "|---|---|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|---|"]
+         "|---|---|---|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|---|"]
 
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
     for r in res["gemv"]:
         vs = " | ".join(f(r.get(f"mma_v{v}_us"), ".1f") for v in VARIANTS)
-        L.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {f(r.get('cublas_us'), '.1f')} | {f(r.get('mma_us'), '.1f')} | "
+        ours = f"{f(r.get('dense_us'), '.1f')} ({f(r.get('dense_GBps'), '.0f')})"
+        L.append(f"| {r['shape']} | {r['bits']} | {r['M']} | {f(r.get('cublas_us'), '.1f')} | {ours} | {f(r.get('mma_us'), '.1f')} | "
                  f"{f(r.get('mma_GBps'), '.0f')} | {f(r.get('mma_vs_cublas'), '.2f')}x | {vs} | {f(r.get('triton_us'), '.1f')} | "
                  f"{f(r.get('triton_vs_cublas'), '.2f')}x |")
     if res.get("gate_up"):

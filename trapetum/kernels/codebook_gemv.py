@@ -27,12 +27,11 @@ q/k/v fusion needs no kernel: per-row codebooks let q, k and v rows be concatena
 from __future__ import annotations
 
 import os
-import threading
-from pathlib import Path
 
 import torch
 
 from ..quant.pack import unpack_codes
+from . import cuda_ext
 
 try:  # Triton is optional on CPU-only installs
     import triton
@@ -216,46 +215,14 @@ def _triton_gemv(x2, codes, codebook, bits, residual, y, epi=0, f=0):
 
 
 # ----------------------------------------------------------------------------- CUDA (mma) path
-_EXT = None
-_EXT_LOCK = threading.Lock()
-_EXT_ERR: str | None = None
-_CU_PATH = Path(__file__).with_name("cuda") / "codebook_gemv_mma.cu"
-
-
 def _load_ext():
-    """Compile (first use) and return the tensor-core extension, or None if unavailable."""
-    global _EXT, _EXT_ERR
-    if _EXT is not None or _EXT_ERR is not None:
-        return _EXT
-    with _EXT_LOCK:
-        if _EXT is not None or _EXT_ERR is not None:
-            return _EXT
-        try:
-            from torch.utils.cpp_extension import load_inline
-            src = _CU_PATH.read_text()
-            cpp = ("void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, "
-                   "torch::Tensor res, torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, "
-                   "int64_t variant);\n"
-                   "void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);")
-            _EXT = load_inline(name="trapetum_cb_gemv_mma_v6", cpp_sources=cpp,
-                               cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + src,
-                               functions=["cb_gemv_mma", "cb_dequant4"],
-                               extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
-        except Exception as e:  # keep Triton as the fallback, but say why
-            _EXT_ERR = f"{type(e).__name__}: {e}"
-            import warnings
-            warnings.warn(f"trapetum: tensor-core GEMV unavailable, using Triton ({_EXT_ERR[:300]})")
-    return _EXT
+    """The CUDA extension (``trapetum.kernels.cuda_ext``), or None if it cannot be built here."""
+    return cuda_ext.load()
 
 
 def mma_available(device: torch.device | None = None) -> bool:
     """True if the CUDA tensor-core GEMV can run on `device` (and TRAPETUM_TC is not 0)."""
-    if os.environ.get("TRAPETUM_TC", "1") == "0" or not torch.cuda.is_available():
-        return False
-    device = device or torch.device("cuda")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    return _CU_PATH.exists()
+    return cuda_ext.available(device)
 
 
 DEFAULT_VARIANT = 7  # fastest measured on the H200 (NOTES-kernels.md, run 4)
@@ -319,7 +286,7 @@ def _pick_backend(backend, x2, K, bits):
         if not _mma_shape_ok(x2.shape[0], K, bits):
             raise ValueError("backend: 'mma' needs bits 4 or 8, M <= 16 and 64 code bytes per row | in")
         if x2.device.type != "cuda" or _load_ext() is None:
-            raise ValueError(f"backend: 'mma' unavailable ({_EXT_ERR or 'needs a CUDA device'})")
+            raise ValueError(f"backend: 'mma' unavailable ({cuda_ext.error() or 'needs a CUDA device'})")
     if backend == "triton" and not _triton_ok(x2.device):
         raise ValueError("backend: 'triton' needs a CUDA device or TRITON_INTERPRET=1")
     return backend
@@ -358,7 +325,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     be = _pick_backend(backend, x2, K, bits)
     if be == "mma":
         x2 = x2.contiguous()
-        _EXT.cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
+        _load_ext().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
                          bits, 0, int(residual is not None), 0, _variant())
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y)
@@ -393,7 +360,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     epi = 1 if act == "silu" else 2
     be = _pick_backend(backend, x2, K, bits)
     if be == "mma":
-        _EXT.cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f, _variant())
+        _load_ext().cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f, _variant())
     elif be == "triton":
         _triton_gemv(x2, codes.contiguous(), codebook.contiguous(), bits, None, y, epi=epi, f=f)
     else:

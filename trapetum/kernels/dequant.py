@@ -72,8 +72,8 @@ def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_featur
     codes = codes.contiguous()
     codebook = codebook.contiguous()
     if bits == 4 and kb % 16 == 0 and codes.is_cuda and out.is_contiguous() and in_features == 2 * kb:
-        from .codebook_gemv import mma_available, _load_ext
-        ext = _load_ext() if mma_available(codes.device) else None
+        from . import cuda_ext
+        ext = cuda_ext.ready(codes.device)
         if ext is not None:  # CUDA kernel: byte-permute lookups, 16-byte loads and stores
             ext.cb_dequant4(codes, codebook, out)
             return out

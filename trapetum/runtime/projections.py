@@ -15,6 +15,7 @@ from torch import nn
 
 from ..kernels import codebook_gemv as cg
 from ..kernels.additive_gemv import supported as additive_supported
+from ..kernels.dense_gemv import dense_gemv, dense_gemv_gate_up
 from ..kernels.dequant import dequantize
 from ..kernels.fused import act_mul
 
@@ -44,11 +45,7 @@ class DenseProj:
         self.out_features, self.in_features = self.w.shape
 
     def gemv(self, x, out, residual=None):
-        y = out.view(1, -1)
-        if residual is not None:
-            torch.addmm(residual.view(1, -1), x.view(1, -1), self.w.t(), out=y)
-        else:
-            torch.mm(x.view(1, -1), self.w.t(), out=y)
+        dense_gemv(x, self.w, residual, out=out)
         if self.bias is not None:
             out.add_(self.bias)
         return out
@@ -173,6 +170,7 @@ class GateUp:
         pg, pu = codebook_parts(gate), codebook_parts(up)
         self.interleaved = None
         self.separate = None
+        self.joint = None
         if fuse and pg is not None and pu is not None and pg[2] == pu[2] and gate.bias is None and up.bias is None:
             codes, cb, f = cg.interleave_gate_up(pg[0].to(device), pg[1].to(device), pu[0].to(device), pu[1].to(device))
             self.interleaved = CodebookProj(codes, cb, pg[2], gate.in_features, None)
@@ -186,6 +184,8 @@ class GateUp:
         if self.interleaved is not None:
             p = self.interleaved
             return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out)
+        if isinstance(self.joint, DenseProj) and self.joint.bias is None:
+            return dense_gemv_gate_up(x, self.joint.w, self.f, self.act, out=out, scratch=scratch)
         g, u = scratch[: self.f], scratch[self.f: 2 * self.f]
         if self.separate is not None:
             self.separate[0].gemv(x, g)

@@ -1,0 +1,71 @@
+"""The package's CUDA C++ kernels, compiled on first use into one torch extension (cached by torch
+under ~/.cache/torch_extensions, rebuilt when a source changes).
+
+Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on
+tensor cores, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16
+path). Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
+False without CUDA, below compute capability 8.0, or with TRAPETUM_TC=0; callers then fall back to
+Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_DIR = Path(__file__).with_name("cuda")
+SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
+_DECLS = """
+void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
+                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant);
+void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);
+void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tensor y, int64_t epi,
+                int64_t has_res, int64_t f);
+"""
+_FUNCTIONS = ["cb_gemv_mma", "cb_dequant4", "dense_gemv"]
+
+_LOCK = threading.Lock()
+_EXT = None
+_ERR: str | None = None
+
+
+def available(device: torch.device | None = None) -> bool:
+    """True if the CUDA kernels may run on `device` (CUDA, sm_80+, TRAPETUM_TC not 0)."""
+    if os.environ.get("TRAPETUM_TC", "1") == "0" or not torch.cuda.is_available():
+        return False
+    device = device or torch.device("cuda")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return all((_DIR / s).exists() for s in SOURCES)
+
+
+def load():
+    """The compiled extension module, or None if it cannot be built here (see ``error()``)."""
+    global _EXT, _ERR
+    if _EXT is not None or _ERR is not None:
+        return _EXT
+    with _LOCK:
+        if _EXT is not None or _ERR is not None:
+            return _EXT
+        try:
+            from torch.utils.cpp_extension import load_inline
+            src = "#define TRAPETUM_TORCH_LAUNCHER 1\n" + "\n".join((_DIR / s).read_text() for s in SOURCES)
+            _EXT = load_inline(name="trapetum_cuda_kernels", cpp_sources=_DECLS, cuda_sources=src,
+                               functions=_FUNCTIONS, extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
+        except Exception as e:  # keep the Triton / torch fallbacks, but say why
+            _ERR = f"{type(e).__name__}: {e}"
+            import warnings
+            warnings.warn(f"trapetum: CUDA kernels unavailable, using fallbacks ({_ERR[:300]})")
+    return _EXT
+
+
+def error() -> str | None:
+    """Why the extension could not be built (None if it was, or was never tried)."""
+    return _ERR
+
+
+def ready(device: torch.device | None = None):
+    """The extension if it is available for `device` and builds, else None."""
+    return load() if available(device) else None
