@@ -18,7 +18,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 t0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
 if has tests; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_dequant.py \
+  timeout 280 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_dequant.py tests/test_kernels_gemv.py \
     tests/test_additive_kernels.py tests/test_dense_gemv.py tests/test_kernels_attention.py tests/test_kernels_fused.py \
     > "$L/pytest_gpu.log" 2>&1; tail -3 "$L/pytest_gpu.log"; echo "tests $(( $(date +%s) - t0 )) s"
 fi
