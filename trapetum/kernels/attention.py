@@ -13,8 +13,8 @@ p >= length - w are visible (HF sliding window); softmax over visible positions;
 Split-KV: the cache is cut into 64-position chunks; one program per (kv head, chunk) handles the
 G query heads of that kv head (K and V read once) with an online softmax and writes (max, sum,
 unnormalized out) to a workspace; a second kernel merges the chunks of each head in a fixed order
-(64 chunks per step, loaded together: the first version's one dependent load per chunk made the
-merge, not the KV reads, the larger part of the time at 4k positions).
+(MERGE_CHUNKS chunks per step, loaded together: the first version's one dependent load per chunk
+made the merge, not the KV reads, the larger part of the time at 4k positions).
 No atomics: results are bitwise reproducible. TRAPETUM_ATTN=seq selects the sequential kernel (one
 program per kv head walking every chunk), kept as the reference path.
 """
@@ -33,7 +33,7 @@ except Exception:  # pragma: no cover
     tl = None
 
 CHUNK = 64
-MERGE_CHUNKS = 64  # chunks the merge kernel reduces per step (4,096 positions)
+MERGE_CHUNKS = 16  # chunks the merge kernel folds in per step (1,024 positions)
 # finite "minus infinity": keeps exp(m_old - m_new) free of NaN (a constexpr: Triton kernels may
 # only read globals that are constexpr)
 _NEG = tl.constexpr(-1.0e30) if tl is not None else -1.0e30
@@ -125,10 +125,9 @@ if triton is not None:
     def _attn_merge_kernel(len_ptr, len_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, stride_oh, window,
                            LEN_PTR: tl.constexpr, HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
                            CH: tl.constexpr, BLOCK_C: tl.constexpr):
-        # One program per query head. Two passes over the head's chunks, BLOCK_C chunks per step
-        # (one step up to BLOCK_C * CH positions): the global max, then the rescaled sums. The
-        # chunks of a step are loaded together (not one dependent load per chunk) and reduced by
-        # tl.sum in a fixed order: bitwise reproducible.
+        # One program per query head, one pass over the head's chunks, BLOCK_C chunks per step:
+        # the chunks of a step are loaded together (not one dependent load per chunk) and folded
+        # into the running (max, sum, out) by tl.max / tl.sum in a fixed order: bitwise reproducible.
         hq = tl.program_id(0)
         L = _load_len(len_ptr, len_val, LEN_PTR)
         c0 = 0
@@ -138,9 +137,6 @@ if triton is not None:
         rd = tl.arange(0, BLOCK_D)
         rc = tl.arange(0, BLOCK_C)
         mx = tl.max(tl.full([BLOCK_C], _NEG, tl.float32), 0)
-        for cb in range(c0, c1, BLOCK_C):
-            cm = (cb + rc) < c1
-            mx = tl.maximum(mx, tl.max(tl.load(m_ptr + hq * NCH + cb + rc, mask=cm, other=_NEG), 0))
         ls = tl.sum(tl.zeros([BLOCK_C], tl.float32), 0)
         acc = tl.zeros([BLOCK_D], tl.float32)
         for cb in range(c0, c1, BLOCK_C):
@@ -148,9 +144,12 @@ if triton is not None:
             mc = tl.load(m_ptr + hq * NCH + cb + rc, mask=cm, other=_NEG)
             lc = tl.load(l_ptr + hq * NCH + cb + rc, mask=cm, other=0.0)
             oc = tl.load(o_ptr + (hq * NCH + cb + rc)[:, None] * BLOCK_D + rd[None, :], mask=cm[:, None], other=0.0)
-            w = tl.where(cm, tl.exp(mc - mx), 0.0)
-            ls += tl.sum(lc * w, 0)
-            acc += tl.sum(oc * w[:, None], 0)
+            mn = tl.maximum(mx, tl.max(mc, 0))
+            a = tl.exp(mx - mn)
+            w = tl.where(cm, tl.exp(mc - mn), 0.0)
+            ls = ls * a + tl.sum(lc * w, 0)
+            acc = acc * a + tl.sum(oc * w[:, None], 0)
+            mx = mn
         out = acc / ls
         tl.store(out_ptr + hq * stride_oh + rd, out.to(tl.float16), mask=rd < D)
 
