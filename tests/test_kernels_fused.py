@@ -68,12 +68,22 @@ def test_act_mul_random(seed):
     assert rel_err(y, fu.act_mul_reference(g.cpu(), u.cpu(), act)) < TOL[torch.float16]
 
 
+def test_rmsnorm_fp32_input_gives_fp16():
+    """A residual stream kept in fp32 (prefill) is normalized straight into fp16."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(3, 200, generator=g) * 10).to(DEVICE)
+    w = torch.randn(200, generator=g).half().to(DEVICE)
+    y = fu.rmsnorm(x, w, 1e-6)
+    assert y.dtype == torch.float16 and y.shape == x.shape
+    assert rel_err(y, fu.rmsnorm_reference(x.cpu(), w.cpu(), 1e-6)) < TOL[torch.float16]
+
+
 def test_fused_bad_shapes_raise():
     x = torch.randn(2, 8).half().to(DEVICE)
     with pytest.raises(ValueError, match="weight"):
         fu.rmsnorm(x, torch.ones(7, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="x"):
-        fu.rmsnorm(x.float(), torch.ones(8, device=DEVICE), 1e-6)
+        fu.rmsnorm(x.double(), torch.ones(8, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="up"):
         fu.act_mul(x, x[:, :4])
     with pytest.raises(ValueError, match="act"):

@@ -145,9 +145,10 @@ if triton is not None:
 # ----------------------------------------------------------------------------- wrappers
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
             out: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm over the last dim of fp16 x [..., N] with weight [N] (fp16/fp32). Returns fp16."""
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.float16 or x.dim() < 1:
-        raise ValueError("x: expected a float16 tensor [..., N]")
+    """RMSNorm over the last dim of x [..., N] (fp16, or fp32 for a residual stream kept in fp32)
+    with weight [N] (fp16/fp32). Returns fp16."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.float32) or x.dim() < 1:
+        raise ValueError("x: expected a float16 or float32 tensor [..., N]")
     n = x.shape[-1]
     if not isinstance(weight, torch.Tensor) or weight.shape != (n,) or weight.device != x.device:
         raise ValueError(f"weight: expected [{n}] on {x.device}, got {tuple(getattr(weight, 'shape', ()))}")
@@ -156,7 +157,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float 
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty_like(x2) if out is None else out.view(-1, n)
+    y = torch.empty(x2.shape, dtype=torch.float16, device=x.device) if out is None else out.view(-1, n)
     if not _use_triton(x.device):
         y.copy_(rmsnorm_reference(x2, weight, eps, offset))
         return y.view(x.shape)
