@@ -6,7 +6,7 @@ For each model shape, builds (on the GPU) an fp16 model and a 4-bit per-row code
 an 8-bit LM head, and in one process measures:
   * decode tok/s, greedy, CUDA graph: mean over 128 consecutive steps starting at positions
     0, 1024 and 3968 (the seed's bins: first 128, 1,024-1,152, 3,968-4,096);
-  * prefill tok/s at prompt lengths 512 and 2,048 (median of 3);
+  * prefill tok/s at prompt lengths 512 and 2,048 (median of 7);
   * peak GPU memory of each engine;
   * with --switches, the same decode bins with each kill switch (TRAPETUM_GRAPH=0, TRAPETUM_FUSE=0,
     TRAPETUM_TC=0, TRAPETUM_ATTN=seq) so every optimization's share is visible.
