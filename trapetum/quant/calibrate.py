@@ -15,6 +15,13 @@ Two sources of calibration tokens:
 ``collect_input_stats_layerwise`` gives the same statistics from a checkpoint with bounded
 memory (one block of the source at a time); ``quantize.py`` uses it for file calibration.
 
+``streamed_decoder`` samples the same tokens with bounded memory: a ``Decoder`` whose embedding,
+blocks and LM head are each built from the (lazy) checkpoint for their part of every token step,
+run, and dropped, so it holds one block (or the embedding, or the head) plus the KV caches of all
+blocks ([n_seqs, kv heads, seq_len, head_dim] each). It does the same float32 operations as the
+whole fp32 model and goes through the same sampling code, so the tokens do not depend on which one
+sampled; it re-reads every block at every token step and is slow for large models.
+
 Statistics are collected with forward pre-hooks on every projection (q/k/v/o, gate/up/down and
 lm_head): for each projection the mean over all calibration tokens of x_j^2, float64 sums,
 returned as float32 [in_features]. Projections that share an input (q/k/v, gate/up) get equal
@@ -22,13 +29,18 @@ statistics.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch import nn
 
 from ..errors import TrapetumError
+from ..formats.checkpoint import Checkpoint, LazyTensors
 
-__all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats"]
+__all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
+           "collect_input_stats_layerwise", "streamed_decoder"]
 
 
 def file_calibration_tokens(tokenizer, path: str | Path, n_seqs: int = 32, seq_len: int = 512) -> torch.Tensor:
@@ -130,10 +142,7 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     peak memory is one block's weights plus the hidden states, never the whole model. The LM
     head's input statistics are those of the final norm's output (the head is never built)."""
     import torch.nn.functional as F
-    from dataclasses import replace
 
-    from ..formats.checkpoint import Checkpoint, LazyTensors
-    from ..models.decoder import Decoder
     from ..models.layers import RMSNorm
     from .linear import build_embedding
     from .record import QuantRecord
@@ -152,7 +161,6 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         xs.append(x)
     del E
     D, L = cfg.hidden_size, tokens.shape[1]
-    cfg1 = replace(cfg, num_layers=1, vocab_size=1, tie_word_embeddings=True)
     sums: dict[str, torch.Tensor] = {}
     count = tokens.numel()
 
@@ -168,14 +176,7 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         layers = tqdm(layers, desc="calibration: statistics", unit="layer", leave=False, dynamic_ncols=True)
     for i in layers:
         prefix = f"model.layers.{i}."
-        getters = {"model.embed_tokens.weight": lambda: torch.zeros(1, D),
-                   "model.norm.weight": lambda: T["model.norm.weight"]}
-        for name in T:
-            if name.startswith(prefix):
-                getters["model.layers.0." + name[len(prefix):]] = (lambda n=name: T[n])
-        view = Checkpoint(replace(cfg1, layer_types=[cfg.layer_types[i]]), LazyTensors(getters), None,
-                          ckpt.source, ckpt.source_format)
-        dec = Decoder.from_checkpoint(view, dtype=torch.float32, device=device)
+        dec = _block_decoder(ckpt, i, device)
         block = dec.model.layers[0]
         hooks = [m.register_forward_pre_hook(make_hook(prefix + n)) for n, m in block.named_modules()
                  if n.endswith("_proj")]
@@ -193,3 +194,107 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         h = norm(x).double().pow(2).reshape(-1, D).sum(0)
         sums["lm_head"] = sums["lm_head"] + h if "lm_head" in sums else h
     return {n: (s / count).float().cpu() for n, s in sums.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded memory: views of one part of a checkpoint, and a decoder that streams its blocks
+# ---------------------------------------------------------------------------------------------
+class _ViewTensors(LazyTensors):
+    """LazyTensors whose ``in`` looks at the names only (Mapping's default would load the tensor)."""
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._getters
+
+
+def _view_decoder(ckpt: Checkpoint, cfg, getters: dict[str, Callable[[], object]], device):
+    """``Decoder.from_checkpoint`` (fp32) of a view of ``ckpt``: config ``cfg``, tensors ``getters``."""
+    from ..models.decoder import Decoder
+
+    view = Checkpoint(cfg, _ViewTensors(getters), None, ckpt.source, ckpt.source_format)
+    return Decoder.from_checkpoint(view, dtype=torch.float32, device=device)
+
+
+def _block_decoder(ckpt: Checkpoint, i: int, device: str | torch.device = "cpu", names: list[str] | None = None):
+    """A one-block fp32 Decoder holding block ``i`` of ``ckpt`` alone (as its layer 0), built the way
+    ``Decoder.from_checkpoint`` builds the whole model; its embedding is a 1-row stand-in, tied head."""
+    cfg, T = ckpt.config, ckpt.tensors
+    prefix = f"model.layers.{i}."
+    names = [n for n in T if n.startswith(prefix)] if names is None else names
+    getters = {"model.layers.0." + n[len(prefix):]: (lambda n=n: T[n]) for n in names}
+    getters.update({"model.embed_tokens.weight": lambda: torch.zeros(1, cfg.hidden_size),
+                    "model.norm.weight": lambda: torch.ones(cfg.hidden_size)})
+    cfg1 = replace(cfg, num_layers=1, vocab_size=1, tie_word_embeddings=True, layer_types=[cfg.layer_types[i]])
+    return _view_decoder(ckpt, cfg1, getters, device)
+
+
+def _ends_decoder(ckpt: Checkpoint, part: str, device: str | torch.device = "cpu"):
+    """A Decoder without blocks holding one end of ``ckpt`` in fp32, built as ``Decoder.from_checkpoint``
+    builds it: ``part="embed"``: the embedding (its tied head shares the table); ``"head"``: the final
+    norm and LM head (an untied model's embedding is a zero stand-in that takes no memory)."""
+    cfg, T = ckpt.config, ckpt.tensors
+    names = set(T)  # iteration only: ``in T`` would load the tensor
+    E = "model.embed_tokens.weight"
+    getters = {"model.norm.weight": lambda: T["model.norm.weight"]}
+    if part == "head" and "lm_head.weight" in names:
+        getters.update({n: (lambda n=n: T[n]) for n in ("lm_head.weight", "lm_head.bias") if n in names})
+        getters[E] = lambda: torch.zeros(1, cfg.hidden_size, device=device).expand(cfg.vocab_size, -1)
+    else:
+        getters[E] = lambda: T[E]
+    cfg0 = replace(cfg, num_layers=0, layer_types=[], tie_word_embeddings=cfg.tie_word_embeddings or part == "embed")
+    return _view_decoder(ckpt, cfg0, getters, device)
+
+
+class _LayerCache:
+    """The streamed decoder's KV cache as a one-block Decoder sees it: its layer 0 is layer ``layer``."""
+
+    def __init__(self, cache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        return self.cache.store(self.layer, start, k, v)
+
+
+class _Streamed(nn.Module):
+    """One part of a streamed Decoder: ``build()`` makes it from the checkpoint at every call; it runs
+    and is dropped when the call returns (nothing of it stays in memory)."""
+
+    def __init__(self, build: Callable[[], nn.Module], layer: int | None = None):
+        super().__init__()
+        self.build, self.layer = build, layer
+
+
+class _StreamedEmbedding(_Streamed):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.build().model.embed_tokens(ids)
+
+
+class _StreamedBlock(_Streamed):
+    def forward(self, x, ropes, start, cache):
+        block = self.build().model.layers[0]
+        return block(x, ropes, start, None if cache is None else _LayerCache(cache, self.layer))
+
+
+class _StreamedHead(_Streamed):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.build().lm_head(x)
+
+
+def streamed_decoder(ckpt: Checkpoint, device: str | torch.device = "cpu"):
+    """A Decoder computing what ``Decoder.from_checkpoint(ckpt, torch.float32, device)`` computes, float32
+    operation for float32 operation, with one part of the model in memory at a time: the embedding,
+    each block and the LM head are built from the lazy checkpoint when the forward reaches them and
+    dropped after. Only the final norm's weight is kept; ``new_cache`` gives the KV caches of all
+    blocks. Every forward re-reads the whole checkpoint: meant for ``sampled_calibration_tokens``."""
+    from ..models.decoder import Decoder
+    from ..models.layers import RMSNorm
+
+    cfg, T = ckpt.config, ckpt.tensors
+    names = list(T)
+    blocks = []
+    for i in range(cfg.num_layers):
+        mine = [n for n in names if n.startswith(f"model.layers.{i}.")]
+        blocks.append(_StreamedBlock(lambda i=i, mine=mine: _block_decoder(ckpt, i, device, mine), i))
+    norm = RMSNorm(T["model.norm.weight"].to(device=device, dtype=torch.float32), cfg.rms_norm_eps, cfg.norm_offset)
+    dec = Decoder(cfg, _StreamedEmbedding(lambda: _ends_decoder(ckpt, "embed", device)), blocks, norm,
+                  _StreamedHead(lambda: _ends_decoder(ckpt, "head", device)))
+    return dec.to(device).eval()
