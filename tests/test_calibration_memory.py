@@ -3,8 +3,16 @@
 * ``calibrate.streamed_decoder`` (one block, or the embedding, or the head in memory at a time)
   samples exactly the tokens the whole fp32 model samples: same seed, same sampling code, same
   float32 operations; for dense sources of several families and for a quantized ``.cbk`` source.
+* Over the memory budget (``mem_budget_gb`` / TRAPETUM_CALIB_MEM_GB), ``calibration_stats`` and
+  ``quantize_to_cbk`` take the bounded path: the whole model is never built (``Decoder.from_checkpoint``
+  only ever sees one-block or block-less views, each dropped before the next is built) and the
+  statistics equal those of the whole-model path.
+* The budget: parameter over environment over half of the free memory; the fp32 size estimate is
+  that of the decoder ``Decoder.from_checkpoint`` builds.
 """
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -12,9 +20,13 @@ import torch
 import tiny_models
 from test_quantize import _tiny_llama
 from trapetum.api import load_checkpoint
+from trapetum.errors import ConfigError
 from trapetum.models.decoder import Decoder
 from trapetum.quant import calibrate
-from trapetum.quant.quantize import Recipe, quantize_to_cbk
+from trapetum.quant.quantize import Recipe, calibration_stats, quantize_to_cbk
+
+RECIPE = {"calib_seqs": 3, "calib_sample_len": 20, "iters": 5}
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
@@ -56,3 +68,70 @@ def test_streamed_sampler_equals_full_sampler_on_a_cbk_source(tiny_dir, tmp_path
     path, _ = quantize_to_cbk(str(tiny_dir), tmp_path / "q.cbk", recipe, progress=False, log=lambda s: None)
     full, streamed = _both(load_checkpoint(str(path)), 1)
     assert torch.equal(full, streamed)
+
+
+def _spy_builds(monkeypatch):
+    """Decoder.from_checkpoint, watched: refuses a view with more than one block, and records how many
+    decoders it built are alive at once (a built part must be dropped before the next is built)."""
+    real = Decoder.from_checkpoint.__func__
+    seen = {"calls": 0, "peak": 0, "alive": []}
+
+    def spy(cls, ck, *a, **k):
+        assert ck.config.num_layers <= 1, f"the whole model ({ck.config.num_layers} blocks) was built"
+        seen["alive"] = [r for r in seen["alive"] if r() is not None]
+        dec = real(cls, ck, *a, **k)
+        seen["alive"].append(weakref.ref(dec))
+        seen["calls"] += 1
+        seen["peak"] = max(seen["peak"], len(seen["alive"]))
+        return dec
+    monkeypatch.setattr(Decoder, "from_checkpoint", classmethod(spy))
+    return seen
+
+
+@pytest.fixture
+def spy_builds(monkeypatch):
+    return _spy_builds(monkeypatch)
+
+
+def test_over_budget_stats_are_bounded_and_equal_the_whole_model_stats(tiny_dir, monkeypatch):
+    monkeypatch.delenv(calibrate.MEM_ENV, raising=False)
+    ck = load_checkpoint(str(tiny_dir))
+    recipe = Recipe(**RECIPE)
+    logs: list[str] = []
+    full = calibration_stats(ck, recipe, progress=False, log=logs.append, mem_budget_gb=1e6)
+    assert not any("over the memory budget" in s for s in logs) and "whole model" in logs[-1]
+    logs.clear()
+    with monkeypatch.context() as m:
+        seen = _spy_builds(m)
+        bounded = calibration_stats(ck, recipe, progress=False, log=logs.append, mem_budget_gb=1e-6)
+    assert "over the memory budget" in logs[0] and "SLOW" in logs[0] and "layer by layer" in logs[-1]
+    assert seen["peak"] == 1 and seen["calls"] > ck.config.num_layers * (RECIPE["calib_sample_len"] - 1)
+    assert sorted(full) == sorted(bounded) and len(full) == 2 * 7 + 1
+    for k in full:
+        assert torch.allclose(full[k], bounded[k], rtol=1e-5, atol=1e-8), k
+
+
+def test_quantize_to_cbk_over_the_env_budget_never_builds_the_whole_model(tiny_dir, tmp_path, monkeypatch,
+                                                                          spy_builds):
+    monkeypatch.setenv(calibrate.MEM_ENV, "0.000001")
+    logs: list[str] = []
+    recipe = Recipe(bits=4, head_bits=8, **RECIPE)
+    path, qm = quantize_to_cbk(str(tiny_dir), tmp_path / "b.cbk", recipe, progress=False, log=logs.append)
+    assert path.is_file() and any("over the memory budget" in s for s in logs)
+    assert spy_builds["peak"] == 1 and spy_builds["calls"] > 0
+    assert all(0 <= r["rel_err"] < 0.2 for r in qm.report)
+
+
+def test_memory_budget_and_size_estimate(tiny_dir, family_ckpt, monkeypatch):
+    monkeypatch.delenv(calibrate.MEM_ENV, raising=False)
+    free = calibrate.memory_budget("cpu")
+    assert 0 < free < float("inf")  # half of MemAvailable
+    monkeypatch.setenv(calibrate.MEM_ENV, "2.5")
+    assert calibrate.memory_budget("cpu") == 2.5e9
+    assert calibrate.memory_budget("cpu", budget_gb=1) == 1e9  # the parameter wins
+    monkeypatch.setenv(calibrate.MEM_ENV, "lots")
+    with pytest.raises(ConfigError, match=calibrate.MEM_ENV):
+        calibrate.memory_budget("cpu")
+    for ck in (load_checkpoint(str(tiny_dir)), family_ckpt("llama3")):  # tied and untied
+        params = {p.data_ptr(): p.numel() for p in Decoder.from_checkpoint(ck).parameters()}
+        assert calibrate.model_fp32_bytes(ck) == 4 * sum(params.values())

@@ -15,12 +15,18 @@ Two sources of calibration tokens:
 ``collect_input_stats_layerwise`` gives the same statistics from a checkpoint with bounded
 memory (one block of the source at a time); ``quantize.py`` uses it for file calibration.
 
-``streamed_decoder`` samples the same tokens with bounded memory: a ``Decoder`` whose embedding,
-blocks and LM head are each built from the (lazy) checkpoint for their part of every token step,
-run, and dropped, so it holds one block (or the embedding, or the head) plus the KV caches of all
-blocks ([n_seqs, kv heads, seq_len, head_dim] each). It does the same float32 operations as the
-whole fp32 model and goes through the same sampling code, so the tokens do not depend on which one
-sampled; it re-reads every block at every token step and is slow for large models.
+Memory of the sampled default (``sampling_decoder``): the fp32 size of the source is estimated from
+its config's shapes (nothing is read). When it fits the memory budget, the whole fp32 model is built
+and samples (fast). Otherwise ``streamed_decoder`` samples: a ``Decoder`` whose embedding, blocks and
+LM head are each built from the (lazy) checkpoint for their part of every token step, run, and
+dropped, so it holds one block (or the embedding, or the head) plus the KV caches of all blocks
+([n_seqs, kv heads, seq_len, head_dim] each); the statistics then come from
+``collect_input_stats_layerwise``. Both decoders do the same float32 operations and go through the
+same sampling code, so the tokens (and the recipe's result) do not depend on the path; the streamed
+one re-reads every block at every token step and is slow for large models (the page cache helps
+when RAM allows; ``--calib FILE`` is much faster). The budget is ``TRAPETUM_CALIB_MEM_GB`` (in GB of
+10^9 bytes) when set, else half of the free memory: ``MemAvailable`` of ``/proc/meminfo`` on the
+CPU, ``torch.cuda.mem_get_info`` on CUDA.
 
 Statistics are collected with forward pre-hooks on every projection (q/k/v/o, gate/up/down and
 lm_head): for each projection the mean over all calibration tokens of x_j^2, float64 sums,
@@ -29,6 +35,8 @@ statistics.
 """
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -36,11 +44,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import TrapetumError
-from ..formats.checkpoint import Checkpoint, LazyTensors
+from ..errors import ConfigError, TrapetumError
+from ..formats.checkpoint import Checkpoint, LazyTensors, expected_shapes
 
 __all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
-           "collect_input_stats_layerwise", "streamed_decoder"]
+           "collect_input_stats_layerwise", "streamed_decoder", "sampling_decoder", "model_fp32_bytes",
+           "memory_budget", "MEM_ENV"]
+
+MEM_ENV = "TRAPETUM_CALIB_MEM_GB"
 
 
 def file_calibration_tokens(tokenizer, path: str | Path, n_seqs: int = 32, seq_len: int = 512) -> torch.Tensor:
@@ -298,3 +309,61 @@ def streamed_decoder(ckpt: Checkpoint, device: str | torch.device = "cpu"):
     dec = Decoder(cfg, _StreamedEmbedding(lambda: _ends_decoder(ckpt, "embed", device)), blocks, norm,
                   _StreamedHead(lambda: _ends_decoder(ckpt, "head", device)))
     return dec.to(device).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Which sampler: the whole fp32 model when it fits the memory budget, else the streamed one
+# ---------------------------------------------------------------------------------------------
+def model_fp32_bytes(ckpt: Checkpoint) -> int:
+    """Bytes of the whole model in fp32, from the config's shapes (nothing is read; a tied head is
+    counted once, as ``Decoder.from_checkpoint`` shares it)."""
+    return 4 * sum(math.prod(s) for s in expected_shapes(ckpt.config).values())
+
+
+def _free_bytes(device: str | torch.device) -> float:
+    """Free memory on ``device``: torch.cuda.mem_get_info on CUDA, MemAvailable on the CPU (inf if unknown)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return float(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return math.inf
+
+
+def memory_budget(device: str | torch.device = "cpu", budget_gb: float | None = None) -> float:
+    """Bytes the whole fp32 model may take to sample calibration text: ``budget_gb``, else
+    TRAPETUM_CALIB_MEM_GB (GB of 10^9 bytes), else half of the free memory of ``device``."""
+    if budget_gb is None and os.environ.get(MEM_ENV, "").strip():
+        env = os.environ[MEM_ENV].strip()
+        try:
+            budget_gb = float(env)
+        except ValueError:
+            raise ConfigError(f"{MEM_ENV}={env!r}: expected a number of GB") from None
+    if budget_gb is not None:
+        return float(budget_gb) * 1e9
+    return _free_bytes(device) / 2
+
+
+def sampling_decoder(ckpt: Checkpoint, device: str | torch.device = "cpu", budget_gb: float | None = None,
+                     log: Callable[[str], None] | None = None):
+    """(decoder, streamed): the whole fp32 model when its size fits ``memory_budget``, else
+    ``streamed_decoder`` (same tokens, bounded memory, slow); the choice is logged."""
+    from ..models.decoder import Decoder
+
+    log = log or (lambda s: None)
+    need, budget = model_fp32_bytes(ckpt), memory_budget(device, budget_gb)
+    if need <= budget:
+        return Decoder.from_checkpoint(ckpt, dtype=torch.float32, device=device).eval(), False
+    log(f"calibration: the source needs {need / 1e9:.1f} GB in fp32, over the memory budget of {budget / 1e9:.1f} GB "
+        f"({MEM_ENV} sets it): sampling block by block, one block in memory at a time. Every token step "
+        f"re-reads all {ckpt.config.num_layers} blocks from the checkpoint, so this is SLOW for a large model "
+        "(the page cache helps when RAM allows; --calib FILE is much faster)")
+    return streamed_decoder(ckpt, device), True

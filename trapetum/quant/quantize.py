@@ -27,8 +27,10 @@ as it is produced, so it holds about one tensor of the source plus its k-means w
 output (a 70B model needs no more RAM than a 7B one). ``quantize_checkpoint`` runs the same
 generator (``iter_quantized``) but keeps the output in memory, for callers that want it. Calibration from a text file runs the source one block at a time
 (``calibrate.collect_input_stats_layerwise``: one block's weights plus the calibration hidden
-states); the no-dataset default samples text from the model, which needs the whole model once
-(use ``--calib FILE`` for sources that do not fit); ``calib="none"`` skips calibration (unweighted).
+states); the no-dataset default samples text from the model with the whole fp32 model when it fits
+the memory budget (half of the free memory, or TRAPETUM_CALIB_MEM_GB), else block by block with the
+same tokens (``calibrate.sampling_decoder``: bounded memory but slow; ``--calib FILE`` is faster) and
+then collects layer by layer; ``calib="none"`` skips calibration (unweighted).
 """
 from __future__ import annotations
 
@@ -175,34 +177,37 @@ def _source_sha256(path: str) -> str | None:
 
 
 def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", decoder=None,
-                      progress: bool = True, log: Callable[[str], None] | None = None) -> dict[str, torch.Tensor] | None:
-    """E[x^2] per input channel of every projection, per the recipe's calibration source."""
+                      progress: bool = True, log: Callable[[str], None] | None = None,
+                      mem_budget_gb: float | None = None) -> dict[str, torch.Tensor] | None:
+    """E[x^2] per input channel of every projection, per the recipe's calibration source.
+
+    Without ``decoder`` the source is never built whole unless it fits: file calibration runs one
+    block at a time; sampled calibration builds the fp32 model only when its size fits the memory
+    budget (``mem_budget_gb``, else TRAPETUM_CALIB_MEM_GB, else half of the free memory), and otherwise
+    samples the same tokens block by block and collects the statistics layer by layer."""
     from . import calibrate
 
     if not recipe.weighted or recipe.calib == "none":
         return None
-    from ..models.decoder import Decoder
-
     log = log or (lambda s: None)
     t0 = time.perf_counter()
+    dec, bounded = decoder, decoder is None
     if recipe.calib:
         toks = calibrate.file_calibration_tokens(ckpt.tokenizer, recipe.calib, recipe.calib_seqs, recipe.calib_len)
         what = f"{toks.shape[0]} windows x {toks.shape[1]} tokens of {recipe.calib}"
-        if decoder is None:  # bounded memory: one block of the source at a time
-            stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
-            log(f"calibration: {what}, layer by layer, {time.perf_counter() - t0:.1f} s")
-            return stats
-        dec = decoder
     else:
-        dec = decoder if decoder is not None else Decoder.from_checkpoint(ckpt, dtype=torch.float32, device=device).eval()
+        if decoder is None:
+            dec, bounded = calibrate.sampling_decoder(ckpt, device, mem_budget_gb, log)
         bos = ckpt.tokenizer.bos_id if ckpt.tokenizer is not None else None
         toks = calibrate.sampled_calibration_tokens(dec, bos, recipe.calib_seqs, recipe.calib_sample_len,
                                                     seed=recipe.seed, progress=progress)
         what = f"{toks.shape[0]} sequences x {toks.shape[1]} tokens sampled from the model (seed {recipe.seed})"
-    stats = calibrate.collect_input_stats(dec, toks, progress=progress)
-    log(f"calibration: {what}, {time.perf_counter() - t0:.1f} s")
-    if decoder is None:
-        del dec
+    if bounded:  # one block of the source at a time
+        dec = None
+        stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
+    else:
+        stats = calibrate.collect_input_stats(dec, toks, progress=progress)
+    log(f"calibration: {what}, {'layer by layer' if bounded else 'whole model'}, {time.perf_counter() - t0:.1f} s")
     return stats
 
 
