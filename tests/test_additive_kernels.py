@@ -1,6 +1,8 @@
 """Additive-codebook GEMV kernels (2x8 lookup table, 1x16 gather) vs the float64 reference.
 
-CPU: Triton interpreter at small shapes; GPU: the same tests at real sizes plus 100-run determinism."""
+CPU: Triton interpreter at small shapes; GPU: the same tests at real sizes (the CUDA kernels take the
+fp16 calls they support, Triton the rest), the CUDA kernels forced over many random shapes, 100-run
+determinism, CUDA graph vs eager."""
 from __future__ import annotations
 
 import importlib
@@ -62,10 +64,10 @@ def test_lut_matches_reference():
     gen = torch.Generator().manual_seed(1)
     codes, cb, sc = _weights(5, 13, 2, 8, gen)
     x = torch.randn(2, 13 * 8, generator=gen).half().to(DEVICE)
-    lut = torch.empty(2 * 13 * 2 * 256, device=DEVICE)
-    ag.additive_gemv(x, codes, cb, sc, lut=lut)
+    ws = ag.AdditiveWorkspace(DEVICE, *ag.workspace_need(codes, cb, rows=2))
+    ag.additive_gemv(x, codes, cb, sc, workspace=ws, backend="triton")
     ref = ag.lut_reference(x, cb).reshape(-1)
-    assert rel_err(lut, ref) < 1e-6
+    assert rel_err(ws.scratch[:ref.numel()], ref) < 1e-6
 
 
 @pytest.mark.parametrize("M,nbits", [(2, 8), (1, 16)])
@@ -98,6 +100,18 @@ def test_bad_shapes_raise():
         ag.additive_gemv(x, codes, cb, sc, torch.zeros(3).half().to(DEVICE))
     with pytest.raises(ValueError, match="residual"):
         ag.additive_gemv(x, codes, cb, sc, None, torch.zeros(1, 3).half().to(DEVICE))
+    with pytest.raises(ValueError, match="backend"):
+        ag.additive_gemv(x, codes, cb, sc, backend="mma")
+    with pytest.raises(ValueError, match="workspace"):
+        ag.additive_gemv(x, codes, cb, sc, workspace=ag.AdditiveWorkspace(DEVICE, 1, 10))
+    with pytest.raises(ValueError, match="cuda"):  # fp32 activations: the CUDA kernels take fp16
+        ag.additive_gemv(x.float(), codes, cb, sc, backend="cuda")
+    c1, cb1, sc1 = _weights(10, 4, 1, 8, gen)  # 1x8: Triton only
+    with pytest.raises(ValueError, match="cuda"):
+        ag.additive_gemv(x, c1, cb1, sc1, backend="cuda")
+    with pytest.raises(ValueError, match="cuda"):  # 2x8 needs in % 64 == 0 on the CUDA path
+        c3, cb3, sc3 = _weights(10, 3, 2, 8, gen)
+        ag.additive_gemv(torch.randn(1, 24).half().to(DEVICE), c3, cb3, sc3, backend="cuda")
     assert ag.additive_linear(x, codes, cb.view(2, 256, 2, 4), sc) is None  # the module falls back
 
 
@@ -116,23 +130,96 @@ def test_real_shapes_gpu(model, M, nbits):
         assert rel_err(mod(x), mod.dequantize(torch.float64) @ x.double().T.reshape(-1)) < 2e-3
 
 
+# ----------------------------------------------------------------------------- CUDA kernels (GPU only)
+def _cuda_case(seed):
+    r = random.Random(1000 + seed)
+    M, nbits = r.choice([(2, 8), (1, 16)])
+    T = r.choice([1, 1, 1, 2, 4]) if M == 2 else 1
+    g = r.choice([8, 16, 24, 40, 136, 512, 1376, 8 * r.randint(1, 400)]) if M == 2 else r.choice(AWKWARD + [512, 1376])
+    n = r.choice(AWKWARD + [8, 4096, r.randint(1, 6000)])
+    return M, nbits, T, g, n, r.random() < 0.4, r.random() < 0.4
+
+
 @requires_cuda
-def test_cuda_graph_bitwise_gpu():
+def test_cuda_extension_builds_gpu():
+    assert ag.cuda_available() and ag._load_ext() is not None, ag._EXT_ERR
+
+
+@requires_cuda
+@pytest.mark.parametrize("seed", range(80))
+def test_cuda_random_shapes_gpu(seed):
+    M, nbits, T, g, n, with_bias, with_res = _cuda_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    codes, cb, sc = _weights(n, g, M, nbits, gen)
+    x = torch.randn(T, g * 8, generator=gen).half().cuda()
+    bias = torch.randn(n, generator=gen).half().cuda() if with_bias else None
+    res = torch.randn(T, n, generator=gen).half().cuda() if with_res else None
+    ws = ag.AdditiveWorkspace("cuda", *ag.workspace_need(codes, cb, T))
+    y = ag.additive_gemv(x, codes, cb, sc, bias, res, workspace=ws, backend="cuda")
+    err = rel_err(y, ag.additive_gemv_reference(x, codes, cb, sc, bias, res))
+    assert err < TOL[torch.float16], f"{M}x{nbits} T={T} in={g * 8} out={n}: rel err {err:.2e}"
+    assert int(ws.counters.count_nonzero()) == 0  # the 2x8 kernel leaves its counters at zero
+
+
+@requires_cuda
+@pytest.mark.parametrize("M,nbits", [(2, 8), (1, 16)])
+def test_cuda_bitwise_deterministic_gpu(M, nbits, monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    codes, cb, sc = _weights(28672, 1024, M, nbits, gen)
+    x = torch.randn(1, 8192, generator=gen).half().cuda()
+    bias, res = torch.randn(28672, generator=gen).half().cuda(), torch.randn(1, 28672, generator=gen).half().cuda()
+    first = ag.additive_gemv(x, codes, cb, sc, bias, res, backend="cuda")
+    for _ in range(99):
+        assert torch.equal(ag.additive_gemv(x, codes, cb, sc, bias, res, backend="cuda"), first)
+    if M == 2:  # the 2x8 sums do not depend on how the work is split between blocks
+        for bps in ("1", "3"):
+            monkeypatch.setenv("TRAPETUM_AQLM_BPS", bps)
+            assert torch.equal(ag.additive_gemv(x, codes, cb, sc, bias, res, backend="cuda"), first)
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("M,nbits", [(2, 8), (1, 16)])
+def test_cuda_graph_bitwise_gpu(M, nbits, backend):
     gen = torch.Generator().manual_seed(5)
-    codes, cb, sc = _weights(4096, 512, 2, 8, gen)
+    codes, cb, sc = _weights(4096, 512, M, nbits, gen)
     x = torch.randn(1, 4096, generator=gen).half().cuda()
+    res = torch.randn(1, 4096, generator=gen).half().cuda()
     out = torch.empty(1, 4096, dtype=torch.float16, device="cuda")
-    lut = torch.empty(512 * 2 * 256, device="cuda")
-    ag.additive_gemv(x, codes, cb, sc, out=out, lut=lut)
+    ws = ag.AdditiveWorkspace("cuda", *ag.workspace_need(codes, cb))
+    ag.additive_gemv(x, codes, cb, sc, None, res, out=out, workspace=ws, backend=backend)
     eager = out.clone()
-    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up on a side stream, as before any capture
+        ag.additive_gemv(x, codes, cb, sc, None, res, out=out, workspace=ws, backend=backend)
+    torch.cuda.current_stream().wait_stream(s)
+    g, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        ag.additive_gemv(x, codes, cb, sc, out=out, lut=lut)
+        ag.additive_gemv(x, codes, cb, sc, None, res, out=out, workspace=ws, backend=backend)
+    out2 = torch.empty_like(out)
+    with torch.cuda.graph(g2):  # no workspace given: one is allocated inside the capture
+        ag.additive_gemv(x, codes, cb, sc, None, res, out=out2, backend=backend)
     for _ in range(10):
         out.zero_()
+        out2.zero_()
         g.replay()
+        g2.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, eager) and torch.equal(out2, eager)
+    assert rel_err(eager, ag.additive_gemv_reference(x, codes, cb, sc, None, res)) < TOL[torch.float16]
+
+
+@requires_cuda
+def test_tc0_forces_triton_gpu(monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    codes, cb, sc = _weights(300, 64, 2, 8, gen)
+    x = torch.randn(1, 512, generator=gen).half().cuda()
+    y = torch.empty(1, 300, dtype=torch.float16, device="cuda")
+    assert ag._cuda_refusal(x, codes, cb, sc, None, None, y) is None
+    monkeypatch.setenv("TRAPETUM_TC", "0")
+    assert ag._cuda_refusal(x, codes, cb, sc, None, None, y) is not None
+    assert rel_err(ag.additive_gemv(x, codes, cb, sc), ag.additive_gemv_reference(x, codes, cb, sc)) < TOL[torch.float16]
 
 
 def test_engine_projection_mixed_parts():
@@ -153,3 +240,20 @@ def test_engine_projection_mixed_parts():
     assert rel_err(out, W @ x.double() + res.double()) < TOL[torch.float16]
     xs = torch.randn(5, 48, generator=gen).to(DEVICE)
     assert rel_err(proj.matmul(xs.half()), xs.double() @ W.T) < 2e-3
+
+
+def test_2x8_lane_maps_host(tmp_path):
+    """The 2x8 CUDA kernel's index math, emulated lane by lane on the CPU (tests/cuda/*.cu, via nvcc)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    src = Path(__file__).parent / "cuda" / "additive_2x8_host_check.cu"
+    exe = tmp_path / "check"
+    subprocess.run([nvcc, "-O2", "-std=c++17", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
+                   capture_output=True, timeout=300)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "all ok" in r.stdout, r.stdout[-2000:]

@@ -4,29 +4,49 @@ W[o, 8g:8g+8] = scales[o] * sum_m codebooks[m, codes[o, g, m]]  (in_group 8, out
 ``trapetum.quant.additive``). The canonical layout (codes int8/int16 [out, G, M], codebooks fp16
 [M, K, 1, 8], scales fp16 [out, 1, 1, 1]) is read as it is stored; nothing is repacked.
 
-Kernels (Triton; they also run on the CPU under TRITON_INTERPRET=1):
+Backends (``additive_gemv(..., backend=None)`` picks one):
 
-* 2x8 (M codebooks of 256 entries, M in 1..4): a lookup table per input group,
-  ``lut[t, g, m, k] = x[t, 8g:8g+8] . codebooks[m, k]`` (fp32, 1 KiB per group per codebook, built by
-  ``_lut_kernel``: BLOCK_G groups per program, the 8 products summed in a fixed order), then one
-  program per BLOCK_R output rows walks the groups in order, gathers ``lut[g, m, code]`` for its rows
-  (the table stays in L1/L2: G*M KiB, 2 MiB at in = 8192), sums each group block with ``tl.sum`` and
-  adds block sums into a per-row fp32 accumulator in group order. A GEMV then reads 2 bytes of codes per
-  8 weights (8x fewer bytes than fp16).
-* 1x16 (one codebook of 65,536 entries): one program per BLOCK_R rows gathers the 16-byte codebook
-  entries of its codes (through L2: the 1 MiB codebook stays resident) and takes the dot product with x.
+* "cuda" (``cuda/additive_gemv.cu``, compute capability >= 8.0, fp16 tensors; off with
+  TRAPETUM_TC=0). 2x8 (two codebooks of 256, in % 64 == 0, up to ``CUDA_MAX_ROWS_2X8`` rows, one
+  launch per row): per slice of 32 input groups a block builds the lookup table
+  ``lut[k][(g, m)] = x_g . codebooks[m, k]`` (fp32, 64 KB of shared memory, with mma.sync), then
+  streams the codes of its rows, one table lookup per code, laid out so that a warp's 32 lookups
+  hit 32 distinct banks; partial sums per (slice, row) go to a workspace and the block that
+  finishes a row's last slice adds them in slice order and applies scale, bias and residual.
+  1x16 (one codebook of 65,536 entries, one row): a warp owns 4 rows, gathers the 16-byte codebook
+  entries of its codes through L1/L2 and takes fp32 dot products with x. The .cu file's header
+  has the design and the wavefront/byte budget; blocks per SM of the 2x8 kernel:
+  TRAPETUM_AQLM_BPS (default 2).
+* "triton" (any supported layout, any rows, any float dtype; also runs on the CPU under
+  TRITON_INTERPRET=1). 2x8 and other 256-entry layouts (M in 1..4): a lookup table per input group
+  ``lut[t, g, m, k]`` (fp32, in the workspace, built by ``_lut_kernel``: BLOCK_G groups per program,
+  the 8 products summed in a fixed order), then one program per BLOCK_R output rows walks the groups
+  in order, gathers ``lut[g, m, code]`` for its rows, sums each group block with ``tl.sum`` and adds
+  block sums into a per-row fp32 accumulator in group order. 1x16: one program per BLOCK_R rows
+  gathers the 16-byte codebook entries of its codes and takes the dot product with x.
 
-Determinism: every output element is produced by one program, with sums in a fixed order, no atomics
-and no split over the input dimension, so results are bitwise identical run to run (and the same in
-eager mode and CUDA graphs, which replay the same launches).
+A GEMV reads 2 bytes of codes per 8 weights (8x fewer bytes than fp16).
+
+Workspace: ``AdditiveWorkspace`` (int32 counters, zero between calls, + fp32 scratch) holds the 2x8
+partial sums (CUDA) or lookup tables (Triton). Pass one to use static buffers (CUDA graphs; any
+number of sequential calls on one stream may share it, see ``shared_workspace``); without one,
+a per-device cached workspace is used (a fresh one while a CUDA graph is being captured).
+
+Determinism: every sum has a fixed order and no atomics touch a sum (the 2x8 CUDA kernel counts
+finished slices with integer atomics only), so results are bitwise identical run to run and the
+same in eager mode and CUDA graphs, which replay the same launches.
 
 References (float64): ``additive_gemv_reference`` dequantizes in float64 and multiplies in float64.
 """
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import torch
+
+from . import cuda_ext
 
 try:  # Triton is optional on CPU-only installs
     import triton
@@ -35,7 +55,8 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["additive_gemv_reference", "additive_gemv", "additive_linear", "lut_reference", "supported"]
+__all__ = ["additive_gemv_reference", "additive_gemv", "additive_linear", "lut_reference", "supported",
+           "AdditiveWorkspace", "workspace_need", "shared_workspace", "cuda_available"]
 
 
 # ----------------------------------------------------------------------------- references
@@ -141,7 +162,7 @@ if triton is not None:
         tl.store(y_ptr + t * stride_yt + rr, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
 
-# ----------------------------------------------------------------------------- wrappers
+# ----------------------------------------------------------------------------- layouts and checks
 def _triton_ok(device: torch.device) -> bool:
     if triton is None:
         return False
@@ -182,17 +203,166 @@ def _check(x, codes, codebooks, scales, bias, residual, out):
         raise ValueError(f"x: all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
+# ----------------------------------------------------------------------------- workspace
+class AdditiveWorkspace:
+    """Scratch of ``additive_gemv``: int32 counters (zero between calls; the 2x8 CUDA kernel returns
+    what it counts to zero) and fp32 scratch (2x8 CUDA partial sums, or the Triton lookup tables).
+    Any number of sequential calls on one stream may share one workspace."""
+
+    def __init__(self, device, counters: int, floats: int):
+        self.counters = torch.zeros(max(1, counters), dtype=torch.int32, device=device)
+        self.scratch = torch.empty(max(1, floats), dtype=torch.float32, device=device)
+
+    def fits(self, counters: int, floats: int) -> bool:
+        return self.counters.numel() >= counters and self.scratch.numel() >= floats
+
+
+def workspace_need(codes: torch.Tensor, codebooks: torch.Tensor, rows: int = 1) -> tuple[int, int]:
+    """(counters, floats) a GEMV over ``rows`` activation rows needs: 2x8 CUDA partial sums
+    (ceil(G/32) * N) or Triton lookup tables (rows * G * M * 256); 1x16 needs none."""
+    return _need(*codes.shape, codebooks.shape[1], rows)
+
+
+def _need(N: int, G: int, M: int, K: int, rows: int = 1) -> tuple[int, int]:
+    if K != 256:
+        return 0, 0
+    return -(-N // 8), max(-(-G // _SLICE) * N, rows * G * M * 256)
+
+
+_SHARED_WS: dict[str, AdditiveWorkspace] = {}
+
+
+def shared_workspace(device, counters: int, floats: int) -> AdditiveWorkspace:
+    """The per-device cached workspace, replaced by a larger one when it does not fit. Holders of
+    an older one keep it alive (CUDA graphs captured with it stay valid)."""
+    key = str(torch.device(device))
+    ws = _SHARED_WS.get(key)
+    if ws is None or not ws.fits(counters, floats):
+        if ws is not None:
+            counters, floats = max(counters, ws.counters.numel()), max(floats, ws.scratch.numel())
+        ws = _SHARED_WS[key] = AdditiveWorkspace(device, counters, floats)
+    return ws
+
+
+def _workspace(x, codes, codebooks, rows, workspace):
+    need = workspace_need(codes, codebooks, rows)
+    if workspace is not None:
+        if not workspace.fits(*need):
+            raise ValueError(f"workspace: too small, need {need[0]} counters and {need[1]} floats")
+        return workspace
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return AdditiveWorkspace(x.device, *need)  # graph-pool memory, zeroed by a captured memset
+    return shared_workspace(x.device, *need)
+
+
+# ----------------------------------------------------------------------------- CUDA extension
+_SLICE = 32  # input groups per 2x8 slice (kSlice in the .cu)
+CUDA_MAX_ROWS_2X8 = 4  # more activation rows: Triton (the CUDA kernel runs once per row)
+_EXT = None  # the compiled extension once built
+_EXT_ERR: str | None = None  # why it could not be built
+_CU_PATH = Path(__file__).with_name("cuda") / "additive_gemv.cu"
+_CPP_DECLS = (
+    "void aqlm_gemv_2x8(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, "
+    "torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor counters, torch::Tensor partial, "
+    "int64_t has_bias, int64_t has_res, int64_t blocks_per_sm);\n"
+    "void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, "
+    "torch::Tensor bias, torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2);")
+
+
+@functools.lru_cache(maxsize=1)
+def _build():
+    # A separate extension from ``cuda_ext`` (so a failure here leaves the other kernels alone);
+    # torch caches the build under ~/.cache/torch_extensions and rebuilds when the source changes.
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name="trapetum_aqlm_gemv_v1", cpp_sources=_CPP_DECLS,
+                       cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + _CU_PATH.read_text(),
+                       functions=["aqlm_gemv_2x8", "aqlm_gemv_1x16"], extra_cuda_cflags=["-O3", "-lineinfo"],
+                       verbose=False)
+
+
+def _load_ext():
+    """The compiled extension (built on first use), or None if it cannot be built (warned once)."""
+    global _EXT, _EXT_ERR
+    if _EXT is None and _EXT_ERR is None:
+        try:
+            _EXT = _build()
+        except Exception as e:  # Triton stays the fallback
+            import warnings
+
+            _EXT_ERR = f"{type(e).__name__}: {e}"
+            warnings.warn(f"trapetum: additive CUDA GEMV unavailable, using Triton ({_EXT_ERR[:300]})")
+    return _EXT
+
+
+def cuda_available(device: torch.device | None = None) -> bool:
+    """True if the CUDA kernels may run on ``device`` (CUDA, sm_80+, TRAPETUM_TC not 0)."""
+    return _CU_PATH.exists() and cuda_ext.available(torch.device(device) if device is not None else None)
+
+
+def _blocks_per_sm() -> int:
+    v = os.environ.get("TRAPETUM_AQLM_BPS", "")
+    return int(v) if v.isdigit() and int(v) > 0 else 2
+
+
+def _aligned(t: torch.Tensor, n: int) -> bool:
+    return t.data_ptr() % n == 0
+
+
+def _cuda_refusal(x2, codes, codebooks, scales, bias, residual, y) -> str | None:
+    """Why the CUDA kernel cannot take this call (None: it can)."""
+    M, K = codebooks.shape[:2]
+    G = codes.shape[1]
+    if (M, K) == (2, 256):
+        if G % 8 or x2.shape[0] > CUDA_MAX_ROWS_2X8:
+            return f"2x8 needs in % 64 == 0 and <= {CUDA_MAX_ROWS_2X8} rows"
+        align = (codes, 16), (x2, 4), (codebooks, 4)
+    elif (M, K) == (1, 65536):
+        if x2.shape[0] != 1:
+            return "1x16 takes one row"
+        align = (x2, 16), (codebooks, 16)
+    else:
+        return f"no CUDA kernel for {M}x{K.bit_length() - 1}"
+    opt = [t for t in (bias, residual) if t is not None]
+    if any(t.dtype != torch.float16 for t in [x2, y, codebooks, scales] + opt):
+        return "the CUDA kernels take fp16 tensors"
+    if not all(t.is_contiguous() for t in [x2, y, codes, codebooks, scales] + opt):
+        return "the CUDA kernels take contiguous tensors"
+    if not all(_aligned(t, n) for t, n in align):
+        return "misaligned tensor"
+    if not cuda_available(x2.device):
+        return "needs a CUDA device with compute capability >= 8.0 (and TRAPETUM_TC != 0)"
+    if _load_ext() is None:
+        return f"extension unavailable ({_EXT_ERR})"
+    return None
+
+
+def _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws) -> None:
+    """One launch per activation row (2x8) or one launch (1x16)."""
+    hb, hr = int(bias is not None), int(res is not None)
+    b = bias if bias is not None else y[0]
+    for t in range(x2.shape[0]):
+        r = res[t] if res is not None else y[t]
+        if codebooks.shape[1] == 256:
+            _EXT.aqlm_gemv_2x8(x2[t], codes, codebooks, scales, b, r, y[t], ws.counters, ws.scratch, hb, hr,
+                               _blocks_per_sm())
+        else:
+            _EXT.aqlm_gemv_1x16(x2[t], codes, codebooks, scales, b, r, y[t], hb, hr, -1)
+
+
+# ----------------------------------------------------------------------------- public API
 def additive_gemv(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                   bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, *, lut: torch.Tensor | None = None,
-                  block_r: int = 64, block_g: int = 16) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, workspace: AdditiveWorkspace | None = None,
+                  backend: str | None = None, block_r: int = 64, block_g: int = 16) -> torch.Tensor:
     """y [..., out] = x [..., in] @ W.T (+ bias) (+ residual), in x's dtype (fp32 accumulation).
 
-    ``lut``: optional preallocated fp32 workspace [T*G*M*256] for the 2x8 tables (static buffers for
-    CUDA graphs). Raises ValueError on bad shapes; RuntimeError when Triton cannot run here."""
+    backend: None (CUDA kernel when it takes the call, else Triton), "cuda" or "triton".
+    workspace: static scratch (see ``AdditiveWorkspace``) for CUDA graphs. Raises ValueError on bad
+    shapes or a backend that cannot take the call; RuntimeError when no backend can run here."""
     _check(x, codes, codebooks, scales, bias, residual, out)
-    if not _triton_ok(x.device):
-        raise RuntimeError("additive_gemv: needs CUDA or TRITON_INTERPRET=1")
+    if backend not in (None, "cuda", "triton"):
+        raise ValueError(f"backend: must be None, 'cuda' or 'triton', got {backend!r}")
     M, K = codebooks.shape[:2]
     N, G, _ = codes.shape
     x2 = x.reshape(-1, G * 8)
@@ -200,14 +370,22 @@ def additive_gemv(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor,
         x2 = x2.contiguous()
     T = x2.shape[0]
     y = out.view(T, N) if out is not None else torch.empty(T, N, dtype=x.dtype, device=x.device)
-    res = residual.reshape(T, N) if residual is not None else y
+    res = residual.reshape(T, N) if residual is not None else None
+    why = _cuda_refusal(x2, codes, codebooks, scales, bias, res, y) if backend != "triton" else "triton asked"
+    if backend == "cuda" and why is not None:
+        raise ValueError(f"backend: 'cuda' cannot take this call: {why}")
+    ws = _workspace(x, codes, codebooks, T, workspace) if K == 256 else None
+    if why is None:
+        _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws)
+        return y.view(*x.shape[:-1], N)
+    if not _triton_ok(x.device):
+        raise RuntimeError("additive_gemv: needs CUDA or TRITON_INTERPRET=1")
+    res = res if res is not None else y
     b = bias if bias is not None else y
     codes, cbk, sc = codes.contiguous(), codebooks.contiguous(), scales.contiguous()
     grid = (triton.cdiv(N, block_r), T)
     if K == 256:
-        need = T * G * M * K
-        if lut is None or lut.numel() < need:
-            lut = torch.empty(need, dtype=torch.float32, device=x.device)
+        lut = ws.scratch
         _lut_kernel[(triton.cdiv(G, 8), T)](x2, cbk, lut, G, x2.stride(0), M=M, K=K, BLOCK_G=8)
         _gemv_lut_kernel[grid](codes, lut, sc, b, res, y, N, G, y.stride(0), res.stride(0),
                                M=M, K=K, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
@@ -233,47 +411,106 @@ def additive_linear(x, codes, codebooks, scales, bias=None) -> torch.Tensor | No
 
 
 # ----------------------------------------------------------------------------- benchmark (GPU)
-def bench(shapes=((4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672), (28672, 8192)),
-          layouts=((2, 8), (1, 16)), block_r: int = 64, block_g: int = 16) -> list[dict]:
-    """Batch-1 GEMV vs cuBLAS fp16 in one process (shape = in x out), CUDA-graph replays with weights
-    rotated past L2 (``trapetum.eval.bench_kernels.graph_time_us``); the 2x8 time includes its LUT launch."""
-    from ..eval.bench_kernels import graph_time_us
+BENCH_SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096), (8192, 28672), (28672, 8192))
+
+
+def _random_layout(n, k, M, nb, gen, device="cuda"):
+    """Random codes, codebooks and scales of an n x k additive matrix (canonical layout)."""
     from ..quant.additive import index_to_codes
 
+    K = 1 << nb
+    codes = index_to_codes(torch.randint(0, K, (n, k // 8, M), device=device, generator=gen), nb)
+    cb = torch.randn(M, K, 1, 8, device=device, generator=gen).half()
+    sc = (torch.rand(n, 1, 1, 1, device=device, generator=gen) * 0.05 + 0.01).half()
+    return codes, cb, sc
+
+
+def _bench_variants(layout, backends, bps_sweep):
+    """(label, backend, TRAPETUM_AQLM_BPS or None) to time for one layout (the sweep: 2x8 only)."""
+    out = [(b, b, None) for b in backends if b != "cuda" or cuda_available()]
+    if cuda_available() and layout == (2, 8):
+        out += [(f"cuda_bps{v}", "cuda", str(v)) for v in bps_sweep]
+    return out
+
+
+def _time_additive(k, n, M, nb, backend, bps, gen, block_r, block_g, device="cuda"):
+    from ..eval.bench_e2e import with_env
+    from ..eval.bench_kernels import graph_time_us
+
+    q_bytes = n * (k // 8) * M * (nb // 8) + M * (1 << nb) * 16 + n * 2 + k * 2 + n * 2
+    ws = AdditiveWorkspace(device, *_need(n, k // 8, M, 1 << nb))
+
+    def make_q(i):
+        codes, cb, sc = _random_layout(n, k, M, nb, gen, device)
+        x = torch.randn(1, k, device=device, dtype=torch.float16, generator=gen)
+        y = torch.empty(1, n, device=device, dtype=torch.float16)
+        return lambda: additive_gemv(x, codes, cb, sc, out=y, workspace=ws, backend=backend,
+                                     block_r=block_r, block_g=block_g)
+
+    with with_env("TRAPETUM_AQLM_BPS", bps or os.environ.get("TRAPETUM_AQLM_BPS", "")):
+        return graph_time_us(make_q, q_bytes), q_bytes
+
+
+def bench(shapes=BENCH_SHAPES, layouts=((2, 8), (1, 16)), backends=("cuda", "triton"), bps_sweep=(),
+          block_r: int = 64, block_g: int = 16, device="cuda") -> list[dict]:
+    """Batch-1 GEMV vs cuBLAS fp16 in one process (shape = in x out), CUDA-graph replays with weights
+    rotated past L2 (``trapetum.eval.bench_kernels.graph_time_us``); the Triton 2x8 time includes its
+    LUT launch. ``bps_sweep``: extra CUDA rows with TRAPETUM_AQLM_BPS set to each value."""
+    from ..eval.bench_kernels import graph_time_us
+
     rows = []
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for k, n in shapes:
         fp16_bytes = n * k * 2 + k * 2 + n * 2
 
-        def make_dense(i):
-            w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen)
-            x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
-            y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+        def make_dense(i, n=n, k=k):
+            w = torch.randn(n, k, device=device, dtype=torch.float16, generator=gen)
+            x = torch.randn(1, k, device=device, dtype=torch.float16, generator=gen)
+            y = torch.empty(1, n, device=device, dtype=torch.float16)
             return lambda: torch.matmul(x, w.t(), out=y)
 
         cublas = graph_time_us(make_dense, fp16_bytes)
         for M, nb in layouts:
-            K = 1 << nb
-            q_bytes = n * (k // 8) * M * (nb // 8) + M * K * 16 + n * 2 + k * 2 + n * 2
-
-            def make_q(i, M=M, nb=nb, K=K):
-                codes = index_to_codes(torch.randint(0, K, (n, k // 8, M), device="cuda", generator=gen), nb)
-                cb = torch.randn(M, K, 1, 8, device="cuda", generator=gen).half()
-                sc = torch.rand(n, 1, 1, 1, device="cuda", generator=gen).half()
-                x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
-                y = torch.empty(1, n, device="cuda", dtype=torch.float16)
-                lut = torch.empty((k // 8) * M * 256, device="cuda")
-                return lambda: additive_gemv(x, codes, cb, sc, out=y, lut=lut, block_r=block_r, block_g=block_g)
-
-            us = graph_time_us(make_q, q_bytes)
-            rows.append({"shape": f"{k}x{n}", "layout": f"{M}x{nb}", "cublas_us": round(cublas, 2),
-                         "us": round(us, 2), "vs_cublas": round(cublas / us, 3), "GBps": round(q_bytes / us / 1e3, 1)})
-            print(rows[-1], flush=True)
+            for label, backend, bps in _bench_variants((M, nb), backends, bps_sweep):
+                us, q_bytes = _time_additive(k, n, M, nb, backend, bps, gen, block_r, block_g, device)
+                rows.append({"shape": f"{k}x{n}", "layout": f"{M}x{nb}", "backend": label, "us": round(us, 2),
+                             "cublas_us": round(cublas, 2), "vs_cublas": round(cublas / us, 3),
+                             "GBps": round(q_bytes / us / 1e3, 1)})
+                print(rows[-1], flush=True)
+    print(bench_table(rows))
     return rows
 
 
-if __name__ == "__main__":  # python -m trapetum.kernels.additive_gemv [BLOCK_R BLOCK_G]
-    import sys
+def bench_table(rows: list[dict]) -> str:
+    lines = ["| shape (in x out) | layout | backend | us | cuBLAS fp16 us | vs cuBLAS | GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['shape']} | {r['layout']} | {r['backend']} | {r['us']:.1f} | {r['cublas_us']:.1f} | "
+              f"{r['vs_cublas']:.2f}x | {r['GBps']:.0f} |" for r in rows]
+    return "\n".join(lines)
 
-    args = [int(a) for a in sys.argv[1:3]]
-    bench(**dict(zip(("block_r", "block_g"), args)))
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="additive GEMV vs cuBLAS fp16 (batch 1, CUDA graphs)")
+    p.add_argument("--backends", default="cuda,triton")
+    p.add_argument("--bps", default="", help="extra CUDA 2x8 rows with TRAPETUM_AQLM_BPS=each value, e.g. 1,3")
+    p.add_argument("--layouts", default="2x8,1x16")
+    p.add_argument("--block-r", type=int, default=64)
+    p.add_argument("--block-g", type=int, default=16)
+    p.add_argument("--json", default="", help="write the rows here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the additive GEMV benchmark needs a CUDA GPU")
+        return 1
+    layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",") if s]
+    rows = bench(layouts=layouts, backends=tuple(b for b in a.backends.split(",") if b),
+                 bps_sweep=tuple(int(v) for v in a.bps.split(",") if v), block_r=a.block_r, block_g=a.block_g)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":  # python -m trapetum.kernels.additive_gemv [--bps 1,3] [--json PATH]
+    raise SystemExit(main())

@@ -88,7 +88,9 @@ class CodebookProj:
 class AdditiveProj:
     """Additive (AQLM 2x8 / 1x16) projections sharing an input: one deterministic GEMV per part into
     its slice of ``out`` (parts keep their own codebooks, so they are not concatenated); prefill
-    dequantizes per call. The 2x8 lookup table lives in one static fp32 buffer (CUDA graphs)."""
+    dequantizes per call. The GEMVs' scratch (2x8 partial sums or lookup tables) is one static
+    workspace shared by every additive projection on the device (allocated here, never during a
+    CUDA-graph replay; the decode step runs the GEMVs one after another on one stream)."""
     kind = "additive"
 
     def __init__(self, mods: list[nn.Module], device):
@@ -103,14 +105,13 @@ class AdditiveProj:
         self.bounds = [0]
         for m in mods:
             self.bounds.append(self.bounds[-1] + m.out_features)
-        G = self.in_features // 8
-        self.lut = torch.empty(G * max(c.shape[0] for _, c, _, _ in self.parts) * 256, dtype=torch.float32,
-                               device=device)
+        needs = [ag.workspace_need(codes, cb) for codes, cb, _, _ in self.parts]
+        self.ws = ag.shared_workspace(device, max(n[0] for n in needs), max(n[1] for n in needs))
 
     def gemv(self, x, out, residual=None):
         for (codes, cb, sc, b), lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
             self.ag.additive_gemv(x.view(1, -1), codes, cb, sc, b,
-                                  None if residual is None else residual[lo:hi], out=out[lo:hi], lut=self.lut)
+                                  None if residual is None else residual[lo:hi], out=out[lo:hi], workspace=self.ws)
         return out
 
     def matmul(self, x):

@@ -1,0 +1,503 @@
+// Additive-codebook (AQLM) GEMV, one activation row: deterministic CUDA kernels for 2x8 and 1x16.
+//
+//   y[r] = scale[r] * sum_g x[8g:8g+8] . (sum_m C_m[codes[r, g, m]])  (+ bias[r]) (+ residual[r])
+//
+// Canonical layout read as stored: codes [N, G, M] (int8 for 2x8, int16 for 1x16; the raw bits are
+// the unsigned index), codebooks fp16 [M, K, 1, 8], scales fp16 [N]. fp32 accumulation, sums in a
+// fixed order, no atomics in any sum: bitwise reproducible, CUDA-graph capturable.
+//
+// ---- 2x8 (M = 2 codebooks of 256 entries): shared-memory lookup tables, conflict-free lookups
+// Work = (slice of 32 input groups) x (octet of 8 rows). A block takes a contiguous range of
+// (slice, octet) units (slice-major, so a range covers one or two slices), builds the slice's table
+//     lut[k][col] = x_g . C_m[k]   (fp32, 256 entries x 64 columns, one column per (group, codebook))
+// in shared memory (64 KB) with mma.sync m16n8k8 (x is A, the codebooks are B), then streams codes:
+// one warp instruction loads 8 rows x 64 code bytes (16 B per lane: lane = 4 * row + chunk, chunk =
+// 8 groups x 2 codebooks). Each lane turns a code byte into a table address with one PRMT
+// ((code << 8) | 4 * column), loads the entry (LDS [R + UR]: the table base folds in) and adds it.
+// Bank-conflict freedom: the column of byte p of chunk j is tab_col(j, p) = 16 j + (p ^ 8 (j >> 1)),
+// so the bank (= column mod 32, whatever the code) is fixed by (chunk, byte); at step s lane (r, j)
+// takes byte 4 ((s >> 2) ^ (r >> 2)) + ((s + r) & 3) (a per-lane rotation: runtime PRMT selector, and
+// rows 4..7 swap their code words pairwise), which gives the 32 lanes 32 distinct banks at every
+// step (tests/cuda/additive_2x8_host_check.cu runs these lane maps on the CPU and checks it). With
+// random codes and one shared table instead, a warp's LDS costs ~3.2-3.5 wavefronts.
+// Partial sums per (slice, row) go to a workspace; an int counter per octet, bumped after a fence,
+// tells the block that completes an octet's last slice to add its partials in slice order 0, 1, ..
+// (fixed order: deterministic) and apply scale, bias and residual; it resets the counter to 0.
+//
+// Budget per 8 weights (one group, two codes), per SM:
+//   DRAM: 2 code bytes (0.25 B/weight; cuBLAS fp16 reads 2 B/weight: 8x fewer bytes).
+//   L1/shared wavefronts: 2 lookups x 1/32 + 2 code bytes x 8 lines / 512 B = 0.094 (0.0117 per
+//     weight). At 4 TB/s an SM must take 16.8 code bytes/cycle: 0.79 wavefronts/cycle (of 1).
+//   Issue: per code PRMT + LDS + FADD, plus per 16 codes ~30 (LDG, 4 SEL, 2 SHFL, partial store,
+//     loop; SASS of sm_90: 48 + ~30 per chunk): ~5 per code, 2.6 of 4 warp-instructions/cycle per
+//     SM at 4 TB/s.
+//   Table build per slice: 128 mma, 64 KB of conflict-free STS (512 wavefronts), 128 x 32-bit B
+//     loads: ~0.5 us, amortised over the block's rows (a block covers >= ~500 rows of a slice at
+//     the benchmark shapes).
+//   So the main loop should run near DRAM speed; expected 8192x28672: 58.7 MB of codes, ~17 us at
+//   3.5 TB/s + ~2-3 us build/launch/reduction tail (cuBLAS fp16: ~110 us).
+//
+// ---- 1x16 (one codebook of 65,536 entries = 1 MiB, stays in L2/L1): gathers
+// A warp owns 4 rows and a share of the input groups (lane l takes group 32 c + l of chunk c, so
+// x loads are coalesced and reused by the 4 rows); per group it gathers the 16-byte entry
+// (LDG.128 through L1) and does 8 fp32 FMAs. Warps of a block split the groups when there are few
+// rows (k-split, partials added in warp order). Budget per 8 weights: one 16-byte gather = one L1
+// wavefront (a random 128-B line per lane), + 1/32 for the code load and 1/32 for x: the L1 pipe
+// caps the kernel near 132 SMs x 1.8 GHz x 8 / 1.06 = 1.8e12 weights/s, about 0.85x of cuBLAS fp16
+// at 4.3 TB/s: 1x16 at batch 1 is L1-bound on Hopper whatever the instruction count.
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+// Dynamic shared memory: the 2x8 lookup table (named at file scope so its address is a constant).
+extern __shared__ __align__(16) uint32_t trapetum_aqlm_smem[];
+
+namespace trapetum_aqlm {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// ----------------------------------------------------------------------------- 2x8 lane maps
+// (host + device: tests/cuda/additive_2x8_host_check.cu runs these same functions on the CPU)
+constexpr int kSlice = 32;                   // input groups per slice
+constexpr int kSliceBytes = 2 * kSlice;      // code bytes of one row in one slice
+constexpr int kCols = 2 * kSlice;            // table columns: one per (group, codebook)
+constexpr int kTabBytes = 256 * kCols * 4;   // 64 KB
+constexpr int kDepth = 4;                    // code chunks in flight per warp
+constexpr int kTiles = 2 * 256 / 8;          // mma n-tiles per slice (8 (codebook, entry) columns each)
+
+// Column of code byte p (0..15) of chunk j (0..3); chunk j = groups 8j..8j+7, byte p = 2 (g - 8j) + m.
+__host__ __device__ constexpr int tab_col(int j, int p) { return 16 * j + (p ^ (8 * (j >> 1))); }
+__host__ __device__ constexpr int tab_col_of(int gl, int m) { return tab_col(gl >> 3, 2 * (gl & 7) + m); }
+// Code byte that lane (row r, chunk j) looks up at step s (0..15).
+__host__ __device__ constexpr int step_byte(int r, int s) { return 4 * ((s >> 2) ^ (r >> 2)) + ((s + r) & 3); }
+// PRMT operand of step s, used as both the selector and the second source: selector (low 16 bits)
+// = result byte 0 <- this word's byte 2 (4 * column < 256), byte 1 <- code byte (s + r) & 3 of the
+// (row-swapped) word s >> 2, bytes 2, 3 <- this word's byte 3 (0). Result: (code << 8) | 4 * column.
+__host__ __device__ constexpr uint32_t step_word(int lane, int s) {
+  return 0x7706u | (uint32_t((s + (lane >> 2)) & 3) << 4) |
+         (4u * uint32_t(tab_col(lane & 3, step_byte(lane >> 2, s))) << 16);
+}
+// Table build, mma n-tile q: B column c (0..7) holds codebook bcol_m(c), entry bcol_k(q, c).
+__host__ __device__ constexpr int bcol_m(int c) { return (c >> 1) & 1; }
+__host__ __device__ constexpr int bcol_k(int q, int c) { return 4 * q + 2 * (c >> 2) + (c & 1); }
+// Word offset in the table of the build store `second` (0/1) of C column 2t+e, m-tile mt, for lane:
+// lanes with t >= 2 store their row-gid+8 value first, so each store hits 32 distinct banks.
+__host__ __device__ constexpr int build_word(int q, int mt, int lane, int e, int second) {
+  const int gid = lane >> 2, t = lane & 3, h = (t >> 1) ^ second;
+  return bcol_k(q, 2 * t + e) * kCols + tab_col_of(16 * mt + gid + 8 * h, bcol_m(2 * t + e));
+}
+// Units [u, u1) of the slice-major (slice, octet) space: the next segment (one slice).
+__host__ __device__ inline void next_segment(long long u, long long u1, int octets, int* slice, int* oa, int* ob) {
+  *slice = int(u / octets);
+  *oa = int(u - (long long)(*slice) * octets);
+  const long long end = (long long)(*slice) * octets + octets;
+  *ob = int((u1 < end ? u1 : end) - (long long)(*slice) * octets);
+}
+
+#ifdef __CUDACC__
+// ----------------------------------------------------------------------------- device helpers
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+// Codes are read once: no L1 allocation, evicted first from L2 (so partials and codebooks stay).
+__device__ __forceinline__ uint4 ld_codes(const uint8_t* p, uint64_t pol) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
+  return r;
+}
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ float lds_f32(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts_f32(uint32_t addr, float v) {
+  asm volatile("st.shared.f32 [%0], %1;" :: "r"(addr), "f"(v));
+}
+__device__ __forceinline__ void mma16808(float* c, uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// y[row] = acc * scale (+ bias) (+ residual), rounded once to fp16.
+__device__ __forceinline__ void epilogue(const half* __restrict__ scales, const half* __restrict__ bias,
+                                         const half* __restrict__ res, half* __restrict__ y, int row, float acc,
+                                         int has_bias, int has_res) {
+  float v = acc * __half2float(scales[row]);
+  if (has_bias) v += __half2float(bias[row]);
+  if (has_res) v += __half2float(res[row]);
+  y[row] = __float2half_rn(v);
+}
+
+// ----------------------------------------------------------------------------- 2x8 kernel
+struct Params2x8 {
+  const half* x;          // [G * 8]
+  const uint8_t* codes;   // [N, G, 2]
+  const half* cb;         // [2, 256, 8]
+  const half* scales;     // [N]
+  const half* bias;       // [N] or unused
+  const half* res;        // [N] or unused
+  half* y;                // [N]
+  float* partial;         // [nslices, N]
+  int* counters;          // [octets], zero between calls
+  int N, G, nslices, octets, has_bias, has_res;
+  long long units;        // nslices * octets
+};
+
+// lut[k][col] for the 32 groups of `slice` (groups >= G get x = 0, hence zero entries).
+__device__ void build_table(const Params2x8& p, uint32_t tab, int slice, int warp, int lane) {
+  const int gid = lane >> 2, t = lane & 3;
+  uint32_t a[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int g = slice * kSlice + 16 * mt + 8 * hh + gid;
+      a[mt][hh] = g < p.G ? __ldg(reinterpret_cast<const uint32_t*>(p.x + (size_t)g * 8 + 2 * t)) : 0u;
+    }
+  for (int q = warp; q < kTiles; q += kWarps) {
+    const uint32_t b = __ldg(reinterpret_cast<const uint32_t*>(p.cb + (bcol_m(gid) * 256 + bcol_k(q, gid)) * 8 + 2 * t));
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      mma16808(c, a[mt][0], a[mt][1], b);
+      const bool hi_first = t >= 2;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        sts_f32(tab + 4 * build_word(q, mt, lane, e, 0), hi_first ? c[2 + e] : c[e]);
+        sts_f32(tab + 4 * build_word(q, mt, lane, e, 1), hi_first ? c[e] : c[2 + e]);
+      }
+    }
+  }
+}
+
+// Per-segment state of one lane: where its code chunks and row partials live.
+struct Lane2x8 {
+  const uint8_t* codes;  // chunk j of row r of octet 0 of this slice (octet o: + o * 16 G bytes)
+  float* partial;        // partial[slice][0]
+  bool chunk_ok;         // the chunk lies inside the G groups
+};
+
+// 16 code bytes of lane (r, j) for octet o, or zeros (octet past ob, row past N, chunk past G).
+__device__ __forceinline__ uint4 load_chunk(const Params2x8& p, const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
+  if (o < ob && 8 * o + r < p.N && l.chunk_ok) return ld_codes(l.codes + (size_t)o * (16 * p.G), pol);
+  return make_uint4(0u, 0u, 0u, 0u);
+}
+
+// The row partial of one chunk (16 lookups), summed over the 4 lanes of the row in a fixed order.
+__device__ __forceinline__ float lookup_chunk(uint4 c, uint32_t tab, const uint32_t (&sw)[16], bool swap) {
+  const uint32_t w[4] = {swap ? c.y : c.x, swap ? c.x : c.y, swap ? c.w : c.z, swap ? c.z : c.w};
+  float acc[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) acc[s] = lds_f32(tab + prmt(w[0], sw[s], sw[s]));
+#pragma unroll
+  for (int s = 4; s < 16; ++s) acc[s & 3] += lds_f32(tab + prmt(w[s >> 2], sw[s], sw[s]));
+  float v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  return v;
+}
+
+// Octets [oa, ob) of `slice` are done by this block: count them; an octet whose last slice this
+// was gets its partials summed in slice order, scaled, biased and stored (and its counter reset).
+__device__ void complete_segment(const Params2x8& p, int oa, int ob, int* list, int* nlist) {
+  __threadfence();
+  __syncthreads();
+  for (int base = oa; base < ob; base += kThreads) {
+    if (threadIdx.x == 0) *nlist = 0;
+    __syncthreads();
+    const int o = base + threadIdx.x;
+    if (o < ob && atomicAdd(&p.counters[o], 1) == p.nslices - 1) {
+      p.counters[o] = 0;
+      list[atomicAdd(nlist, 1)] = o;
+    }
+    __syncthreads();
+    const int n = *nlist;
+    if (n > 0) {
+      __threadfence();
+      for (int i = threadIdx.x; i < 8 * n; i += kThreads) {
+        const int row = 8 * list[i >> 3] + (i & 7);
+        if (row >= p.N) continue;
+        float acc = 0.f;
+#pragma unroll 8
+        for (int sl = 0; sl < p.nslices; ++sl) acc += __ldcg(p.partial + (size_t)sl * p.N + row);
+        epilogue(p.scales, p.bias, p.res, p.y, row, acc, p.has_bias, p.has_res);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p) {
+  __shared__ int list[kThreads];
+  __shared__ int nlist;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, j = lane & 3;
+  const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
+  const uint64_t pol = evict_first_policy();
+  uint32_t sw[16];
+#pragma unroll
+  for (int s = 0; s < 16; ++s) sw[s] = step_word(lane, s);
+  const long long u1 = (long long)(blockIdx.x + 1) * p.units / gridDim.x;
+  for (long long u = (long long)blockIdx.x * p.units / gridDim.x; u < u1;) {
+    int slice, oa, ob;
+    next_segment(u, u1, p.octets, &slice, &oa, &ob);
+    u += ob - oa;
+    const Lane2x8 l = {p.codes + (size_t)r * (2 * p.G) + slice * kSliceBytes + 16 * j,
+                       p.partial + (size_t)slice * p.N, slice * kSlice + 8 * j < p.G};
+    uint4 buf[kDepth];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) buf[d] = load_chunk(p, l, oa + warp + d * kWarps, ob, r, pol);
+    __syncthreads();  // the previous segment's lookups are done: the table may be overwritten
+    build_table(p, tab, slice, warp, lane);
+    __syncthreads();
+    for (int o = oa + warp; o < ob; o += kDepth * kWarps) {
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const int oo = o + d * kWarps;
+        if (oo < ob) {  // warp-uniform
+          const float v = lookup_chunk(buf[d], tab, sw, r >= 4);
+          if (j == 0 && 8 * oo + r < p.N) l.partial[8 * oo + r] = v;
+        }
+        buf[d] = load_chunk(p, l, oo + kDepth * kWarps, ob, r, pol);
+      }
+    }
+    complete_segment(p, oa, ob, list, &nlist);
+  }
+}
+
+// ----------------------------------------------------------------------------- 1x16 kernel
+constexpr int kRows16 = 4;  // rows per warp: one x load serves 4 gathers
+
+struct Params1x16 {
+  const half* x;          // [G * 8]
+  const uint16_t* codes;  // [N, G]
+  const uint4* cb;        // [65536] entries of 8 fp16
+  const half* scales;
+  const half* bias;
+  const half* res;
+  half* y;
+  int N, G, ks_log2, has_bias, has_res;
+};
+
+__device__ __forceinline__ float dot8(uint4 e, const float (&xf)[8], float acc) {
+  const uint32_t w[4] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+    acc = fmaf(f.x, xf[2 * i], acc);
+    acc = fmaf(f.y, xf[2 * i + 1], acc);
+  }
+  return acc;
+}
+
+// Sum over the 32 lanes (xor butterfly: every lane ends with the same, fixed-order sum).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p) {
+  __shared__ float red[kWarps][kRows16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ks = 1 << p.ks_log2, rs = warp >> p.ks_log2, kq = warp & (ks - 1);
+  const int rows_per_block = kRows16 * (kWarps >> p.ks_log2);
+  const int row0 = blockIdx.x * rows_per_block + rs * kRows16;
+  const int nch = (p.G + 31) / 32;
+  const uint16_t* crow[kRows16];
+#pragma unroll
+  for (int r = 0; r < kRows16; ++r) crow[r] = p.codes + (size_t)min(row0 + r, p.N - 1) * p.G;
+  float acc[kRows16];
+  uint32_t nxt[kRows16];
+#pragma unroll
+  for (int r = 0; r < kRows16; ++r) {
+    acc[r] = 0.f;
+    nxt[r] = (kq * 32 + lane < p.G) ? __ldcs(crow[r] + kq * 32 + lane) : 0u;
+  }
+  for (int c = kq; c < nch; c += ks) {
+    const int g = c * 32 + lane, gn = g + 32 * ks;
+    uint32_t cur[kRows16];
+#pragma unroll
+    for (int r = 0; r < kRows16; ++r) {
+      cur[r] = nxt[r];
+      nxt[r] = gn < p.G ? __ldcs(crow[r] + gn) : 0u;
+    }
+    if (g < p.G) {
+      uint4 e[kRows16];
+#pragma unroll
+      for (int r = 0; r < kRows16; ++r) e[r] = __ldg(p.cb + cur[r]);
+      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(p.x) + g);
+      const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+      float xf[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&xw[i]));
+        xf[2 * i] = f.x;
+        xf[2 * i + 1] = f.y;
+      }
+#pragma unroll
+      for (int r = 0; r < kRows16; ++r) acc[r] = dot8(e[r], xf, acc[r]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows16; ++r) acc[r] = warp_sum(acc[r]);
+  if (ks == 1) {
+#pragma unroll
+    for (int r = 0; r < kRows16; ++r)
+      if (lane == r && row0 + r < p.N) epilogue(p.scales, p.bias, p.res, p.y, row0 + r, acc[r], p.has_bias, p.has_res);
+    return;
+  }
+  if (lane == 0)
+#pragma unroll
+    for (int r = 0; r < kRows16; ++r) red[warp][r] = acc[r];
+  __syncthreads();
+  if (threadIdx.x < rows_per_block) {
+    const int rs2 = threadIdx.x / kRows16, r = threadIdx.x % kRows16;
+    const int row = blockIdx.x * rows_per_block + threadIdx.x;
+    float v = 0.f;
+    for (int k = 0; k < ks; ++k) v += red[rs2 * ks + k][r];
+    if (row < p.N) epilogue(p.scales, p.bias, p.res, p.y, row, v, p.has_bias, p.has_res);
+  }
+}
+#endif  // __CUDACC__
+}  // namespace trapetum_aqlm
+
+#ifdef TRAPETUM_TORCH_LAUNCHER
+#include <torch/extension.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace trapetum_aqlm {
+constexpr int kMaxDevices = 64;
+
+static int sm_count(int dev) {
+  static int cached[kMaxDevices] = {0};
+  if (cached[dev] == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[dev], cudaDevAttrMultiProcessorCount, dev));
+  return cached[dev];
+}
+
+// Resident 2x8 blocks per SM (shared memory and registers), after the one-time attribute setup.
+static int max_blocks_2x8(int dev) {
+  static int cached[kMaxDevices] = {0};
+  if (cached[dev] == 0) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTabBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached[dev], aqlm_2x8_kernel, kThreads, kTabBytes));
+    TORCH_CHECK(cached[dev] > 0, "aqlm 2x8: kernel does not fit on an SM");
+  }
+  return cached[dev];
+}
+
+static void set_1x16_attributes(int dev) {
+  static bool done[kMaxDevices] = {false};
+  if (!done[dev]) {  // as much L1 as possible for the codebook
+    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_1x16_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 0));
+    done[dev] = true;
+  }
+}
+
+static void check_common(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
+                         const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& res,
+                         const torch::Tensor& y, int64_t has_bias, int64_t has_res) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.is_contiguous() && x.dim() == 1, "x: contiguous fp16 [in]");
+  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.dim() == 3, "codes: contiguous [N, G, M]");
+  TORCH_CHECK(cb.device() == x.device() && cb.scalar_type() == at::kHalf && cb.is_contiguous(), "codebooks: contiguous fp16");
+  const int64_t N = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(N >= 1 && G >= 1 && x.numel() == G * 8, "x: in_features != 8 * groups");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N, "scales: fp16 [N]");
+  TORCH_CHECK(y.scalar_type() == at::kHalf && y.is_contiguous() && y.numel() == N, "y: contiguous fp16 [N]");
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kHalf && bias.is_contiguous() && bias.numel() == N), "bias: fp16 [N]");
+  TORCH_CHECK(!has_res || (res.scalar_type() == at::kHalf && res.is_contiguous() && res.numel() == N), "residual: fp16 [N]");
+  TORCH_CHECK(N < (1LL << 31) / 8 && G < (1 << 24), "shape too large");
+}
+}  // namespace trapetum_aqlm
+
+void aqlm_gemv_2x8(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
+                   torch::Tensor res, torch::Tensor y, torch::Tensor counters, torch::Tensor partial,
+                   int64_t has_bias, int64_t has_res, int64_t blocks_per_sm) {
+  using namespace trapetum_aqlm;
+  check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
+  const int N = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(2) == 2 && cb.numel() == 2 * 256 * 8, "2x8 layout");
+  TORCH_CHECK(G % 8 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, "codes: 16-byte rows");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && reinterpret_cast<uintptr_t>(cb.data_ptr()) % 4 == 0,
+              "x, codebooks: 4-byte aligned");
+  const int nslices = (G + kSlice - 1) / kSlice, octets = (N + 7) / 8;
+  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= octets, "counters");
+  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+              partial.numel() >= (int64_t)nslices * N, "partial");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int dev = x.get_device();
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
+  const int bps = std::max(1, std::min<int>((int)blocks_per_sm, max_blocks_2x8(dev)));
+  Params2x8 p;
+  p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
+  p.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  p.cb = reinterpret_cast<const half*>(cb.data_ptr<at::Half>());
+  p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
+  p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
+  p.res = has_res ? reinterpret_cast<const half*>(res.data_ptr<at::Half>()) : nullptr;
+  p.y = reinterpret_cast<half*>(y.data_ptr<at::Half>());
+  p.partial = partial.data_ptr<float>();
+  p.counters = counters.data_ptr<int>();
+  p.N = N;
+  p.G = G;
+  p.nslices = nslices;
+  p.octets = octets;
+  p.has_bias = (int)has_bias;
+  p.has_res = (int)has_res;
+  p.units = (long long)nslices * octets;
+  const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
+  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kTabBytes, c10::cuda::getCurrentCUDAStream().stream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ks_log2 < 0: pick the k-split from the shape (enough warps to fill the GPU, >= 2 chunks per warp).
+void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
+                    torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2) {
+  using namespace trapetum_aqlm;
+  check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
+  const int N = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(codes.scalar_type() == at::kShort && codes.size(2) == 1 && cb.numel() == 65536 * 8, "1x16 layout");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(cb.data_ptr()) % 16 == 0,
+              "x, codebook: 16-byte aligned");
+  TORCH_CHECK(ks_log2 <= 3, "ks_log2");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int dev = x.get_device();
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
+  set_1x16_attributes(dev);
+  int ks = (int)ks_log2;
+  if (ks < 0) {
+    const long long rowsets = (N + kRows16 - 1) / kRows16, want = 32LL * sm_count(dev);
+    const int nch = (G + 31) / 32;
+    ks = 0;
+    while (ks < 3 && (rowsets << ks) < want && nch >= (4 << ks)) ++ks;
+  }
+  Params1x16 p;
+  p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
+  p.codes = reinterpret_cast<const uint16_t*>(codes.data_ptr());
+  p.cb = reinterpret_cast<const uint4*>(cb.data_ptr<at::Half>());
+  p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
+  p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
+  p.res = has_res ? reinterpret_cast<const half*>(res.data_ptr<at::Half>()) : nullptr;
+  p.y = reinterpret_cast<half*>(y.data_ptr<at::Half>());
+  p.N = N;
+  p.G = G;
+  p.ks_log2 = ks;
+  p.has_bias = (int)has_bias;
+  p.has_res = (int)has_res;
+  const int rows_per_block = kRows16 * (kWarps >> ks);
+  const int grid = (N + rows_per_block - 1) / rows_per_block;
+  aqlm_1x16_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+#endif  // TRAPETUM_TORCH_LAUNCHER
