@@ -1,12 +1,16 @@
 """End-to-end decode and prefill benchmark on one GPU, random weights at real model shapes.
 
     python -m trapetum.eval.bench_e2e --out DIR [--models llama2-7b,llama3-8b] [--switches]
+    python -m trapetum.eval.bench_e2e --out DIR --models llama2-70b --bins 0   (2-bit AQLM formats)
 
 For each model shape, builds (on the GPU) an fp16 model and a 4-bit per-row codebook model with
-an 8-bit LM head, and in one process measures:
+an 8-bit LM head (Llama-2-70B, which does not fit in fp16: AQLM 2x8 and 1x16 models with random
+codes, codebooks and scales and an fp16 LM head, as AQLM checkpoints keep it; not run by default),
+and in one process measures:
   * decode tok/s, greedy, CUDA graph: mean over 128 consecutive steps starting at positions
     0, 1024 and 3968 (the seed's bins: first 128, 1,024-1,152, 3,968-4,096);
-  * prefill tok/s at prompt lengths 512 and 2,048 (median of 7);
+  * prefill tok/s at prompt lengths 512 and 2,048 (median of 7; not for the AQLM formats, whose
+    prefill dequantizes every projection per call);
   * peak GPU memory of each engine;
   * with --switches, the same decode bins with each kill switch (TRAPETUM_GRAPH=0, TRAPETUM_FUSE=0,
     TRAPETUM_TC=0, TRAPETUM_ATTN=seq) so every optimization's share is visible.
@@ -33,7 +37,11 @@ SHAPES = {
     "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                       num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
                       rope_theta=500000.0),
+    "llama2-70b": dict(family="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=4096),
 }
+FORMATS = ("fp16", "cb4")
+SHAPE_FORMATS = {"llama2-70b": ("aqlm-2x8", "aqlm-1x16")}  # formats measured when --formats is not given
 BINS = (0, 1024, 3968)
 STEPS = 128
 
@@ -54,16 +62,32 @@ class RandomCodebookLinear(nn.Module):
         return dequantize(self.codes, self.codebook, self.bits, self.in_features)
 
 
+def random_additive(out_f: int, in_f: int, scheme: str, device, g: torch.Generator) -> nn.Module:
+    """An AQLM projection (``AdditiveLinear``, canonical layout) with random codes, codebooks, scales."""
+    from ..quant.additive import SCHEMES, AdditiveLinear
+
+    M, nbits = SCHEMES[scheme]
+    half = 1 << (nbits - 1)
+    codes = torch.randint(-half, half, (out_f, in_f // 8, M), device=device, generator=g,
+                          dtype=torch.int8 if nbits == 8 else torch.int16)
+    cb = torch.randn(M, 1 << nbits, 1, 8, device=device, generator=g).half()
+    scales = torch.full((out_f, 1, 1, 1), 0.02 / M ** 0.5, device=device, dtype=torch.float16)
+    return AdditiveLinear(codes, cb, scales)
+
+
 def random_decoder(shape: str, fmt: str, device="cuda") -> Decoder:
-    """fmt: 'fp16' (dense) or 'cb4' (4-bit codebook projections, 8-bit codebook head)."""
+    """fmt: 'fp16' (dense), 'cb4' (4-bit codebook projections, 8-bit codebook head) or 'aqlm-2x8' /
+    'aqlm-1x16' (additive projections, fp16 head)."""
     cfg = ModelConfig(**SHAPES[shape]).validate(shape)
     D, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qd, kd = cfg.num_heads * hd, cfg.num_kv_heads * hd
     g = torch.Generator(device=device).manual_seed(0)
 
     def proj(out_f, in_f, bits=4):
-        if fmt == "fp16":
+        if fmt == "fp16" or (fmt.startswith("aqlm") and bits == 8):  # AQLM models keep an fp16 head
             return Linear(torch.randn(out_f, in_f, device=device, dtype=torch.float16, generator=g) * 0.02)
+        if fmt.startswith("aqlm"):
+            return random_additive(out_f, in_f, fmt, device, g)
         return RandomCodebookLinear(out_f, in_f, bits, device)
 
     def norm():
@@ -125,13 +149,14 @@ def with_env(name: str, value: str):
     return _Env()
 
 
-def run(models: list[str], switches: bool, out_dir: Path) -> dict:
+def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | None = None,
+        bins: tuple[int, ...] = BINS) -> dict:
     from ..runtime.engine import GpuEngine
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "models": {}}
     for shape in models:
         res = results["models"][shape] = {}
-        for fmt in ("fp16", "cb4"):
+        for fmt in formats or SHAPE_FORMATS.get(shape, FORMATS):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             dec = random_decoder(shape, fmt)
@@ -141,8 +166,9 @@ def run(models: list[str], switches: bool, out_dir: Path) -> dict:
             r = res[fmt] = {"weight_bytes": eng.weight_bytes(), "build_peak_bytes": torch.cuda.max_memory_allocated()}
             torch.cuda.reset_peak_memory_stats()  # peak below = serving (engine + KV cache + activations)
             t0 = time.time()
-            r["decode"] = decode_bins(eng)
-            r["prefill"] = {n: prefill_rate(eng, n, eng.cfg.vocab_size) for n in (512, 2048)}
+            r["decode"] = decode_bins(eng, bins)
+            if not fmt.startswith("aqlm"):
+                r["prefill"] = {n: prefill_rate(eng, n, eng.cfg.vocab_size) for n in (512, 2048)}
             r["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
             if switches:
                 r["switches"] = {}
@@ -183,10 +209,9 @@ def markdown(results: dict) -> str:
              "prefill 2048 tok/s | peak mem GB |", "|---|---|---|---|---|---|---|---|---|"]
     for shape, res in results["models"].items():
         for fmt, r in res.items():
-            d, p = r["decode"], r["prefill"]
-            cells = [f"{d.get(b, float('nan')):.1f}" for b in BINS]
+            cells = _cells(r["decode"], BINS, "{:.1f}") + _cells(r.get("prefill", {}), (512, 2048), "{:.0f}")
             lines.append(f"| {shape} | {fmt} | {r['weight_bytes'] / 1e9:.2f} | {' | '.join(cells)} | "
-                         f"{p[512]:.0f} | {p[2048]:.0f} | {r['peak_mem_bytes'] / 1e9:.2f} |")
+                         f"{r['peak_mem_bytes'] / 1e9:.2f} |")
         if "fp16" in res and "cb4" in res:
             f, c = res["fp16"], res["cb4"]
             lines.append(f"| {shape} | cb4 / fp16 | | {c['decode'][0] / f['decode'][0]:.2f}x | | | "
@@ -196,9 +221,13 @@ def markdown(results: dict) -> str:
         lines += ["", "| model | format | switch | tok/s @0-128 | @1024-1152 | @3968-4096 |", "|---|---|---|---|---|---|"]
         for shape, fmt, switches in sw:
             for name, d in switches.items():
-                cells = [f"{d[b]:.1f}" if b in d else "-" for b in BINS]
-                lines.append(f"| {shape} | {fmt} | {name} | {' | '.join(cells)} |")
+                lines.append(f"| {shape} | {fmt} | {name} | {' | '.join(_cells(d, BINS, '{:.1f}'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _cells(values: dict, keys, fmt: str) -> list[str]:
+    """Table cells of ``values`` at ``keys`` ("-" where not measured)."""
+    return [fmt.format(values[k]) if k in values else "-" for k in keys]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -224,11 +253,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="out/bench-e2e")
     p.add_argument("--models", default="llama2-7b,llama3-8b")
     p.add_argument("--switches", action="store_true", help="also measure with each kill switch")
+    p.add_argument("--formats", default="", help="comma list from fp16, cb4, aqlm-2x8, aqlm-1x16 "
+                   f"(default: {', '.join(FORMATS)}; {', '.join(f'{k}: {v}' for k, v in SHAPE_FORMATS.items())})")
+    p.add_argument("--bins", default=",".join(map(str, BINS)), help="decode start positions (128 steps each)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_e2e needs a CUDA GPU")
         return 1
-    run(a.models.split(","), a.switches, Path(a.out))
+    run(a.models.split(","), a.switches, Path(a.out), [f for f in a.formats.split(",") if f] or None,
+        tuple(int(b) for b in a.bins.split(",") if b))
     return 0
 
 
