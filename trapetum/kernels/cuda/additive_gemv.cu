@@ -62,7 +62,7 @@ constexpr int kSlice = 32;                   // input groups per slice
 constexpr int kSliceBytes = 2 * kSlice;      // code bytes of one row in one slice
 constexpr int kCols = 2 * kSlice;            // table columns: one per (group, codebook)
 constexpr int kTabBytes = 256 * kCols * 4;   // 64 KB
-constexpr int kDepth = 4;                    // code chunks in flight per warp
+constexpr int kDepth = 5;                    // chunks in flight per warp (16 warps/SM: 40 KB; 6 costs registers)
 constexpr int kTiles = 2 * 256 / 8;          // mma n-tiles per slice (8 (codebook, entry) columns each)
 
 // Column of code byte p (0..15) of chunk j (0..3); chunk j = groups 8j..8j+7, byte p = 2 (g - 8j) + m.
@@ -127,15 +127,22 @@ __device__ __forceinline__ void mma16808(float* c, uint32_t a0, uint32_t a1, uin
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(b0));
 }
 
-// y[row] = acc * scale (+ bias) (+ residual), rounded once to fp16.
-__device__ __forceinline__ void epilogue(const half* __restrict__ scales, const half* __restrict__ bias,
-                                         const half* __restrict__ res, half* __restrict__ y, int row, float acc,
-                                         int has_bias, int has_res) {
-  float v = acc * __half2float(scales[row]);
-  if (has_bias) v += __half2float(bias[row]);
-  if (has_res) v += __half2float(res[row]);
-  y[row] = __float2half_rn(v);
-}
+// Epilogue of one output row: y = acc * scale (+ bias) (+ residual), rounded once to fp16. The
+// inputs are loaded first (Epi::load) so that their latency overlaps the accumulation.
+struct Epi {
+  float scale, bias, res;
+  __device__ __forceinline__ static Epi load(const half* __restrict__ scales, const half* __restrict__ bias,
+                                             const half* __restrict__ res, int row, int has_bias, int has_res) {
+    return {__half2float(scales[row]), has_bias ? __half2float(bias[row]) : 0.f,
+            has_res ? __half2float(res[row]) : 0.f};
+  }
+  __device__ __forceinline__ void store(half* __restrict__ y, int row, float acc, int has_bias, int has_res) const {
+    float v = acc * scale;
+    if (has_bias) v += bias;
+    if (has_res) v += res;
+    y[row] = __float2half_rn(v);
+  }
+};
 
 // ----------------------------------------------------------------------------- 2x8 kernel
 struct Params2x8 {
@@ -163,12 +170,19 @@ __device__ void build_table(const Params2x8& p, uint32_t tab, int slice, int war
       const int g = slice * kSlice + 16 * mt + 8 * hh + gid;
       a[mt][hh] = g < p.G ? __ldg(reinterpret_cast<const uint32_t*>(p.x + (size_t)g * 8 + 2 * t)) : 0u;
     }
-  for (int q = warp; q < kTiles; q += kWarps) {
-    const uint32_t b = __ldg(reinterpret_cast<const uint32_t*>(p.cb + (bcol_m(gid) * 256 + bcol_k(q, gid)) * 8 + 2 * t));
+  uint32_t b[kTiles / kWarps];  // all B fragments in flight at once (the codebooks sit in L2)
+#pragma unroll
+  for (int i = 0; i < kTiles / kWarps; ++i) {
+    const int q = warp + i * kWarps;
+    b[i] = __ldg(reinterpret_cast<const uint32_t*>(p.cb + (bcol_m(gid) * 256 + bcol_k(q, gid)) * 8 + 2 * t));
+  }
+#pragma unroll
+  for (int i = 0; i < kTiles / kWarps; ++i) {
+    const int q = warp + i * kWarps;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       float c[4] = {0.f, 0.f, 0.f, 0.f};
-      mma16808(c, a[mt][0], a[mt][1], b);
+      mma16808(c, a[mt][0], a[mt][1], b[i]);
       const bool hi_first = t >= 2;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -226,10 +240,11 @@ __device__ void complete_segment(const Params2x8& p, int oa, int ob, int* list, 
       for (int i = threadIdx.x; i < 8 * n; i += kThreads) {
         const int row = 8 * list[i >> 3] + (i & 7);
         if (row >= p.N) continue;
+        const Epi e = Epi::load(p.scales, p.bias, p.res, row, p.has_bias, p.has_res);
         float acc = 0.f;
-#pragma unroll 8
+#pragma unroll 16
         for (int sl = 0; sl < p.nslices; ++sl) acc += __ldcg(p.partial + (size_t)sl * p.N + row);
-        epilogue(p.scales, p.bias, p.res, p.y, row, acc, p.has_bias, p.has_res);
+        e.store(p.y, row, acc, p.has_bias, p.has_res);
       }
     }
     __syncthreads();
@@ -352,7 +367,9 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
   if (ks == 1) {
 #pragma unroll
     for (int r = 0; r < kRows16; ++r)
-      if (lane == r && row0 + r < p.N) epilogue(p.scales, p.bias, p.res, p.y, row0 + r, acc[r], p.has_bias, p.has_res);
+      if (lane == r && row0 + r < p.N)
+        Epi::load(p.scales, p.bias, p.res, row0 + r, p.has_bias, p.has_res).store(p.y, row0 + r, acc[r], p.has_bias,
+                                                                                 p.has_res);
     return;
   }
   if (lane == 0)
@@ -364,7 +381,8 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
     const int row = blockIdx.x * rows_per_block + threadIdx.x;
     float v = 0.f;
     for (int k = 0; k < ks; ++k) v += red[rs2 * ks + k][r];
-    if (row < p.N) epilogue(p.scales, p.bias, p.res, p.y, row, v, p.has_bias, p.has_res);
+    if (row < p.N)
+      Epi::load(p.scales, p.bias, p.res, row, p.has_bias, p.has_res).store(p.y, row, v, p.has_bias, p.has_res);
   }
 }
 #endif  // __CUDACC__
@@ -405,18 +423,25 @@ static void set_1x16_attributes(int dev) {
   }
 }
 
+static bool half_vec(const torch::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kHalf && t.is_contiguous() && t.numel() == n;
+}
+static bool aligned(const torch::Tensor& t, int bytes) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
+}
+
 static void check_common(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                          const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& res,
                          const torch::Tensor& y, int64_t has_bias, int64_t has_res) {
-  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.is_contiguous() && x.dim() == 1, "x: contiguous fp16 [in]");
-  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.dim() == 3, "codes: contiguous [N, G, M]");
-  TORCH_CHECK(cb.device() == x.device() && cb.scalar_type() == at::kHalf && cb.is_contiguous(), "codebooks: contiguous fp16");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
+  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.dim() == 3, "codes: [N, G, M]");
+  TORCH_CHECK(cb.device() == x.device() && half_vec(cb, cb.numel()), "codebooks: contiguous fp16");
   const int64_t N = codes.size(0), G = codes.size(1);
   TORCH_CHECK(N >= 1 && G >= 1 && x.numel() == G * 8, "x: in_features != 8 * groups");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.numel() == N, "scales: fp16 [N]");
-  TORCH_CHECK(y.scalar_type() == at::kHalf && y.is_contiguous() && y.numel() == N, "y: contiguous fp16 [N]");
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == at::kHalf && bias.is_contiguous() && bias.numel() == N), "bias: fp16 [N]");
-  TORCH_CHECK(!has_res || (res.scalar_type() == at::kHalf && res.is_contiguous() && res.numel() == N), "residual: fp16 [N]");
+  TORCH_CHECK(half_vec(scales, N), "scales: fp16 [N]");
+  TORCH_CHECK(half_vec(y, N), "y: contiguous fp16 [N]");
+  TORCH_CHECK(!has_bias || half_vec(bias, N), "bias: fp16 [N]");
+  TORCH_CHECK(!has_res || half_vec(res, N), "residual: fp16 [N]");
   TORCH_CHECK(N < (1LL << 31) / 8 && G < (1 << 24), "shape too large");
 }
 }  // namespace trapetum_aqlm
@@ -428,9 +453,8 @@ void aqlm_gemv_2x8(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch
   check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
   const int N = codes.size(0), G = codes.size(1);
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(2) == 2 && cb.numel() == 2 * 256 * 8, "2x8 layout");
-  TORCH_CHECK(G % 8 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 16 == 0, "codes: 16-byte rows");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && reinterpret_cast<uintptr_t>(cb.data_ptr()) % 4 == 0,
-              "x, codebooks: 4-byte aligned");
+  TORCH_CHECK(G % 8 == 0 && aligned(codes, 16), "codes: 16-byte rows");
+  TORCH_CHECK(aligned(x, 4) && aligned(cb, 4), "x, codebooks: 4-byte aligned");
   const int nslices = (G + kSlice - 1) / kSlice, octets = (N + 7) / 8;
   TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= octets, "counters");
   TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
@@ -468,8 +492,7 @@ void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torc
   check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
   const int N = codes.size(0), G = codes.size(1);
   TORCH_CHECK(codes.scalar_type() == at::kShort && codes.size(2) == 1 && cb.numel() == 65536 * 8, "1x16 layout");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(cb.data_ptr()) % 16 == 0,
-              "x, codebook: 16-byte aligned");
+  TORCH_CHECK(aligned(x, 16) && aligned(cb, 16), "x, codebook: 16-byte aligned");
   TORCH_CHECK(ks_log2 <= 3, "ks_log2");
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
