@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # AQLM (2-bit additive) kernels on the GPU, under 6 minutes: builds the CUDA extension (prints the
-# seconds), runs tests/test_additive_kernels.py, the kernel benchmark (CUDA and Triton vs cuBLAS fp16,
-# with a TRAPETUM_AQLM_BPS sweep) and the Llama-2-70B-shape decode benchmark for aqlm-2x8 and
-# aqlm-1x16. Every step has a timeout drawn from one deadline. Writes 6 files under $OUT (build.log,
-# pytest.log, kernels.log, kernels.json, e2e.log, summary.md) and prints the summary table last.
+# seconds), runs tests/test_additive_kernels.py (GPU-specific tests first, the rest last), the kernel
+# benchmark (CUDA and Triton vs cuBLAS fp16, with a TRAPETUM_AQLM_BPS sweep) and the Llama-2-70B-shape
+# decode benchmark for aqlm-2x8 and aqlm-1x16. Every step has a timeout drawn from one deadline.
+# Writes 6 files under $OUT (build.log, pytest.log, kernels.log, kernels.json, e2e.log, summary.md)
+# and prints the summary table last.
 # Usage on the device: OUT=out/gpu-additive bash scripts/gpu_additive.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -31,21 +32,29 @@ print(f"build {'ok' if ok else 'FAILED'} {time.time() - t:.1f} s {ag._EXT_ERR or
 PY
 rc=$?; echo "$(tail -c 400 "$OUT/build.log") (rc=$rc, at $(since))"
 
-timeout "$(budget 100 115)" python3 -m pytest -q -p no:cacheprovider --maxfail=30 tests/test_additive_kernels.py \
-  > "$OUT/pytest.log" 2>&1
-echo "tests: $(tail -1 "$OUT/pytest.log") (at $(since))"
+# the CUDA-specific tests first, the broad random-shape tests (mostly Triton) with the time left at the end
+tests() {  # tests CAP RESERVE -k EXPR
+  echo "== pytest -k '$4'" >> "$OUT/pytest.log"
+  timeout "$(budget "$1" "$2")" python3 -m pytest -q -p no:cacheprovider --maxfail=30 -k "$4" \
+    tests/test_additive_kernels.py >> "$OUT/pytest.log" 2>&1
+  echo "tests -k '$4': $(tail -1 "$OUT/pytest.log") (at $(since))"
+}
+: > "$OUT/pytest.log"
+tests 90 130 -k "gpu or host"
 
-timeout "$(budget 80 75)" python3 -m trapetum.kernels.additive_gemv --bps 1 --json "$OUT/kernels.json" \
+timeout "$(budget 75 70)" python3 -m trapetum.kernels.additive_gemv --bps 1 --json "$OUT/kernels.json" \
   > "$OUT/kernels.log" 2>&1
 echo "kernel bench rc=$? (at $(since))"
 
 : > "$OUT/e2e.log"
 for fmt in aqlm-2x8 aqlm-1x16; do
-  reserve=$([ "$fmt" = aqlm-2x8 ] && echo 40 || echo 0)
-  timeout "$(budget 70 "$reserve")" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats "$fmt" --bins 0 \
+  reserve=$([ "$fmt" = aqlm-2x8 ] && echo 35 || echo 0)
+  timeout "$(budget 60 "$reserve")" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats "$fmt" --bins 0 \
     --out "$TMP/$fmt" >> "$OUT/e2e.log" 2>&1
   echo "e2e $fmt rc=$? (at $(since))"
 done
+
+tests 150 0 -k "not gpu and not host"
 
 python3 - "$OUT" "$TMP" > "$OUT/summary.md" 2>&1 <<'PY'
 import json, sys
@@ -53,8 +62,9 @@ from pathlib import Path
 out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
 lines = ["## AQLM kernels (batch 1, graph replays, weights rotated past L2)", ""]
 lines += [(out / "build.log").read_text().strip().splitlines()[-1] if (out / "build.log").exists() else "build: no log"]
-tests = (out / "pytest.log").read_text().strip().splitlines() if (out / "pytest.log").exists() else ["no log"]
-lines += [f"tests: {tests[-1]}", ""]
+log = (out / "pytest.log").read_text().splitlines() if (out / "pytest.log").exists() else []
+ends = [l for l in log if (" passed" in l or " failed" in l or " error" in l) and " in " in l]
+lines += [f"tests: {' / '.join(ends) or 'no summary line (timeout?)'}", ""]
 try:
     rows = json.loads((out / "kernels.json").read_text())
     cols = []
