@@ -289,10 +289,14 @@ class QuantPlan:
         return _bits_per_weight(self.dense, self.quantized, which)
 
 
-def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> QuantPlan:
+def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) -> QuantPlan:
     """The output of ``quantize_checkpoint(ckpt, recipe)`` without computing it: names, dtypes,
     shapes and schemes, from the config, the recipe and the source's tensor names (shapes come
-    from the config; small tensors of unknown shape, e.g. norms, are read once)."""
+    from the config; small tensors of unknown shape, e.g. norms, are read once).
+
+    ``layers=False`` plans only the final norm, the embedding and the LM head (with the output
+    config's tie flag): drivers that quantize the layers their own way (``additive_driver``) share
+    this code for the head, so a tied model gets the same one-table layout from every scheme."""
     recipe.validate()
     cfg = replace(ckpt.config)
     T = ckpt.tensors
@@ -334,7 +338,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe) -> QuantPlan:
             idx = key.split(".", 3)[2]
             if idx.isdigit():
                 by_layer.setdefault(int(idx), []).append(key)
-    for i in range(cfg.num_layers):
+    for i in range(cfg.num_layers if layers else 0):
         for suf in PROJ_SUFFIXES:
             name = f"model.layers.{i}.{suf}"
             proj(name, name + ".weight", recipe.bits_for(name), name, layer=i)
@@ -455,13 +459,14 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
 
 def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu",
                         stats: dict[str, torch.Tensor] | None = None, progress: bool = True,
-                        log: Callable[[str], None] | None = None) -> QuantizedModel:
+                        log: Callable[[str], None] | None = None, layers: bool = True) -> QuantizedModel:
     """Quantize every projection of ``ckpt`` per ``recipe`` (calibration stats computed if needed),
-    keeping the whole output in memory (``quantize_to_cbk`` streams it to a file instead)."""
+    keeping the whole output in memory (``quantize_to_cbk`` streams it to a file instead).
+    ``layers=False``: only the final norm, the embedding and the LM head (see ``plan_quantization``)."""
     recipe.validate()
     log = log or (lambda s: print(s, file=sys.stderr))
     t_start = time.perf_counter()
-    plan = plan_quantization(ckpt, recipe)
+    plan = plan_quantization(ckpt, recipe, layers=layers)
     if stats is None and recipe.weighted and recipe.calib != "none":
         stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
     dense: dict[str, torch.Tensor] = {}
