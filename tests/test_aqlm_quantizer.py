@@ -1,13 +1,18 @@
 """Our additive quantizer: beats a 2-bit scalar codebook; whole-model driver is resumable (same file);
-its .cbk, exported as an AQLM directory, runs in transformers + aqlm with Trapetum's logits."""
+a tied model stores one shared 8-bit table for embedding and head (as the scalar path), an untied one
+an fp16 embedding and an 8-bit head; its .cbk, exported as an AQLM directory, runs in transformers +
+aqlm with Trapetum's logits."""
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+import trapetum
 from tiny_models import build
 from trapetum.formats.aqlm import export_aqlm
 from trapetum.formats.cbk import open_cbk
@@ -15,6 +20,7 @@ from trapetum.models.decoder import Decoder
 from trapetum.quant.additive import dequantize_aqlm, quantize_additive
 from trapetum.quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
 from trapetum.quant.kmeans import kmeans_rows, weighted_error
+from trapetum.quant.linear import build_linear
 
 FAST = dict(beam=2, iters=0, beam_steps=1, kmeans_iters=2, calib_seqs=2, calib_sample_len=16)  # CI-sized
 
@@ -108,3 +114,111 @@ def test_transformers_aqlm_agrees(tmp_path, scheme):
             nxt = dec(seq)[0, -1].argmax().view(1, 1)
             seq = torch.cat([seq, nxt], 1)
     assert torch.equal(seq[0, ids.shape[1]:], g), (seq, g)
+
+
+def _hf_logits_from_dequantized(src, cbk_path, ids):
+    """Reference logits: the source's transformers model with every weight replaced by the file's
+    (dequantized) weights; a tied model's head follows its embedding inside transformers."""
+    from transformers import AutoModelForCausalLM
+
+    f = open_cbk(cbk_path)
+    sd = {n: f.tensor(n).float() for n in f.dense}
+    for name in f.layers:
+        rec = f.record(name)
+        sd[name] = build_linear(rec, name).dequantize(torch.float32)
+        if rec.bias is not None:
+            sd[name[: -len(".weight")] + ".bias"] = rec.bias.float()
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    assert not missing or hf.config.tie_word_embeddings
+    with torch.no_grad():
+        return hf(ids).logits[0].float()
+
+
+def _head_tensors(cbk_path):
+    """{stored tensor name: (dtype, shape)} of the embedding and LM head."""
+    f = open_cbk(cbk_path)
+    return {n: (t.dtype, t.shape) for n, t in f.tensors_table.items() if "embed_tokens" in n or "lm_head" in n}
+
+
+def test_tied_model_shares_one_8bit_table(tmp_path):
+    src = tmp_path / "hf"
+    build("qwen2", src, tokenizer=True)  # tie_word_embeddings, qkv biases; vocab 300, hidden 64
+    rec = AdditiveRecipe(scheme="aqlm-2x8", **FAST)
+    kw = dict(progress=False, provenance={"created": "fixed"}, log=lambda s: None)
+    shared, qm = quantize_additive_to_cbk(str(src), tmp_path / "shared.cbk", rec, **kw)
+    # the layout before: fp16 embedding plus the head's own 8-bit table (still there with embed_bits=None)
+    apart, _ = quantize_additive_to_cbk(str(src), tmp_path / "apart.cbk", replace(rec, embed_bits=None), **kw)
+
+    f, g = open_cbk(shared), open_cbk(apart)
+    assert f.config.tie_word_embeddings and not g.config.tie_word_embeddings
+    assert _head_tensors(shared) == {"model.embed_tokens.codes": ("U8", (300, 64)),
+                                     "model.embed_tokens.codebook": ("F16", (300, 256))}
+    assert _head_tensors(apart) == {"model.embed_tokens.weight": ("F16", (300, 64)),
+                                    "lm_head.codes": ("U8", (300, 64)),
+                                    "lm_head.codebook": ("F16", (300, 256))}
+    assert f.layers["model.embed_tokens.weight"].params == {"bits": 8} and "lm_head.weight" not in f.layers
+    # the shared table is the head's table (same k-means, same final-norm weighting), stored once
+    for role in ("codes", "codebook"):
+        assert torch.equal(f.record("model.embed_tokens.weight").tensors[role],
+                           g.record("lm_head.weight").tensors[role])
+    saved = g.file_bytes - f.file_bytes
+    assert abs(saved - 300 * 64 * 2) < 512, saved  # the fp16 embedding (a few header bytes aside)
+    assert qm.config.tie_word_embeddings and "model.embed_tokens" in f.recipe["layer_errors"]
+
+    m = trapetum.load(shared, dtype=torch.float32)
+    head, emb = m.decoder.lm_head, m.decoder.model.embed_tokens
+    assert head.codes.data_ptr() == emb.codes.data_ptr()  # one table in memory too
+    ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 12, 5]])
+    ours = m.logits(ids[0].tolist())
+    ref = _hf_logits_from_dequantized(src, shared, ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
+
+    # export-aqlm writes the dequantized table as the (tied) HF embedding, no lm_head tensor
+    out = export_aqlm(shared, tmp_path / "aqlm", log=lambda s: None)
+    hf_cfg = json.loads((out / "config.json").read_text())
+    assert hf_cfg["tie_word_embeddings"]
+    assert "lm_head" in hf_cfg["quantization_config"]["linear_weights_not_to_quantize"]
+    st = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in st
+    E = build_linear(f.record("model.embed_tokens.weight")).dequantize(torch.float32)
+    assert st["model.embed_tokens.weight"].dtype == torch.float16
+    assert torch.equal(st["model.embed_tokens.weight"].float(), E)
+    back = trapetum.load(out, dtype=torch.float32).logits(ids[0].tolist())
+    assert ((back - ours).norm() / ours.norm()).item() < 1e-5
+
+
+def test_tied_resume_from_other_head_layout(tmp_path):
+    # layer parts hold the projections only: parts left by a run with another head layout are reused,
+    # and the resumed file equals an uninterrupted run's
+    src = tmp_path / "hf"
+    build("qwen2", src, tokenizer=True)
+    rec = AdditiveRecipe(scheme="aqlm-2x8", **FAST)
+    kw = dict(progress=False, provenance={"created": "fixed"})
+    a, _ = quantize_additive_to_cbk(str(src), tmp_path / "a.cbk", rec, log=lambda s: None, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_additive_to_cbk(str(src), tmp_path / "b.cbk", replace(rec, embed_bits=None), stop_after=1,
+                                 log=lambda s: None, **kw)
+    logs = []
+    b, _ = quantize_additive_to_cbk(str(src), tmp_path / "b.cbk", rec, log=logs.append, **kw)
+    assert any("(resumed)" in s for s in logs) and any("embed_tokens+lm_head (tied) 8-bit" in s for s in logs)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_untied_model_keeps_fp16_embedding_and_8bit_head(tmp_path):
+    src = tmp_path / "hf"
+    build("llama2", src, tokenizer=True)
+    cbk, qm = quantize_additive_to_cbk(str(src), tmp_path / "q.cbk", AdditiveRecipe(scheme="aqlm-2x8", **FAST),
+                                       progress=False, log=lambda s: None)
+    f = open_cbk(cbk)
+    assert not f.config.tie_word_embeddings and not qm.config.tie_word_embeddings
+    assert _head_tensors(cbk) == {"model.embed_tokens.weight": ("F16", (300, 64)),
+                                  "lm_head.codes": ("U8", (300, 64)),
+                                  "lm_head.codebook": ("F16", (300, 256))}
+    assert torch.equal(f.tensor("model.embed_tokens.weight"),
+                       load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"].half())
+    ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 12, 5]])
+    ours = trapetum.load(cbk, dtype=torch.float32).logits(ids[0].tolist())
+    ref = _hf_logits_from_dequantized(src, cbk, ids)
+    assert ((ours - ref).norm() / ref.norm()).item() < 1e-4

@@ -2,9 +2,12 @@
 
 Per projection (q/k/v/o, gate/up/down) of every layer: ``additive.quantize_additive`` weighted by
 E[x^2] of the projection's input channel, from the scalar quantizer's calibration
-(``quantize.calibration_stats``: a text file, or text sampled from the model itself). The LM head
-becomes an 8-bit per-row scalar codebook (``quantize._quantize_matrix``, weighted by the final-norm
-statistics); the embedding and norms stay dense, as in ``quantize.quantize_checkpoint``.
+(``quantize.calibration_stats``: a text file, or text sampled from the model itself). The final
+norm, the embedding and the LM head are the scalar quantizer's own (``quantize.quantize_checkpoint``
+with ``layers=False``, same ``head_bits`` / ``embed_bits``): the head an 8-bit per-row scalar codebook
+weighted by the final-norm statistics; a tied model (``embed_bits="auto"``) stores ONE such table,
+``model.embed_tokens.weight``, for embedding and head (the config stays tied); an untied model keeps
+its embedding dense fp16. Layer norms stay dense fp32.
 
 Layer by layer with bounded memory: one layer's weights are read at a time; its records are written
 at once to ``<OUT>.parts/layer_NNNN.safetensors`` (temporary file + ``os.replace``, so a kill leaves
@@ -12,7 +15,10 @@ either the whole layer or nothing) with a fingerprint of the model (sha256 of ev
 the calibration settings and the quantizer settings. A rerun with the same model, data and settings
 reuses every finished layer whose fingerprint matches (the calibration statistics are cached the same
 way) and computes the rest; the quantizer is seeded per layer, so a resumed run writes the same file
-as an uninterrupted one. The parts directory is removed after the ``.cbk`` is written.
+as an uninterrupted one. The parts hold the layers' projections only: the embedding and head are
+computed at every run from the source and the (cached) statistics, so ``head_bits`` / ``embed_bits``
+(the head layout) are left out of the layer fingerprint and cannot mix with an old part. The parts
+directory is removed after the ``.cbk`` is written.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +38,7 @@ from safetensors.torch import save_file
 
 from ..errors import ConfigError
 from .additive import SCHEMES, AdditiveLinear, quantize_additive
-from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, _quantize_matrix, calibration_stats
+from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint
 from .record import QuantRecord
 
 __all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_to_cbk", "model_fingerprint"]
@@ -42,6 +48,7 @@ __all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_
 class AdditiveRecipe:
     scheme: str = "aqlm-2x8"  # "aqlm-2x8" | "aqlm-1x16"
     head_bits: int | None = 8
+    embed_bits: int | None | str = "auto"  # as quantize.Recipe: "auto" gives a tied model one shared table
     weighted: bool = True
     calib: str | None = None  # text file; None: sampled from the model; "none": unweighted
     calib_seqs: int = 32
@@ -61,13 +68,14 @@ class AdditiveRecipe:
                 raise ConfigError(f"{k} must be >= 1")
         if self.iters < 0:
             raise ConfigError("iters must be >= 0")
+        self.scalar_recipe().validate()  # head_bits / embed_bits
         return self
 
     def scalar_recipe(self) -> Recipe:
-        """The scalar recipe whose calibration (and LM head) this run shares."""
-        return Recipe(bits=4, head_bits=self.head_bits, weighted=self.weighted, calib=self.calib,
-                      calib_seqs=self.calib_seqs, calib_len=self.calib_len, calib_sample_len=self.calib_sample_len,
-                      seed=self.seed)
+        """The scalar recipe whose calibration (and LM head / embedding) this run shares."""
+        return Recipe(bits=4, head_bits=self.head_bits, embed_bits=self.embed_bits, weighted=self.weighted,
+                      calib=self.calib, calib_seqs=self.calib_seqs, calib_len=self.calib_len,
+                      calib_sample_len=self.calib_sample_len, seed=self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         M, nb = SCHEMES[self.scheme]
@@ -167,8 +175,10 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     t0 = time.perf_counter()
     fp = model_fingerprint(ckpt)
     stats = _stats(ckpt, recipe, work, fp, device, progress, log)
-    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k != "head_bits"}, sort_keys=True)
-    cfg = replace(ckpt.config)
+    # what a layer part depends on: not the head layout (head_bits, embed_bits), computed at every run
+    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k not in ("head_bits", "embed_bits")},
+                          sort_keys=True)
+    cfg = ckpt.config
     T = ckpt.tensors
     dense: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantRecord] = {}
@@ -221,22 +231,13 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                                           + ("" if got is None else "  (resumed)"))
         if stop_after is not None and computed >= stop_after and i + 1 < cfg.num_layers:
             raise KeyboardInterrupt(f"stopped after {computed} computed layers")
-    dense["model.norm.weight"] = T["model.norm.weight"].detach().float().cpu()
-    # embedding dense fp16; LM head as a scalar codebook (the scalar quantizer's code)
-    E = T["model.embed_tokens.weight"]
-    dense["model.embed_tokens.weight"] = E.detach().to(torch.float16).cpu()
-    H = E if cfg.tie_word_embeddings else T["lm_head.weight"]
-    if recipe.head_bits is None:
-        if not cfg.tie_word_embeddings:
-            dense["lm_head.weight"] = H.detach().to(torch.float16).cpu()
-    else:
-        imp = None if stats is None else stats.get("lm_head")
-        rec, err = _quantize_matrix(H.float(), recipe.head_bits, imp, recipe.scalar_recipe(), device, None)
-        quantized["lm_head.weight"] = rec
-        cfg = replace(cfg, tie_word_embeddings=False)
-        report.append({"name": "lm_head", "bits": recipe.head_bits, "shape": list(H.shape), "rel_err": err["rel_err"]})
-        log(f"lm_head {recipe.head_bits}-bit  rel. weight error {err['rel_err']:.4f}")
-    return QuantizedModel(cfg, dense, quantized, report, time.perf_counter() - t0)
+    # final norm, embedding and LM head: the scalar quantizer's code (one shared table when tied)
+    tables = quantize_checkpoint(ckpt, recipe.scalar_recipe(), device=device, stats=stats, progress=False,
+                                 log=log, layers=False)
+    dense.update(tables.dense)
+    quantized.update(tables.quantized)
+    report += tables.report
+    return QuantizedModel(tables.config, dense, quantized, report, time.perf_counter() - t0)
 
 
 def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveRecipe, *, device: str = "cpu",
@@ -269,11 +270,14 @@ def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveR
 
 
 def run_cli(args, device: str) -> int:
-    """``trapetum quantize SRC -o OUT.cbk --scheme aqlm-2x8|aqlm-1x16`` (uses --head-bits, --calib,
-    --calib-seqs, --device, --quiet; the scalar-only options do not apply)."""
-    hb = None if str(args.head_bits).lower() in ("fp16", "none", "dense") else int(args.head_bits)
-    recipe = AdditiveRecipe(scheme=args.scheme, head_bits=hb, weighted=args.calib != "none", calib=args.calib,
-                            calib_seqs=args.calib_seqs).validate()
+    """``trapetum quantize SRC -o OUT.cbk --scheme aqlm-2x8|aqlm-1x16`` (uses --head-bits, --embed-bits,
+    --calib, --calib-seqs, --device, --quiet; the scalar-only options do not apply)."""
+    from ..commands.quantize import _bits_or_none
+
+    eb = getattr(args, "embed_bits", "auto")
+    recipe = AdditiveRecipe(scheme=args.scheme, head_bits=_bits_or_none(args.head_bits, "--head-bits"),
+                            embed_bits="auto" if eb == "auto" else _bits_or_none(eb, "--embed-bits"),
+                            weighted=args.calib != "none", calib=args.calib, calib_seqs=args.calib_seqs).validate()
     path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet)
     print(f"wrote {path}  {path.stat().st_size / 1e6:.1f} MB  {qm.bits_per_weight('projections'):.3f} bits/weight "
           f"(projections, codebooks and scales included)  {qm.bits_per_weight('all'):.3f} bits/weight (all tensors)  "
