@@ -226,17 +226,16 @@ def mma_available(device: torch.device | None = None) -> bool:
 
 
 DEFAULT_VARIANT = 7  # fastest measured on the H200 (NOTES-kernels.md, run 4)
-_VARIANTS = tuple(str(v) for v in range(3, 11))
+_VARIANTS = ("3", "4", "5", "7")
 
 
 def _variant() -> int:
-    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3..10, default DEFAULT_VARIANT.
+    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3|4|5|7, default DEFAULT_VARIANT.
 
     3: shared-memory pair tables; 4: byte-permute lookups from codebook byte planes in registers
-    (4-bit only; the 8-bit LM head uses the table kernel); 5 / 6: 3 / 4 with the activation x
-    loaded only by the lanes whose row exists; 7: 5 with no code loads past the last chunk;
-    8 / 9 / 10: 7 with 2 / 3 / 4 of every 8 tiles looked up by byte permutes (hybrid: the L1 and
-    ALU pipes share the lookups). NOTES-kernels.md has the measurements."""
+    (4-bit only; the 8-bit LM head uses the table kernel); 5: 3 with the activation x loaded only
+    by the lanes whose row exists; 7: 5 with no code loads past the last chunk. NOTES-kernels.md
+    has the measurements (and those of variants 6 and 8-10, removed as slower)."""
     v = os.environ.get("TRAPETUM_GEMV_V", "")
     return int(v) if v in _VARIANTS else DEFAULT_VARIANT
 

@@ -130,30 +130,18 @@ __device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, 
   }
 }
 
-// Codebook byte planes of a lane's two rows (V = 4/6, and the PRMT tiles of the hybrid V >= 8).
-struct Planes {
-  uint32_t LA[4], HA[4], LB[4], HB[4];
-};
-
 // One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
-// Tiles j < PT (4-bit) are looked up with byte permutes from the register planes P instead of the
-// shared-memory table: the hybrid variants split the lookups between the ALU and the L1 pipes.
-template <int BITS, int NT, int PT>
+template <int BITS, int NT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
                                               const uint32_t sb, const uint32_t lane4,
-                                              const uint32_t (&xw)[NT][XWords<BITS>::value], const Planes& P) {
+                                              const uint32_t (&xw)[NT][XWords<BITS>::value]) {
   constexpr int TILES = XWords<BITS>::value / 2;
   const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
   const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
     uint32_t A[4];
-    if (BITS == 4 && j < PT) {
-      const int sh = 16 * (j & 1);
-      const uint32_t wa = wa4[j >> 1] >> sh, wb = wb4[j >> 1] >> sh;
-      lut4(wa & 0x7777u, ((wa >> 1) & 0x4444u) | 0x3210u, P.LA, P.HA, A[0], A[2]);
-      lut4(wb & 0x7777u, ((wb >> 1) & 0x4444u) | 0x3210u, P.LB, P.HB, A[1], A[3]);
-    } else if (BITS == 4) {
+    if (BITS == 4) {
       const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
       const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
       A[0] = lds(sb + sel_byte(wa, lane4, k0));
@@ -227,20 +215,14 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
 // V = 5: V = 3 with x loaded only by the lanes whose activation row exists (load_x's XP).
 // V = 7: V = 5 with no loads past the last chunk (the clamped prefetches re-read the last chunk:
 //        +25% code traffic through L1 at in = 8192, +50% at in = 4096).
-// V = 8, 9, 10 (4-bit): V = 7 with the first 2, 3, 4 of every 8 tiles looked up by PRMT from
-//        registers (V = 4's method), the rest from the table: L1 and ALU pipes share the lookups.
-// (V = 2, the first GPU-measured version, is in NOTES-kernels.md and git history.)
-template <int V> struct Flags {
-  static constexpr bool XP = V >= 5, PP = V >= 7;
-  static constexpr int PT = V >= 8 ? V - 6 : 0;
-};
+// (Measured and removed, see NOTES-kernels.md and git history: V = 2, the first version; V = 6, V = 4
+// with XP; V = 8-10, hybrids looking up 2-4 of every 8 tiles with V = 4's PRMT method.)
 template <int BITS, int NT, int EPI, int V>
-__global__ void __launch_bounds__(kThreads, (NT == 1 && Flags<V>::PT == 0) ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
-  constexpr bool XP = Flags<V>::XP, PP = Flags<V>::PP;
-  constexpr int PT = BITS == 4 ? Flags<V>::PT : 0;
+  constexpr bool XP = V >= 5, PP = V >= 7;
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -305,11 +287,6 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   uint32_t sb;
   asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
   const uint32_t lane4 = (uint32_t)lane * 4u;
-  Planes P;
-  if (PT > 0) {
-    load_planes(cb, min(ra, N - 1), P.LA, P.HA);
-    load_planes(cb, min(rb, N - 1), P.LB, P.HB);
-  }
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
@@ -324,7 +301,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       uint4 qa2, qb2;
       load(c + 2 * kWarps, qa2, qb2);
       load_x<BITS, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
-      compute_chunk<BITS, NT, PT>(acc, qa0, qb0, sb, lane4, xw0, P);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
       qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
 #pragma unroll
       for (int i = 0; i < XW; ++i) xw0[0][i] = xw1[0][i];
@@ -335,11 +312,11 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       uint4 qa2, qb2, qa3, qb3;
       load(c + 2 * kWarps, qa2, qb2);
       load_x<BITS, NT, XP>(xw, x, M, K, g, c * 64 + offt);
-      compute_chunk<BITS, NT, PT>(acc, qa0, qb0, sb, lane4, xw, P);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
       load(c + 3 * kWarps, qa3, qb3);
       if (c + kWarps < nchunks) {
         load_x<BITS, NT, XP>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
-        compute_chunk<BITS, NT, PT>(acc, qa1, qb1, sb, lane4, xw, P);
+        compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
       }
       qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
     }
@@ -375,8 +352,7 @@ __device__ __forceinline__ void compute_chunk_prmt(float (&acc)[NT][4], const ui
   }
 }
 
-// XP: as load_x (V = 4 without, V = 6 with).
-template <int NT, int EPI, bool XP>
+template <int NT, int EPI>
 __global__ void __launch_bounds__(kThreads, 2)
 cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                     const half* __restrict__ cb, const half* __restrict__ res,
@@ -405,14 +381,14 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   const int offt = t * 16;
   uint32_t xw0[NT][16] = {}, xw1[NT][16] = {};
-  load_x<4, NT, XP>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
+  load_x<4, NT, false>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
   for (int c = warp; c < nchunks; c += 2 * kWarps) {  // two chunks per step: x ping-pongs
     uint4 qa2, qb2, qa3, qb3;
     load(c + 2 * kWarps, qa2, qb2);
-    load_x<4, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
+    load_x<4, NT, false>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
     compute_chunk_prmt<NT>(acc, qa0, qb0, LA, HA, LB, HB, xw0);
     load(c + 3 * kWarps, qa3, qb3);
-    load_x<4, NT, XP>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
+    load_x<4, NT, false>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
     if (c + kWarps < nchunks) compute_chunk_prmt<NT>(acc, qa1, qb1, LA, HA, LB, HB, xw1);
     qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
   }
@@ -451,19 +427,10 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 3>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 5>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 7>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 8>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 9>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 1, 0, 10>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<4, 2, 0, 9>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_mma_kernel<8, 1, 0, 7>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0, false>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0, true>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<2, 0, false>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+#define TRAPETUM_INST(B, NT, V) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, V>( \
+    const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+TRAPETUM_INST(4, 1, 3) TRAPETUM_INST(4, 1, 5) TRAPETUM_INST(4, 1, 7) TRAPETUM_INST(4, 2, 7) TRAPETUM_INST(8, 1, 7)
+template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
@@ -495,12 +462,12 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int NT, int EPI, bool XP>
+template <int NT, int EPI>
 static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                         const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                         int has_res, int F, cudaStream_t stream) {
   const int grid = (N + 15) / 16;
-  cb_gemv_prmt_kernel<NT, EPI, XP><<<grid, kThreads, 0, stream>>>(
+  cb_gemv_prmt_kernel<NT, EPI><<<grid, kThreads, 0, stream>>>(
       reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
       reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
@@ -517,12 +484,11 @@ struct TableKernel {
     launch<BITS, NT, EPI, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   }
 };
-template <bool XP>
 struct PrmtKernel {
   template <int NT, int EPI>
   static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
                  torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
-    launch_prmt<NT, EPI, XP>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
+    launch_prmt<NT, EPI>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   }
 };
 
@@ -557,8 +523,8 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 }
 
 // variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
-// uses the table kernel), 5 / 6 = 3 / 4 with x loaded only by lanes whose activation row exists,
-// 7 = 5 without loads past the last chunk, 8 / 9 / 10 = 7 with 2 / 3 / 4 of 8 tiles by PRMT.
+// uses the table kernel), 5 = 3 with x loaded only by lanes whose activation row exists, 7 = 5 without
+// loads past the last chunk (default).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
                  torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
   using namespace trapetum_mma;
@@ -568,27 +534,16 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   const int M = x.size(0), K = x.size(1), N = codes.size(0), KB = codes.size(1);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  TORCH_CHECK(variant >= 3 && variant <= 10, "variant");
+  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7, "variant");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const int F = (int)f, hr = (int)has_res, e = (int)epi;
-  const bool xp = variant >= 5;
-  if (bits == 4 && (variant == 4 || variant == 6)) {
-    if (xp) dispatch_nt_epi<PrmtKernel<true>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-    else dispatch_nt_epi<PrmtKernel<false>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  } else if (bits == 4) {
-    switch (variant) {
-      case 10: dispatch_nt_epi<TableKernel<4, 10>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
-      case 9: dispatch_nt_epi<TableKernel<4, 9>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
-      case 8: dispatch_nt_epi<TableKernel<4, 8>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
-      case 7: dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
-      case 5: dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s); break;
-      default: dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-    }
-  } else {
-    if (variant >= 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-    else if (xp) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-    else dispatch_nt_epi<TableKernel<8, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  }
+  if (bits == 4 && variant == 4) dispatch_nt_epi<PrmtKernel>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (bits == 4 && variant == 7) dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (bits == 4 && variant == 5) dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (bits == 4) dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (variant == 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (variant == 5) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else dispatch_nt_epi<TableKernel<8, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
 }
 #endif
