@@ -24,7 +24,8 @@ def register(subparsers) -> None:
     q.add_argument("--device", default=None, help="default: cuda when available")
     q.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
     q.set_defaults(func=_quantize)
-    s = sub.add_parser("suite", help="kernels, then end to end with kill switches (one command for the GPU machine)")
+    s = sub.add_parser("suite", help="kernels (4-bit, 8-bit, fp16, 2-bit, attention), then end to end with kill "
+                                     "switches, and 70B-shape 2-bit decode (one command for the GPU machine)")
     s.add_argument("--out", default="out/bench-suite")
     s.set_defaults(func=_suite)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
@@ -66,11 +67,19 @@ def _suite(args) -> int:
 
     from ..eval.bench_e2e import run
     from ..eval.bench_kernels import run_all
+    import json
+
+    from ..kernels.additive_gemv import bench as bench_additive, bench_table
     out = Path(args.out)
     k = run_all(str(out / "kernels"), quick=False, command=f"trapetum bench suite --out {args.out}")
+    rows = bench_additive(backends=("cuda",))  # 2-bit GEMVs against cuBLAS in the same process
+    (out / "kernels" / "additive.json").write_text(json.dumps(rows, indent=1))
+    (out / "kernels" / "additive.md").write_text(bench_table(rows) + "\n")
     run(["llama2-7b"], True, out / "e2e-llama2-7b")
     run(["llama3-8b"], False, out / "e2e-llama3-8b")
+    run(["llama2-70b"], False, out / "e2e-llama2-70b", bins=(0,))  # aqlm-2x8 and aqlm-1x16
     print(k["markdown"])
+    print(bench_table(rows))
     return 0
 
 
