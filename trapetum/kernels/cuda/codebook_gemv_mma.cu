@@ -130,6 +130,32 @@ __device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, 
   }
 }
 
+// The code stream of one lane: 16 bytes of rows g and g+8 of a 16-row tile per 64-byte chunk.
+// Rows past N read row N-1 (valid loads; never stored). PP = false: chunks past the end re-read the
+// last chunk (unpredicated, never computed); PP = true: they are not loaded at all.
+template <bool PP>
+struct CodeStream {
+  const uint8_t* pa;
+  const uint8_t* pb;
+  int nchunks;
+  __device__ __forceinline__ CodeStream(const uint8_t* codes, int N, int KB, int row0, int g, int t)
+      : pa(codes + (size_t)min(row0 + g, N - 1) * KB + t * 16),
+        pb(codes + (size_t)min(row0 + g + 8, N - 1) * KB + t * 16),
+        nchunks((KB + 63) >> 6) {}
+  __device__ __forceinline__ void load(int c, uint4& qa, uint4& qb) const {
+    if (PP) {
+      if (c < nchunks) {
+        qa = ld_stream(pa + c * 64);
+        qb = ld_stream(pb + c * 64);
+      }
+    } else {
+      const int cc = min(c, nchunks - 1);
+      qa = ld_stream(pa + cc * 64);
+      qb = ld_stream(pb + cc * 64);
+    }
+  }
+};
+
 // One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
 template <int BITS, int NT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
@@ -227,25 +253,9 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  const int ra = row0 + g, rb = row0 + g + 8;
-  // Rows past N load row N-1 and chunks past the end load the last chunk: the loads stay valid
-  // and unpredicated; their results are never stored (rows) or never computed (chunks).
-  const uint8_t* pa = codes + (size_t)min(ra, N - 1) * KB + t * 16;
-  const uint8_t* pb = codes + (size_t)min(rb, N - 1) * KB + t * 16;
-  const int nchunks = (KB + 63) >> 6;  // 64 bytes per row per warp step (16 per lane)
-
-  auto load = [&](int c, uint4& qa, uint4& qb) {
-    if (PP) {
-      if (c < nchunks) {
-        qa = ld_stream(pa + c * 64);
-        qb = ld_stream(pb + c * 64);
-      }
-    } else {
-      const int cc = min(c, nchunks - 1);
-      qa = ld_stream(pa + cc * 64);
-      qb = ld_stream(pb + cc * 64);
-    }
-  };
+  const CodeStream<PP> cs(codes, N, KB, row0, g, t);
+  const int nchunks = cs.nchunks;
+  auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
 
   // Two chunks in flight before the table build, so DRAM latency overlaps it.
   // (with PP, registers of chunks past the end are left unloaded: they are never computed)
@@ -362,14 +372,9 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
   const int ra = min(row0 + g, N - 1), rb = min(row0 + g + 8, N - 1);
-  const uint8_t* pa = codes + (size_t)ra * KB + t * 16;
-  const uint8_t* pb = codes + (size_t)rb * KB + t * 16;
-  const int nchunks = (KB + 63) >> 6;
-  auto load = [&](int c, uint4& qa, uint4& qb) {
-    const int cc = min(c, nchunks - 1);
-    qa = ld_stream(pa + cc * 64);
-    qb = ld_stream(pb + cc * 64);
-  };
+  const CodeStream<false> cs(codes, N, KB, row0, g, t);
+  const int nchunks = cs.nchunks;
+  auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
   uint4 qa0, qb0, qa1, qb1;
   load(warp, qa0, qb0);
   load(warp + kWarps, qa1, qb1);
