@@ -76,6 +76,16 @@ if triton is not None:
             return len_val
 
     @triton.jit
+    def _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        # the G query heads of kv head hk: q [BG, BD] fp16, their indices and mask
+        rg = tl.arange(0, BLOCK_G)
+        rd = tl.arange(0, BLOCK_D)
+        hq = hk * G + rg
+        gmask = rg < G
+        q = tl.load(q_ptr + hq[:, None] * stride_qh + rd[None, :], mask=gmask[:, None] & (rd[None, :] < D), other=0.0)
+        return q, hq, gmask
+
+    @triton.jit
     def _chunk(q, k_base, v_base, c, L, lo, stride_kt, stride_vt, scale, softcap, D,
                HAS_CAP: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
         # q: [BG, BD] fp16. Returns (m [BG], l [BG], o [BG, BD] unnormalized) of chunk c.
@@ -109,12 +119,8 @@ if triton is not None:
         if HAS_WIN:
             lo = tl.maximum(L - window, 0)
         if (c * CH < L) & (c * CH + CH > lo):
-            rg = tl.arange(0, BLOCK_G)
+            q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
             rd = tl.arange(0, BLOCK_D)
-            hq = hk * G + rg
-            gmask = rg < G
-            q = tl.load(q_ptr + hq[:, None] * stride_qh + rd[None, :],
-                        mask=gmask[:, None] & (rd[None, :] < D), other=0.0)
             m, l, o = _chunk(q, k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, c, L, lo,
                              stride_kt, stride_vt, scale, softcap, D, HAS_CAP, BLOCK_D, CH)
             tl.store(m_ptr + hq * NCH + c, m, mask=gmask)
@@ -164,12 +170,8 @@ if triton is not None:
         lo = 0
         if HAS_WIN:
             lo = tl.maximum(L - window, 0)
-        rg = tl.arange(0, BLOCK_G)
+        q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
         rd = tl.arange(0, BLOCK_D)
-        hq = hk * G + rg
-        gmask = rg < G
-        q = tl.load(q_ptr + hq[:, None] * stride_qh + rd[None, :],
-                    mask=gmask[:, None] & (rd[None, :] < D), other=0.0)
         mx = tl.full([BLOCK_G], _NEG, tl.float32)
         ls = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
