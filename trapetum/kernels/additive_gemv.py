@@ -106,6 +106,17 @@ if triton is not None:
             tl.store(lut_ptr + ((t * G + rg[:, None]) * M + m) * K + rk[None, :], lut, mask=gmask[:, None])
 
     @triton.jit
+    def _epilogue(acc, rr, rmask, t, scales_ptr, bias_ptr, res_ptr, y_ptr, stride_yt, stride_rt,
+                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+        # y[t, rr] = scale * acc (+ bias) (+ residual), rounded once to y's dtype
+        y = acc * tl.load(scales_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            y += tl.load(res_ptr + t * stride_rt + rr, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * stride_yt + rr, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+    @triton.jit
     def _gemv_lut_kernel(codes_ptr, lut_ptr, scales_ptr, bias_ptr, res_ptr, y_ptr, N, G,
                          stride_yt, stride_rt,
                          M: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
@@ -125,12 +136,7 @@ if triton is not None:
                 v = tl.load(lut_ptr + ((t * G + rg[None, :]) * M + m) * K + c, mask=mask, other=0.0)
                 part += v
             acc += tl.sum(part, axis=1)
-        y = acc * tl.load(scales_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            y += tl.load(res_ptr + t * stride_rt + rr, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * stride_yt + rr, y.to(y_ptr.dtype.element_ty), mask=rmask)
+        _epilogue(acc, rr, rmask, t, scales_ptr, bias_ptr, res_ptr, y_ptr, stride_yt, stride_rt, HAS_BIAS, HAS_RES)
 
     @triton.jit
     def _gemv_gather_kernel(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, res_ptr, y_ptr, N, G,
@@ -154,12 +160,7 @@ if triton is not None:
             xv = tl.load(x_ptr + t * stride_xt + rg[:, None] * 8 + rj[None, :], mask=gmask[:, None], other=0.0)
             d = tl.sum(e.to(tl.float32) * xv.to(tl.float32)[None, :, :], axis=2)  # [BR, BG]
             acc += tl.sum(d, axis=1)
-        y = acc * tl.load(scales_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rr, mask=rmask, other=0.0).to(tl.float32)
-        if HAS_RES:
-            y += tl.load(res_ptr + t * stride_rt + rr, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * stride_yt + rr, y.to(y_ptr.dtype.element_ty), mask=rmask)
+        _epilogue(acc, rr, rmask, t, scales_ptr, bias_ptr, res_ptr, y_ptr, stride_yt, stride_rt, HAS_BIAS, HAS_RES)
 
 
 # ----------------------------------------------------------------------------- layouts and checks
