@@ -60,6 +60,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import FormatError
+from ..jsondepth import MAX_DEPTH, nesting_depth
 from ..models.config import ModelConfig
 from ..quant.record import QuantRecord
 from ..tokenizer import Tokenizer
@@ -84,10 +85,10 @@ def _parse_json(text: str, what: str, fail: Callable[[str], Any]) -> Any:
 
     def constant(c: str) -> None:
         fail(f"{what} contains {c}, which is not JSON")
+    if nesting_depth(text) > MAX_DEPTH:
+        fail(f"{what} is nested too deeply (more than {MAX_DEPTH} levels)")
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
-    except RecursionError:
-        fail(f"{what} is nested too deeply")
     except ValueError as e:  # JSONDecodeError, and integers with too many digits
         fail(f"{what} is not valid JSON ({_one_line(e, 80)})")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
+from ..jsondepth import MAX_DEPTH, nesting_depth
 
 SYSTEM_FINGERPRINT = f"trapetum-{__version__}"
 MAX_STOP = 4
@@ -65,13 +66,14 @@ def parse_json_body(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise APIError(400, "The request body is not valid UTF-8.", code="invalid_json") from None
+    if nesting_depth(text) > MAX_DEPTH:
+        raise APIError(400, f"The JSON body is nested too deeply (more than {MAX_DEPTH} levels).",
+                       code="invalid_json")
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except (json.JSONDecodeError, ValueError) as e:
         raise APIError(400, f"We could not parse the JSON body of your request ({e}).",
                        code="invalid_json") from None
-    except RecursionError:
-        raise APIError(400, "The JSON body is nested too deeply.", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"The request body must be a JSON object, not {_jtype(obj)}.", code="invalid_json")
     return obj
