@@ -241,7 +241,9 @@ def test_small_queue_overflow_gets_429_and_stays_healthy(fake):
 
     results = asyncio.run(main())
     codes = sorted(code for code, _, _ in results)
-    assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    # the queue holds 2: at least 2 are accepted (3 when the worker took the first one off the queue
+    # before the others arrived), the rest are refused with 429, and nothing else happens
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
     for code, retry, data in results:
         if code == 429:
             assert retry and int(retry) >= 1
