@@ -33,6 +33,7 @@ if has e2e; then
 fi
 if has quantize; then
   timeout 150 python3 -m trapetum.eval.bench_quantize --shape llama2-7b > "$L/quantize7b.log" 2>&1; tail -1 "$L/quantize7b.log"
+  timeout 300 python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --layers 2 >> "$L/quantize7b.log" 2>&1; tail -1 "$L/quantize7b.log"
 fi
 if has additive; then
   timeout 60 python3 -m trapetum.kernels.additive_gemv > "$L/additive.log" 2>&1; tail -12 "$L/additive.log"

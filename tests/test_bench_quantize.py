@@ -12,3 +12,30 @@ def test_bench_quantize_tiny_shape(monkeypatch, capsys):
     assert r["layers"] == 2 and r["seconds"] > 0 and r["file_bytes"] > 0
     assert main(["bench", "quantize", "--shape", "nope"]) == 1
     assert "unknown shape" in capsys.readouterr().err
+
+
+def test_bench_quantize_additive_tiny_shape(monkeypatch, capsys, tmp_path):
+    """--scheme aqlm-2x8 runs the additive driver on the random model: one JSON line with the timing,
+    size, settings and per-layer times; the extrapolation to the full depth is labelled an estimate;
+    the written file verifies and loads."""
+    import json
+
+    import trapetum
+    monkeypatch.setitem(bench_e2e.SHAPES, "tiny-test", dict(
+        family="llama", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=256))
+    out = tmp_path / "m.cbk"
+    small = dict(iters=1, beam=1, kmeans_iters=2)  # the benchmark itself uses the driver defaults
+    r = run("tiny-test", "cpu", None, layers=2, scheme="aqlm-2x8", keep=out, additive_settings=small)
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line == r
+    assert r["scheme"] == "aqlm-2x8" and r["layers"] == 2 and r["device"] == "cpu" and r["gpu"] is None
+    assert r["seconds"] > 0 and r["file_bytes"] == out.stat().st_size and r["verified"] is True
+    assert len(r["per_layer_seconds"]) == 2 and all(t > 0 for t in r["per_layer_seconds"])
+    assert r["settings"]["scheme"] == "aqlm-2x8" and r["settings"]["beam"] == 1 and r["settings"]["iters"] == 1
+    ex = r["extrapolation"]
+    assert ex["ESTIMATE_NOT_MEASURED"] is True and ex["full_layers"] == 3 and ex["estimated_seconds"] > 0
+    assert not (tmp_path / "m.cbk.parts").exists()
+    m = trapetum.load(str(out))
+    assert m is not None
+    assert main(["bench", "quantize", "--shape", "nope", "--scheme", "aqlm-2x8"]) == 1  # the CLI takes --scheme

@@ -1,18 +1,30 @@
-"""Quantizer speed on a random-weight model at a real shape (issue 3 item 4).
+"""Quantizer speed on a random-weight model at a real shape (issue 3 item 4, issue 6 item 5).
 
-    python -m trapetum.eval.bench_quantize --shape llama2-7b [--device cuda] [--out DIR] [--layers N]
-    trapetum bench quantize --shape llama2-7b
+    python -m trapetum.eval.bench_quantize --shape llama2-7b [--scheme cb4|aqlm-2x8|aqlm-1x16]
+                                           [--device cuda] [--out DIR] [--layers N]
+    trapetum bench quantize --shape llama2-7b [--scheme aqlm-2x8]
 
 Builds a lazy checkpoint whose tensors are generated on demand (seeded per tensor, fp16, on the
 device), E[x^2] statistics drawn at random per input channel (the weighted k-means path, without
 running calibration text through a random model), and times ``quantize_to_cbk`` end to end: every
 projection 4-bit, the LM head 8-bit, the file streamed to DIR. ``--layers`` quantizes the first N
 blocks only (a smoke run); the figure to report is a full run.
+
+``--scheme aqlm-2x8`` / ``aqlm-1x16`` times the additive driver instead (``quant/additive_driver.py``,
+the code behind ``trapetum quantize --scheme aqlm-2x8``) with its default ``AdditiveRecipe``, on the same
+random checkpoint and the same random E[x^2] statistics: they are handed to the driver through its own
+calibration cache (``<OUT>.parts/calibration.safetensors``), so no text is run through a random model.
+The timed region is the driver (fingerprint, every layer, head/embedding) plus ``write_cbk``. Each
+layer's time goes to stderr as it finishes, so a partial (``--layers N``) or killed run still gives the
+per-layer cost; the JSON line's ``extrapolation`` (only when ``--layers`` is below the shape's depth) is
+an estimate from those per-layer times, labelled as such, never a measurement.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import sys
 import tempfile
 import time
 import zlib
@@ -55,13 +67,24 @@ def random_stats(cfg: ModelConfig, device: str) -> dict[str, torch.Tensor]:
     return stats
 
 
-def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None) -> dict:
+SCHEMES = ("cb4", "aqlm-2x8", "aqlm-1x16")
+
+
+def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None, scheme: str = "cb4",
+        keep: Path | None = None, additive_settings: dict | None = None) -> dict:
+    """Time one quantizer run and print one JSON line. ``keep``: write the .cbk there (kept) instead of
+    a temporary directory (additive schemes; tests). ``additive_settings``: AdditiveRecipe field
+    overrides (tests; the benchmark uses the defaults)."""
     spec = dict(SHAPES[shape])
+    full_layers = spec["num_layers"]
     if layers:
         spec["num_layers"] = layers
     cfg = ModelConfig(**spec).validate(shape)
     ckpt = random_checkpoint(cfg, device)
     stats = random_stats(cfg, device)
+    if scheme != "cb4":
+        return _run_additive(shape, scheme, cfg, full_layers, ckpt, stats, device, out_dir, keep,
+                             additive_settings or {})
     recipe = Recipe(bits=4, head_bits=8, embed_bits=None).validate()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         if device.startswith("cuda"):
@@ -71,10 +94,89 @@ def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None
                                    stats=stats)
         seconds = time.perf_counter() - t0
         size = path.stat().st_size
-    res = {"shape": shape, "layers": cfg.num_layers, "device": device,
+    res = {"shape": shape, "scheme": "cb4", "layers": cfg.num_layers, "device": device,
            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
            "seconds": round(seconds, 2), "file_bytes": size, "date": time.strftime("%Y-%m-%d"),
            "recipe": "4-bit projections (E[x^2]-weighted k-means, random statistics), 8-bit head, fp16 embedding"}
+    print(json.dumps(res))
+    return res
+
+
+def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, ckpt: Checkpoint,
+                  stats: dict[str, torch.Tensor], device: str, out_dir: Path | None, keep: Path | None,
+                  settings: dict) -> dict:
+    from ..formats.cbk import verify_cbk, write_cbk
+    from ..quant import additive_driver as drv
+
+    recipe = drv.AdditiveRecipe(scheme=scheme, **settings).validate()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    marks: dict[str, float] = {}
+    per_layer: list[float] = []
+
+    def log(msg: str) -> None:
+        now = time.perf_counter()
+        if msg.startswith("calibration: reusing"):  # fingerprint done, the layers start
+            marks["layers0"] = marks["last"] = now
+        elif msg.startswith("layer "):
+            sync()
+            now = time.perf_counter()
+            per_layer.append(now - marks["last"])
+            marks["last"] = now
+            print(f"[bench] layer {len(per_layer) - 1}/{cfg.num_layers}: {per_layer[-1]:.2f} s "
+                  f"(elapsed {now - marks['t0']:.1f} s)  {msg}", file=sys.stderr, flush=True)
+            return
+        print(msg, file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        out = Path(keep) if keep else Path(tmp) / "model.cbk"
+        work = out.with_name(out.name + ".parts")
+        work.mkdir(parents=True, exist_ok=True)
+        # the random statistics, as the driver's calibration cache (untimed: the scalar path gets them
+        # as an argument); the driver recomputes the model fingerprint inside the timed region
+        fp = drv.model_fingerprint(ckpt)
+        drv._atomic_save({k: v.float().cpu() for k, v in stats.items()}, work / "calibration.safetensors",
+                         {"fingerprint": drv._calib_fingerprint(fp, recipe)})
+        sync()
+        marks["t0"] = t0 = time.perf_counter()
+        qm = drv.quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=False, log=log)
+        if "layers0" not in marks:
+            raise RuntimeError("the additive driver did not reuse the seeded calibration statistics")
+        t_head0 = marks["last"]
+        rd = recipe.to_dict()
+        rd["bits_per_weight"] = {"projections": round(qm.bits_per_weight("projections"), 4),
+                                 "all": round(qm.bits_per_weight("all"), 4)}
+        path = Path(write_cbk(out, config=qm.config, dense=qm.dense, quantized=qm.quantized, tokenizer=None,
+                              recipe=rd, provenance={"source": ckpt.source, "source_format": "random"}))
+        sync()
+        seconds = time.perf_counter() - t0
+        size = path.stat().st_size
+        f, problems = verify_cbk(path)  # untimed
+        if f is not None:
+            f.close()
+        shutil.rmtree(work, ignore_errors=True)
+    setup = marks["layers0"] - t0  # model fingerprint (+ reading the cached statistics)
+    tail = seconds - (t_head0 - t0)  # final norm, embedding, LM head, write_cbk
+    res = {"shape": shape, "scheme": scheme, "layers": cfg.num_layers, "device": device,
+           "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
+           "seconds": round(seconds, 2), "file_bytes": size, "date": time.strftime("%Y-%m-%d"),
+           "verified": not problems,
+           "breakdown_seconds": {"fingerprint": round(setup, 2), "layers": round(sum(per_layer), 2),
+                                 "head_embed_write": round(tail, 2)},
+           "per_layer_seconds": [round(x, 2) for x in per_layer],
+           "settings": {k: v for k, v in rd.items() if k != "bits_per_weight"},
+           "bits_per_weight": rd["bits_per_weight"],
+           "recipe": f"{scheme} additive projections (driver "
+                     f"{'defaults' if not settings else 'defaults except ' + json.dumps(settings, sort_keys=True)}"
+                     f", random E[x^2] statistics), "
+                     f"{recipe.head_bits}-bit head, embedding {recipe.embed_bits}"}
+    if cfg.num_layers < full_layers and per_layer:
+        mean = sum(per_layer) / len(per_layer)
+        est = setup * full_layers / cfg.num_layers + mean * full_layers + tail
+        res["extrapolation"] = {
+            "ESTIMATE_NOT_MEASURED": True, "full_layers": full_layers,
+            "estimated_seconds": round(est, 1), "estimated_minutes": round(est / 60, 1),
+            "formula": f"fingerprint x {full_layers}/{cfg.num_layers} + mean measured layer time "
+                       f"({mean:.2f} s) x {full_layers} + measured head/embedding/write time"}
     print(json.dumps(res))
     return res
 
@@ -85,8 +187,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="directory for the temporary .cbk (default: system temp)")
     p.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
+    p.add_argument("--scheme", default="cb4", choices=SCHEMES,
+                   help="cb4: 4-bit scalar codebooks (default); aqlm-2x8 / aqlm-1x16: the additive driver")
     a = p.parse_args(argv)
-    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers)
+    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers, scheme=a.scheme)
     return 0
 
 
