@@ -5,6 +5,10 @@ import threading
 import time
 
 import pytest
+# Imported here, at collection: importing it inside a test made pytest's assertion rewriter parse
+# anyio (a pytest plugin) deep in the test's call stack, where CPython 3.11.7's AST recursion
+# check fails intermittently ("AST constructor recursion depth mismatch").
+from starlette.testclient import TestClient
 
 import serve_fixtures as F
 from trapetum.serve import protocol as P
@@ -199,7 +203,6 @@ def test_worker_load_failure_is_reported():
 
 
 def test_models_on_two_devices_get_two_engines():
-    from starlette.testclient import TestClient
 
     from trapetum.serve.server import ModelSpec, create_app
 
@@ -222,7 +225,6 @@ def test_models_on_two_devices_get_two_engines():
 
 
 def test_cors_origins_and_api_key_in_process():
-    from starlette.testclient import TestClient
 
     from trapetum.serve.server import ModelSpec, create_app
 
@@ -240,7 +242,6 @@ def test_cors_origins_and_api_key_in_process():
 
 
 def test_sse_keepalive_while_waiting(monkeypatch):
-    from starlette.testclient import TestClient
 
     from trapetum.serve import server as S
 
