@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from . import cuda_ext
 from .codebook_gemv import dequantize as dequantize_reference
 
 try:  # Triton is optional on CPU-only installs
@@ -72,7 +73,6 @@ def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_featur
     codes = codes.contiguous()
     codebook = codebook.contiguous()
     if bits == 4 and kb % 16 == 0 and codes.is_cuda and out.is_contiguous() and in_features == 2 * kb:
-        from . import cuda_ext
         ext = cuda_ext.ready(codes.device)
         if ext is not None:  # CUDA kernel: byte-permute lookups, 16-byte loads and stores
             ext.cb_dequant4(codes, codebook, out)
