@@ -10,6 +10,10 @@ Prefill dequantizes each projection and multiplies on tensor cores (cuBLAS), att
 Kill switches (read when the engine is built): TRAPETUM_GRAPH=0 (eager steps), TRAPETUM_FUSE=0
 (separate q/k/v and gate/up GEMVs, separate residual adds), TRAPETUM_TC=0 (no tensor-core GEMV,
 inside the kernels), TRAPETUM_ATTN=seq (sequential attention kernel, inside the kernels).
+Opt-in: TRAPETUM_PREFILL=precise (or precise_prefill=True): the prompt pass at fp32-reference accuracy
+for evaluation (fp32 activations, hi/lo-split fp16 GEMMs with fp32 outputs, fp32 attention; ~2-3x the
+GEMM work; runtime/precise.py). TRAPETUM_PREFILL=default (or unset) is the fast path; other values
+are an error.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 from ..kernels.attention import attention_workspace, decode_attention
 from ..kernels.fused import rmsnorm, rope_kv_append, rope_tables
 from ..models.decoder import Decoder
+from .precise import PrecisePrefill, precise_enabled
 from .projections import GateUp, make_proj
 from .sampling import GenerationSettings, Sampler
 
@@ -49,7 +54,8 @@ class LayerW:
 class GpuEngine:
     """Batch-1 decoding of a Decoder on one GPU. Implements the Runner protocol (``tokens``)."""
 
-    def __init__(self, decoder: Decoder, max_len: int, *, fuse: bool | None = None, graph: bool | None = None):
+    def __init__(self, decoder: Decoder, max_len: int, *, fuse: bool | None = None, graph: bool | None = None,
+                 precise_prefill: bool | None = None):
         cfg = self.cfg = decoder.config
         dev = self.device = next(decoder.parameters()).device
         self.fuse = env_on("TRAPETUM_FUSE") if fuse is None else fuse
@@ -83,6 +89,8 @@ class GpuEngine:
                            if decoder.rope_local is not None else self.rope)
         self._alloc()
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        # fp32-accurate prefill (None: the default); exact weights where the decoder holds non-fp16 ones
+        self.precise = PrecisePrefill(self, decoder) if precise_enabled(precise_prefill) else None
 
     # -- buffers ---------------------------------------------------------------------------
     def _alloc(self) -> None:
@@ -224,6 +232,8 @@ class GpuEngine:
         T = tokens.numel()
         if T > self.max_len:
             raise ValueError(f"prompt of {T} tokens exceeds the engine's KV cache of {self.max_len}")
+        if self.precise is not None:
+            return self.precise.prefill(self, tokens, all_logits)
         Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         # The residual stream stays in fp32 (as in the CPU reference; fp16 rounding of 2 adds per

@@ -1,7 +1,8 @@
 """Projections in the engine's form: one object per weight format, all with the same two calls.
 
     gemv(x [K], out [N], residual=None)   decode: one row, fused residual add
-    matmul(x [T, K]) -> [T, N]            prefill: dequantize, then tensor-core matmul
+    matmul(x [T, K], mm=F.linear) -> [T, N]   prefill: dequantize, then mm(x, W, bias) (tensor cores;
+                                          the precise prefill passes its fp32-output GEMM)
 
 Several projections that read the same input (q, k, v; gate, up) are concatenated along
 their rows once at load time; per-row codebooks make that a plain concatenation. This is the
@@ -50,8 +51,8 @@ class DenseProj:
             out.add_(self.bias)
         return out
 
-    def matmul(self, x):
-        return F.linear(x, self.w, self.bias)
+    def matmul(self, x, mm=F.linear):
+        return mm(x, self.w, self.bias)
 
     def nbytes(self) -> int:
         return self.w.numel() * 2
@@ -78,8 +79,8 @@ class CodebookProj:
     def dense(self) -> torch.Tensor:
         return dequantize(self.codes, self.codebook, self.bits, self.in_features)
 
-    def matmul(self, x):
-        return F.linear(x, self.dense(), self.bias)
+    def matmul(self, x, mm=F.linear):
+        return mm(x, self.dense(), self.bias)
 
     def nbytes(self) -> int:
         return self.codes.numel() + self.codebook.numel() * 2
@@ -195,18 +196,22 @@ class GateUp:
             self.joint.gemv(x, scratch[: 2 * self.f])
         return act_mul(g, u, self.act, out=out)
 
-    def matmul(self, x):
+    def matmul(self, x, mm=F.linear):
         """Prefill: [T, K] -> [T, F] (activation applied)."""
         T = x.shape[0]
+        kw = {} if mm is F.linear else {"mm": mm}  # (AdditiveProj.matmul takes no mm; precise refuses it)
         if self.interleaved is not None:
-            y = self.interleaved.matmul(x).view(T, -1, 2, 8)
+            y = self.interleaved.matmul(x, **kw).view(T, -1, 2, 8)
             g = y[:, :, 0].reshape(T, -1)[:, : self.f]
             u = y[:, :, 1].reshape(T, -1)[:, : self.f]
         elif self.separate is not None:
-            g, u = self.separate[0].matmul(x), self.separate[1].matmul(x)
+            g, u = self.separate[0].matmul(x, **kw), self.separate[1].matmul(x, **kw)
         else:
-            y = self.joint.matmul(x)
+            y = self.joint.matmul(x, **kw)
             g, u = y[:, : self.f], y[:, self.f:]
+        if g.dtype == torch.float32:  # precise prefill's fp32 GEMM outputs (runtime/precise.py)
+            from .precise import act_mul_fp32
+            return act_mul_fp32(g, u, self.act)
         return act_mul(g.contiguous(), u.contiguous(), self.act)
 
     def nbytes(self) -> int:
