@@ -83,7 +83,8 @@ class Model:
     """A loaded model: tokenizer + decoder + a runner; not thread-safe (one generation at a time)."""
 
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_context: int | None = None):
+                 max_context: int | None = None, precise_prefill: bool | None = None):
+        from .runtime.precise import precise_enabled
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -94,7 +95,10 @@ class Model:
         self.path = ckpt.source
         self.name = Path(ckpt.source).name
         self.device = device
-        self.dtype = dtype or default_dtype(ckpt, device)
+        # precise prefill (GPU engine; the CPU path is fp32 already): the decoder stays in fp32, so that
+        # the engine reads the source's exact dequantized weights (runtime/precise.py)
+        self.precise_prefill = precise_enabled(precise_prefill) and device.startswith("cuda")
+        self.dtype = dtype or (torch.float32 if self.precise_prefill else default_dtype(ckpt, device))
         self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
         if device.startswith("cuda"):
             self.context_size = min(self.context_size, ENGINE_MAX_LEN)
@@ -105,7 +109,8 @@ class Model:
         """The GPU engine on CUDA (TRAPETUM_ENGINE=reference keeps the torch reference path)."""
         if self.device.startswith("cuda") and os.environ.get("TRAPETUM_ENGINE", "gpu") != "reference":
             from .runtime.engine import GpuEngine
-            return GpuEngine(self.decoder, max_len=min(self.context_size, ENGINE_MAX_LEN))
+            return GpuEngine(self.decoder, max_len=min(self.context_size, ENGINE_MAX_LEN),
+                             precise_prefill=self.precise_prefill)
         return ReferenceRunner(self.decoder)
 
     # -- prompts ---------------------------------------------------------------------------
@@ -202,6 +207,12 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
-         max_context: int | None = None) -> Model:
-    """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default."""
-    return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context)
+         max_context: int | None = None, precise_prefill: bool | None = None) -> Model:
+    """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
+
+    ``precise_prefill`` (GPU engine; default: TRAPETUM_PREFILL, else off): prompt passes at the CPU fp32
+    reference's accuracy (prompt logits ~1e-5 from it instead of ~1e-3), for evaluation and perplexity;
+    2-3x the prefill GEMM work, and the decoder is kept in fp32 (more memory for dense sources).
+    Decode steps are unchanged."""
+    return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
+                 precise_prefill=precise_prefill)

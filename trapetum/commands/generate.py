@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--stats", action="store_true", help="print tokens/s and time to first token to stderr")
+    p.add_argument("--precise-prefill", action="store_true", default=None,
+                   help="GPU engine: process the prompt in the precise prefill (fp32 activations; slower "
+                        "prompt, same decode; same as TRAPETUM_PREFILL=precise)")
     add_device(p)
     add_sampling(p)
     p.set_defaults(func=run)
@@ -26,7 +29,7 @@ def run(args) -> int:
     model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
     s = settings_from(args)
     apply_threads(args)
-    m = load(model_path, device=args.device)
+    m = load(model_path, device=args.device, precise_prefill=args.precise_prefill)
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)

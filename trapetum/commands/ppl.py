@@ -1,4 +1,4 @@
-"""``trapetum ppl MODEL --text FILE [--ctx 2048] [--windows N|all] [--decode]``: perplexity."""
+"""``trapetum ppl MODEL --text FILE [--ctx 2048] [--windows N|all] [--decode | --precise-prefill]``: perplexity."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="compute dtype (default float32 on CPU)")
+    p.add_argument("--precise-prefill", action="store_true", default=None,
+                   help="GPU engine: score in the precise prefill (fp32 activations, prompt logits at the CPU "
+                        "fp32 reference's accuracy; 2-3x the GEMM work; same as TRAPETUM_PREFILL=precise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -48,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
 
     windows = parse_windows(args.windows)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    model = load(args.model, device=args.device, dtype=dtype)
+    if args.precise_prefill and args.decode:
+        raise TrapetumError("--precise-prefill scores in the prefill; --decode scores through the (fp16) decode "
+                            "step: use one of them")
+    model = load(args.model, device=args.device, dtype=dtype, precise_prefill=args.precise_prefill)
     ids = tokenize_file(model.tokenizer, args.text)
     bos_id = None
     if args.bos:
@@ -61,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(r.line())
     path = "GPU engine" if scorer is model.runner else "reference decoder"
+    if getattr(scorer, "precise", None) is not None:
+        path += ", precise prefill"
     print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device} ({path}); {dt:.1f} s",
           file=sys.stderr)
     return 0
