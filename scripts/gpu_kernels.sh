@@ -19,7 +19,7 @@ import json, math, sys
 res = json.load(open(f"{sys.argv[1]}/kernels/kernels.json"))
 rows = [r for r in res["gemv"] if r["bits"] == 4 and r["M"] == 1]
 best, score = 3, 0.0
-for v in (3, 4, 5, 7):
+for v in (3, 4, 5, 7, 11):
     rs = [r.get(f"mma_v{v}_vs_cublas") for r in rows]
     if all(rs):
         g = math.exp(sum(map(math.log, rs)) / len(rs))

@@ -23,7 +23,7 @@ if has tests; then
     > "$L/pytest_gpu.log" 2>&1; tail -3 "$L/pytest_gpu.log"; echo "tests $(( $(date +%s) - t0 )) s"
 fi
 if has kernels; then
-  timeout 150 python3 -m trapetum.eval.bench_kernels --backends mma,mma_v3,mma_v7 --out "$L/kernels" > "$L/kernels.log" 2>&1
+  timeout 150 python3 -m trapetum.eval.bench_kernels --backends mma,mma_v7,mma_v11 --out "$L/kernels" > "$L/kernels.log" 2>&1
   echo "kernels $(( $(date +%s) - t0 )) s"
 fi
 if has e2e; then

@@ -201,3 +201,72 @@ def test_gemv_cuda_graph_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, eager)
+
+
+# ----------------------------------------------------------------------------- tiled codes (variant 11)
+@pytest.mark.parametrize("n,kb", [(1, 64), (16, 64), (17, 192), (100, 128), (33, 2048)])
+def test_tile_codes_layout(n, kb):
+    """Lane (g, t) of tile T, chunk c, half h reads 512 contiguous bytes per warp: rows 16T+g+8h, bytes 64c+16t."""
+    gen = torch.Generator().manual_seed(n + kb)
+    codes = torch.randint(0, 256, (n, kb), dtype=torch.uint8, generator=gen)
+    t = cg.tile_codes(codes)
+    assert t.shape == (-(-n // 16) * 16, kb) and torch.equal(cg.untile_codes(t, n), codes)
+    flat, r = t.reshape(-1), random.Random(n)
+    for _ in range(50):
+        T, c, h, g, tt = r.randrange(t.shape[0] // 16), r.randrange(kb // 64), r.randrange(2), r.randrange(8), r.randrange(4)
+        off = (T * (kb // 64) + c) * 1024 + h * 512 + (g * 4 + tt) * 16
+        row = 16 * T + g + 8 * h
+        want = codes[row, 64 * c + 16 * tt: 64 * c + 16 * tt + 16] if row < n else torch.zeros(16, dtype=torch.uint8)
+        assert torch.equal(flat[off: off + 16], want)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cg.tile_codes(codes[:, :32])
+
+
+def test_tiled_call_checks():
+    gen = torch.Generator().manual_seed(2)
+    codes, cb = _weights(20, 128, 4, gen, device="cpu")
+    x = torch.randn(128, generator=gen).half()
+    with pytest.raises(ValueError, match="tiled codes need 32 rows"):
+        cg.codebook_gemv(x, codes, cb, 4, tiled=True)
+    with pytest.raises(ValueError, match="mma"):
+        cg.codebook_gemv(x, cg.tile_codes(codes), cb, 4, tiled=True, backend="triton")
+
+
+@requires_cuda
+@pytest.mark.parametrize("seed", range(60))
+def test_tiled_gemv_random_gpu(seed):
+    """Variant 11 on tiled codes: float64 agreement and the same bits as variant 7 on canonical codes."""
+    r = random.Random(seed)
+    bits = r.choice([4, 4, 8])
+    k = (512 // bits) * r.randint(1, 60)
+    n = r.choice(AWKWARD + [r.randint(1, 5000)])
+    m = r.choice([1, 1, 2, 5, 8, 9, 16])
+    gen = torch.Generator().manual_seed(seed)
+    codes, cb = _weights(n, k, bits, gen)
+    x = torch.randn(m, k, generator=gen).half().cuda()
+    res = torch.randn(m, n, generator=gen).half().cuda() if r.random() < 0.4 else None
+    tiled = cg.tile_codes(codes)
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    cg.codebook_gemv(x, tiled, cb, bits, res, out=y, tiled=True)
+    assert rel_err(y, cg.codebook_gemv_reference(x, codes, cb, bits, res)) < TOL[torch.float16], (bits, m, k, n)
+    with _variant("mma-7"):
+        y7 = cg.codebook_gemv(x, codes, cb, bits, res, backend="mma")
+    assert torch.equal(y, y7)
+    for _ in range(5):
+        assert torch.equal(cg.codebook_gemv(x, tiled, cb, bits, res, tiled=True), y)
+
+
+@requires_cuda
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_tiled_gate_up_gpu(act):
+    gen = torch.Generator().manual_seed(9)
+    gc, gb = _weights(11008, 4096, 4, gen)
+    uc, ub = _weights(11008, 4096, 4, gen)
+    codes, cb, f = cg.interleave_gate_up(gc, gb, uc, ub)
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    y = cg.codebook_gemv_gate_up(x, cg.tile_codes(codes), cb, 4, f, act, tiled=True)
+    with _variant("mma-7"):
+        y7 = cg.codebook_gemv_gate_up(x, codes, cb, 4, f, act, backend="mma")
+    assert torch.equal(y, y7)
+    ref = cg.codebook_gemv_gate_up_reference(x, codes, cb, 4, f, act)
+    assert rel_err(y, ref) < TOL[torch.float16]

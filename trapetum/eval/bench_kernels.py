@@ -66,7 +66,7 @@ def _rand_codes(n, kb, gen):
     return torch.randint(0, 256, (n, kb), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-VARIANTS = (3, 4, 5, 7)
+VARIANTS = (3, 4, 5, 7, 11)
 GEMV_BACKENDS = ("mma",) + tuple(f"mma_v{v}" for v in VARIANTS) + ("triton",)
 
 
@@ -103,15 +103,19 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=GEMV_BACKENDS) ->
             continue
         kernel_be = "mma" if be.startswith("mma") else be
 
-        def make_q(i, kernel_be=kernel_be):
+        tiled = be == f"mma_v{cg.TILED_VARIANT}" or (be == "mma" and cg._variant() == cg.TILED_VARIANT)
+
+        def make_q(i, kernel_be=kernel_be, tiled=tiled):
             codes = _rand_codes(n, kb, gen)
             cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
             x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
-            return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be)
+            if tiled:  # the engine's layout for variant 11, made once at load
+                codes = cg.tile_codes(codes)
+            return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be, tiled=tiled)
 
         old_v = os.environ.get("TRAPETUM_GEMV_V")
-        if bits == 8 and be.startswith("mma_v") and be not in ("mma_v3", "mma_v5", "mma_v7"):
+        if bits == 8 and be.startswith("mma_v") and be not in ("mma_v3", "mma_v5", "mma_v7", "mma_v11"):
             continue  # the 8-bit head has the table kernels only (v4 == v3)
         if be.startswith("mma_v"):
             os.environ["TRAPETUM_GEMV_V"] = be[len("mma_v"):]
@@ -293,9 +297,11 @@ def ncu_driver() -> int:
         codes = _rand_codes(n, k * bits // 8, gen)
         cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
         x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
+        tiled = cg.tile_codes(codes)
         for v in (("5", "7") if bits == 8 else ("3", "4", "5", "7")):
             os.environ["TRAPETUM_GEMV_V"] = v
             cg.codebook_gemv(x, codes, cb, bits, backend="mma")
+        cg.codebook_gemv(x, tiled, cb, bits, tiled=True)  # variant 11
     torch.cuda.synchronize()
     os.environ.pop("TRAPETUM_GEMV_V", None)
     return 0

@@ -2,7 +2,9 @@
 
 W[o, 8g:8g+8] = scales[o] * sum_m codebooks[m, codes[o, g, m]]  (in_group 8, out_group 1; see
 ``trapetum.quant.additive``). The canonical layout (codes int8/int16 [out, G, M], codebooks fp16
-[M, K, 1, 8], scales fp16 [out, 1, 1, 1]) is read as it is stored; nothing is repacked.
+[M, K, 1, 8], scales fp16 [out, 1, 1, 1]) is what ``additive_gemv`` takes and reads as stored. The
+decode engine instead packs the 2x8 projections that share an input once (``Packed2x8``): codes in
+the kernel's "slices" layout, q/k/v or gate/up in one launch.
 
 Backends (``additive_gemv(..., backend=None)`` picks one):
 
@@ -11,8 +13,8 @@ Backends (``additive_gemv(..., backend=None)`` picks one):
   launch per row): per slice of 32 input groups a block builds the lookup table
   ``lut[k][(g, m)] = x_g . codebooks[m, k]`` (fp32, 64 KB of shared memory, with mma.sync), then
   streams the codes of its rows, one table lookup per code, laid out so that a warp's 32 lookups
-  hit 32 distinct banks; partial sums per (slice, row) go to a workspace and the block that
-  finishes a row's last slice adds them in slice order and applies scale, bias and residual.
+  hit 32 distinct banks; partial sums per (slice, row) go to a workspace and a second small kernel
+  adds each row's partials in a fixed order and applies scale, bias and residual.
   1x16 (one codebook of 65,536 entries, one row): a warp owns 4 rows, gathers the 16-byte codebook
   entries of its codes through L1/L2 and takes fp32 dot products with x. The .cu file's header
   has the design and the wavefront/byte budget; blocks per SM of the 2x8 kernel:
@@ -27,14 +29,13 @@ Backends (``additive_gemv(..., backend=None)`` picks one):
 
 A GEMV reads 2 bytes of codes per 8 weights (8x fewer bytes than fp16).
 
-Workspace: ``AdditiveWorkspace`` (int32 counters, zero between calls, + fp32 scratch) holds the 2x8
-partial sums (CUDA) or lookup tables (Triton). Pass one to use static buffers (CUDA graphs; any
+Workspace: ``AdditiveWorkspace`` (fp32 scratch) holds the 2x8 partial sums (CUDA) or lookup
+tables (Triton). Pass one to use static buffers (CUDA graphs; any
 number of sequential calls on one stream may share it, see ``shared_workspace``); without one,
 a per-device cached workspace is used (a fresh one while a CUDA graph is being captured).
 
-Determinism: every sum has a fixed order and no atomics touch a sum (the 2x8 CUDA kernel counts
-finished slices with integer atomics only), so results are bitwise identical run to run and the
-same in eager mode and CUDA graphs, which replay the same launches.
+Determinism: every sum has a fixed order and there are no atomics, so results are bitwise identical
+run to run, for any grid, and the same in eager mode and CUDA graphs, which replay the same launches.
 
 References (float64): ``additive_gemv_reference`` dequantizes in float64 and multiplies in float64.
 """
@@ -56,7 +57,7 @@ except Exception:  # pragma: no cover
     tl = None
 
 __all__ = ["additive_gemv_reference", "additive_gemv", "additive_linear", "lut_reference", "supported",
-           "AdditiveWorkspace", "workspace_need", "shared_workspace", "cuda_available"]
+           "AdditiveWorkspace", "workspace_need", "shared_workspace", "cuda_available", "Packed2x8", "layout_2x8", "pack_2x8", "unpack_2x8"]
 
 
 # ----------------------------------------------------------------------------- references
@@ -206,54 +207,52 @@ def _check(x, codes, codebooks, scales, bias, residual, out):
 
 # ----------------------------------------------------------------------------- workspace
 class AdditiveWorkspace:
-    """Scratch of ``additive_gemv``: int32 counters (zero between calls; the 2x8 CUDA kernel returns
-    what it counts to zero) and fp32 scratch (2x8 CUDA partial sums, or the Triton lookup tables).
+    """fp32 scratch of ``additive_gemv``: the 2x8 CUDA partial sums, or the Triton lookup tables.
     Any number of sequential calls on one stream may share one workspace."""
 
-    def __init__(self, device, counters: int, floats: int):
-        self.counters = torch.zeros(max(1, counters), dtype=torch.int32, device=device)
+    def __init__(self, device, floats: int):
         self.scratch = torch.empty(max(1, floats), dtype=torch.float32, device=device)
 
-    def fits(self, counters: int, floats: int) -> bool:
-        return self.counters.numel() >= counters and self.scratch.numel() >= floats
+    def fits(self, floats: int) -> bool:
+        return self.scratch.numel() >= floats
 
 
-def workspace_need(codes: torch.Tensor, codebooks: torch.Tensor, rows: int = 1) -> tuple[int, int]:
-    """(counters, floats) a GEMV over ``rows`` activation rows needs: 2x8 CUDA partial sums
+def workspace_need(codes: torch.Tensor, codebooks: torch.Tensor, rows: int = 1) -> int:
+    """fp32 scratch floats a GEMV over ``rows`` activation rows needs: 2x8 CUDA partial sums
     (ceil(G/32) * N) or Triton lookup tables (rows * G * M * 256); 1x16 needs none."""
     return _need(*codes.shape, codebooks.shape[1], rows)
 
 
-def _need(N: int, G: int, M: int, K: int, rows: int = 1) -> tuple[int, int]:
+def _need(N: int, G: int, M: int, K: int, rows: int = 1) -> int:
     if K != 256:
-        return 0, 0
-    return -(-N // 8), max(-(-G // _SLICE) * N, rows * G * M * 256)
+        return 0
+    return max(-(-G // _SLICE) * N, rows * G * M * 256)
 
 
 _SHARED_WS: dict[str, AdditiveWorkspace] = {}
 
 
-def shared_workspace(device, counters: int, floats: int) -> AdditiveWorkspace:
+def shared_workspace(device, floats: int) -> AdditiveWorkspace:
     """The per-device cached workspace, replaced by a larger one when it does not fit. Holders of
     an older one keep it alive (CUDA graphs captured with it stay valid)."""
     key = str(torch.device(device))
     ws = _SHARED_WS.get(key)
-    if ws is None or not ws.fits(counters, floats):
+    if ws is None or not ws.fits(floats):
         if ws is not None:
-            counters, floats = max(counters, ws.counters.numel()), max(floats, ws.scratch.numel())
-        ws = _SHARED_WS[key] = AdditiveWorkspace(device, counters, floats)
+            floats = max(floats, ws.scratch.numel())
+        ws = _SHARED_WS[key] = AdditiveWorkspace(device, floats)
     return ws
 
 
 def _workspace(x, codes, codebooks, rows, workspace):
     need = workspace_need(codes, codebooks, rows)
     if workspace is not None:
-        if not workspace.fits(*need):
-            raise ValueError(f"workspace: too small, need {need[0]} counters and {need[1]} floats")
+        if not workspace.fits(need):
+            raise ValueError(f"workspace: too small, need {need} floats")
         return workspace
     if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return AdditiveWorkspace(x.device, *need)  # graph-pool memory, zeroed by a captured memset
-    return shared_workspace(x.device, *need)
+        return AdditiveWorkspace(x.device, need)  # graph-pool memory
+    return shared_workspace(x.device, need)
 
 
 # ----------------------------------------------------------------------------- CUDA extension
@@ -263,9 +262,9 @@ _EXT = None  # the compiled extension once built
 _EXT_ERR: str | None = None  # why it could not be built
 _CU_PATH = Path(__file__).with_name("cuda") / "additive_gemv.cu"
 _CPP_DECLS = (
-    "void aqlm_gemv_2x8(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, "
-    "torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor counters, torch::Tensor partial, "
-    "int64_t has_bias, int64_t has_res, int64_t blocks_per_sm);\n"
+    "void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, "
+    "torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor partial, "
+    "torch::Tensor meta, int64_t has_bias, int64_t has_res, int64_t blocks_per_sm);\n"
     "void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, "
     "torch::Tensor bias, torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2);")
 
@@ -276,7 +275,7 @@ def _build():
     # torch caches the build under ~/.cache/torch_extensions and rebuilds when the source changes.
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(name="trapetum_aqlm_gemv_v1", cpp_sources=_CPP_DECLS,
+    return load_inline(name="trapetum_aqlm_gemv_v2", cpp_sources=_CPP_DECLS,
                        cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + _CU_PATH.read_text(),
                        functions=["aqlm_gemv_2x8", "aqlm_gemv_1x16"], extra_cuda_cflags=["-O3", "-lineinfo"],
                        verbose=False)
@@ -338,17 +337,128 @@ def _cuda_refusal(x2, codes, codebooks, scales, bias, residual, y) -> str | None
     return None
 
 
+def _canonical_meta(codes: torch.Tensor) -> torch.Tensor:
+    """Launcher meta of one 2x8 part read in the canonical layout: (rows, offset, row stride, slice stride)."""
+    N, G, _ = codes.shape
+    return torch.tensor([[N, 0, 2 * G, 2 * _SLICE]], dtype=torch.int64)
+
+
 def _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws) -> None:
-    """One launch per activation row (2x8) or one launch (1x16)."""
+    """One launch per activation row (2x8, canonical layout read as stored) or one launch (1x16)."""
     hb, hr = int(bias is not None), int(res is not None)
     b = bias if bias is not None else y[0]
+    meta = _canonical_meta(codes) if codebooks.shape[1] == 256 else None
     for t in range(x2.shape[0]):
         r = res[t] if res is not None else y[t]
         if codebooks.shape[1] == 256:
-            _EXT.aqlm_gemv_2x8(x2[t], codes, codebooks, scales, b, r, y[t], ws.counters, ws.scratch, hb, hr,
+            _EXT.aqlm_gemv_2x8(x2[t], [codes], codebooks, scales, b, r, y[t], ws.scratch, meta, hb, hr,
                                _blocks_per_sm())
         else:
             _EXT.aqlm_gemv_1x16(x2[t], codes, codebooks, scales, b, r, y[t], hb, hr, -1)
+
+
+LAYOUTS_2X8 = ("slices", "rows")
+
+
+def layout_2x8() -> str:
+    """Code layout of packed 2x8 projections: TRAPETUM_AQLM_LAYOUT=slices (default: [slice][row][64 B],
+    each block reads one contiguous stream) or rows (the canonical [row][group][2], read as stored)."""
+    v = os.environ.get("TRAPETUM_AQLM_LAYOUT", "slices")
+    if v not in LAYOUTS_2X8:
+        raise ValueError(f"TRAPETUM_AQLM_LAYOUT: must be one of {LAYOUTS_2X8}, got {v!r}")
+    return v
+
+
+def pack_2x8(codes: torch.Tensor, layout: str = "slices") -> torch.Tensor:
+    """2x8 codes int8 [N, G, 2] in the CUDA kernel's layout, as a flat uint8 buffer. "slices":
+    [ceil(G/32)][N padded to 8][64 bytes], zeros past G and N (filled one slice at a time: no
+    full-size temporary); "rows": the canonical bytes (a view when contiguous)."""
+    N, G, _ = codes.shape
+    if layout == "rows":
+        return codes.contiguous().view(torch.uint8).reshape(-1)
+    nslices, npad = -(-G // _SLICE), -(-N // 8) * 8
+    out = torch.zeros(nslices, npad, 2 * _SLICE, dtype=torch.uint8, device=codes.device)
+    for s in range(nslices):
+        g0, g1 = s * _SLICE, min(G, (s + 1) * _SLICE)
+        out[s, :N, : 2 * (g1 - g0)] = codes[:, g0:g1].reshape(N, -1).view(torch.uint8)
+    return out.reshape(-1)
+
+
+def unpack_2x8(buf: torch.Tensor, N: int, G: int, layout: str = "slices") -> torch.Tensor:
+    """Inverse of ``pack_2x8``: int8 [N, G, 2] (a view for "rows", a copy for "slices")."""
+    if layout == "rows":
+        return buf.view(torch.int8).view(N, G, 2)
+    nslices, npad = -(-G // _SLICE), -(-N // 8) * 8
+    v = buf.view(nslices, npad, 2 * _SLICE).transpose(0, 1)[:N].reshape(N, -1)[:, : 2 * G]
+    return v.view(torch.int8).reshape(N, G, 2)
+
+
+class Packed2x8:
+    """2x8 projections that share an input (q, k, v; gate, up), packed once for one CUDA launch.
+
+    parts: (codes int8 [N, G, 2], codebooks fp16 [2, 256, 1, 8], scales [N, 1, 1, 1], bias [N] or None),
+    all with the same G (G % 8 == 0) on one CUDA device. layout "slices": part q's codes become
+    [ceil(G/32) slices][N padded to 8][64 bytes] (zeros past G and N), so that the (slice, octet) units a
+    block takes are one contiguous stream; "rows": the canonical codes as they are (no copy). Each
+    part keeps its own buffer; outputs, scales and bias are the parts' rows concatenated."""
+
+    def __init__(self, parts, layout: str | None = None):
+        layout = layout or layout_2x8()
+        if layout not in LAYOUTS_2X8:
+            raise ValueError(f"layout: must be one of {LAYOUTS_2X8}, got {layout!r}")
+        if not 1 <= len(parts) <= 4:
+            raise ValueError(f"parts: 1 to 4 projections per launch, got {len(parts)}")
+        G = parts[0][0].shape[1]
+        for codes, cb, sc, _ in parts:
+            if tuple(cb.shape) != (2, 256, 1, 8) or codes.dtype != torch.int8 or codes.shape[1:] != (G, 2):
+                raise ValueError(f"parts: need 2x8 codes [N, {G}, 2] with codebooks [2, 256, 1, 8]")
+        if G % 8:
+            raise ValueError(f"parts: in_features {8 * G} is not a multiple of 64")
+        self.layout, self.G, self.nslices = layout, G, -(-G // _SLICE)
+        dev = parts[0][0].device
+        self.codes, meta = [], []
+        for codes, _, _, _ in parts:
+            self.codes.append(pack_2x8(codes, layout))
+            meta.append(self._meta(codes.shape[0]))
+        self.meta = torch.tensor(meta, dtype=torch.int64)
+        self.codebooks = torch.stack([cb.reshape(2, 256, 8) for _, cb, _, _ in parts]).to(torch.float16).contiguous()
+        self.scales = torch.cat([sc.reshape(-1) for _, _, sc, _ in parts]).to(torch.float16).contiguous()
+        self.rows = [c.shape[0] for c, _, _, _ in parts]
+        self.bias = None
+        if any(b is not None for _, _, _, b in parts):
+            self.bias = torch.cat([b.reshape(-1) if b is not None else torch.zeros(c.shape[0], device=dev)
+                                   for c, _, _, b in parts]).to(torch.float16).contiguous()
+        self.need = self.nslices * sum(self.rows)  # fp32 partial sums
+
+    def _meta(self, N: int) -> list[int]:
+        if self.layout == "slices":
+            return [N, 0, 2 * _SLICE, 2 * _SLICE * (-(-N // 8) * 8)]
+        return [N, 0, 2 * self.G, 2 * _SLICE]
+
+    def canonical_codes(self, i: int) -> torch.Tensor:
+        """Part i's codes in the canonical layout int8 [N, G, 2] (a view for "rows", a copy for "slices")."""
+        return unpack_2x8(self.codes[i], self.rows[i], self.G, self.layout)
+
+    def gemv(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None, *,
+             workspace: AdditiveWorkspace | None = None) -> torch.Tensor:
+        """out [sum N] = concat_q(x [8 G] @ W_q.T (+ bias_q)) (+ residual): one launch, fp16 in and out."""
+        if _load_ext() is None:
+            raise RuntimeError(f"Packed2x8.gemv: the CUDA extension is unavailable ({_EXT_ERR})")
+        n = sum(self.rows)
+        if x.numel() != 8 * self.G or out.numel() != n or (residual is not None and residual.numel() != n):
+            raise ValueError(f"x/out/residual: expected {8 * self.G} inputs and {n} outputs")
+        ws = workspace if workspace is not None else shared_workspace(x.device, self.need)
+        if not ws.fits(self.need):
+            raise ValueError(f"workspace: too small, need {self.need} floats")
+        y = out.view(-1)
+        _EXT.aqlm_gemv_2x8(x.reshape(-1), self.codes, self.codebooks, self.scales,
+                           self.bias if self.bias is not None else y, residual.view(-1) if residual is not None else y,
+                           y, ws.scratch, self.meta, int(self.bias is not None), int(residual is not None),
+                           _blocks_per_sm())
+        return out
+
+    def nbytes(self) -> int:
+        return sum(c.numel() for c in self.codes) + self.codebooks.numel() * 2 + self.scales.numel() * 2
 
 
 # ----------------------------------------------------------------------------- public API
@@ -429,7 +539,8 @@ def _random_layout(n, k, M, nb, gen, device="cuda"):
 def _bench_variants(layout, backends, bps_sweep):
     """(label, backend, TRAPETUM_AQLM_BPS or None) to time for one layout (the sweep: 2x8 only)."""
     out = [(b, b, None) for b in backends if b != "cuda" or cuda_available()]
-    if cuda_available() and layout == (2, 8):
+    if cuda_available() and layout == (2, 8) and "cuda" in backends:
+        out.append(("cuda_slices", "cuda_slices", None))  # the engine's path: Packed2x8, "slices" layout
         out += [(f"cuda_bps{v}", "cuda", str(v)) for v in bps_sweep]
     return out
 
@@ -439,12 +550,15 @@ def _time_additive(k, n, M, nb, backend, bps, gen, block_r, block_g, device="cud
     from ..eval.bench_kernels import graph_time_us
 
     q_bytes = n * (k // 8) * M * (nb // 8) + M * (1 << nb) * 16 + n * 2 + k * 2 + n * 2
-    ws = AdditiveWorkspace(device, *_need(n, k // 8, M, 1 << nb))
+    ws = AdditiveWorkspace(device, _need(n, k // 8, M, 1 << nb))
 
     def make_q(i):
         codes, cb, sc = _random_layout(n, k, M, nb, gen, device)
         x = torch.randn(1, k, device=device, dtype=torch.float16, generator=gen)
         y = torch.empty(1, n, device=device, dtype=torch.float16)
+        if backend == "cuda_slices":
+            packed = Packed2x8([(codes, cb, sc, None)], layout="slices")
+            return lambda: packed.gemv(x, y, workspace=ws)
         return lambda: additive_gemv(x, codes, cb, sc, out=y, workspace=ws, backend=backend,
                                      block_r=block_r, block_g=block_g)
 

@@ -225,8 +225,9 @@ def mma_available(device: torch.device | None = None) -> bool:
     return cuda_ext.available(device)
 
 
-DEFAULT_VARIANT = 7  # fastest measured on the H200 (NOTES-kernels.md, run 4)
-_VARIANTS = ("3", "4", "5", "7")
+DEFAULT_VARIANT = 11  # fastest measured on the H200 (NOTES-kernels.md, session 3: tiled codes)
+_VARIANTS = ("3", "4", "5", "7", "11")
+TILED_VARIANT = 11  # variant 7 on the tiled code layout (``tile_codes``)
 
 
 def _variant() -> int:
@@ -234,10 +235,47 @@ def _variant() -> int:
 
     3: shared-memory pair tables; 4: byte-permute lookups from codebook byte planes in registers
     (4-bit only; the 8-bit LM head uses the table kernel); 5: 3 with the activation x loaded only
-    by the lanes whose row exists; 7: 5 with no code loads past the last chunk. NOTES-kernels.md
-    has the measurements (and those of variants 6 and 8-10, removed as slower)."""
+    by the lanes whose row exists; 7: 5 with no code loads past the last chunk; 11: 7 on codes
+    tiled at load (``tile_codes``; only through ``tiled=True`` calls, i.e. the engine: a canonical
+    call under 11 runs 7). NOTES-kernels.md has the measurements (and those of variants 6 and 8-10,
+    removed as slower)."""
     v = os.environ.get("TRAPETUM_GEMV_V", "")
     return int(v) if v in _VARIANTS else DEFAULT_VARIANT
+
+
+def _kernel_variant(tiled: bool) -> int:
+    """The variant a call runs: 11 for tiled codes, else the selected one (7 in place of 11)."""
+    if tiled:
+        return TILED_VARIANT
+    v = _variant()
+    return 7 if v == TILED_VARIANT else v
+
+
+def use_tiled(device: torch.device | None = None) -> bool:
+    """True if the engine should keep its codebook projections in the tiled layout (variant 11
+    selected and the CUDA kernels available)."""
+    return _variant() == TILED_VARIANT and mma_available(device) and _load_ext() is not None
+
+
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Load-time repack for variant 11: uint8 [N, KB] (KB % 64 == 0) -> [ceil(N/16)*16, KB] holding,
+    per 16-row tile and 64-byte chunk c, 1,024 bytes ordered [h][g][t][16 B] = rows g + 8h, bytes
+    16t..16t+15 of chunk c: the kernel's lane (g, t) then loads 512 contiguous bytes per warp
+    instruction. Padded rows are zero (never stored)."""
+    N, KB = codes.shape
+    if KB % 64:
+        raise ValueError(f"codes: {KB} bytes per row is not a multiple of 64")
+    npad = -(-N // 16) * 16
+    full = codes if npad == N else torch.cat([codes, codes.new_zeros(npad - N, KB)])
+    t = full.reshape(npad // 16, 2, 8, KB // 64, 4, 16).permute(0, 3, 1, 2, 4, 5)
+    return t.contiguous().reshape(npad, KB)
+
+
+def untile_codes(tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``tile_codes``: the canonical [n, KB] codes."""
+    npad, KB = tiled.shape
+    t = tiled.reshape(npad // 16, KB // 64, 2, 8, 4, 16).permute(0, 2, 3, 1, 4, 5)
+    return t.contiguous().reshape(npad, KB)[:n]
 
 
 def _mma_shape_ok(M, K, bits):
@@ -291,22 +329,37 @@ def _pick_backend(backend, x2, K, bits):
     return backend
 
 
+def _tiled_call(x, codes, codebook, bits, backend):
+    """Checks of a ``tiled=True`` call (codes from ``tile_codes``): the mma kernel only."""
+    if backend not in (None, "mma"):
+        raise ValueError(f"backend: tiled codes run on the 'mma' kernel only, got {backend!r}")
+    n = codebook.shape[0] if isinstance(codebook, torch.Tensor) and codebook.dim() == 2 else -1
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] != -(-n // 16) * 16:
+        raise ValueError(f"codes: tiled codes need {-(-n // 16) * 16} rows (codebook rows padded to 16), "
+                         f"got {tuple(getattr(codes, 'shape', ()))}")
+    _check(x, codes[:n], codebook, bits)
+
+
 def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
                   residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                  backend: str | None = None) -> torch.Tensor:
+                  backend: str | None = None, tiled: bool = False) -> torch.Tensor:
     """y = x @ W.T (+ residual) with W given by per-row codebooks (canonical layout, see module doc).
 
     x: fp16 [in] or [M, in]; codes: uint8 [out, ceil(in*bits/8)]; codebook: fp16 [out, 2**bits];
     residual: fp16 shaped like y (added in fp32 before rounding). Returns fp16 [M, out] (or [out]).
+    tiled: codes come from ``tile_codes`` (variant 11 of the mma kernel).
     fp32 accumulation, fixed-order reductions: results are bitwise reproducible run to run.
     """
-    _check(x, codes, codebook, bits)
+    if tiled:
+        _tiled_call(x, codes, codebook, bits, backend)
+    else:
+        _check(x, codes, codebook, bits)
     squeeze = x.dim() == 1
     x2 = x.reshape(1, -1) if squeeze else x
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, K = x2.shape
-    N = codes.shape[0]
+    N = codebook.shape[0]
     if residual is not None:
         if residual.dtype != torch.float16 or residual.numel() != M * N or residual.device != x.device:
             raise ValueError(f"residual: expected float16 with {M}x{N} elements on {x.device}")
@@ -321,11 +374,11 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
         y = out.view(M, N)
     codes = codes if codes.is_contiguous() else codes.contiguous()
     codebook = codebook if codebook.is_contiguous() else codebook.contiguous()
-    be = _pick_backend(backend, x2, K, bits)
+    be = _pick_backend("mma" if tiled else backend, x2, K, bits)
     if be == "mma":
         x2 = x2.contiguous()
         _load_ext().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
-                         bits, 0, int(residual is not None), 0, _variant())
+                                bits, 0, int(residual is not None), 0, _kernel_variant(tiled))
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y)
     else:
@@ -339,13 +392,16 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
 
 def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
                           f: int, act: str = "silu", *, out: torch.Tensor | None = None,
-                          backend: str | None = None) -> torch.Tensor:
+                          backend: str | None = None, tiled: bool = False) -> torch.Tensor:
     """act(x @ Wg.T) * (x @ Wu.T) in one launch, on the layout made by ``interleave_gate_up``.
 
     codes/codebook: [2*ceil(f/8)*8, ...]; f: number of output features; act: 'silu' | 'gelu_tanh'.
-    Returns fp16 [M, f] (or [f] for 1-D x).
+    tiled: codes also went through ``tile_codes``. Returns fp16 [M, f] (or [f] for 1-D x).
     """
-    _check(x, codes, codebook, bits)
+    if tiled:
+        _tiled_call(x, codes, codebook, bits, backend)
+    else:
+        _check(x, codes, codebook, bits)
     if act not in ("silu", "gelu_tanh"):
         raise ValueError(f"act: must be 'silu' or 'gelu_tanh', got {act!r}")
     n = codes.shape[0]
@@ -357,9 +413,10 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     M, K = x2.shape
     y = torch.empty(M, f, dtype=torch.float16, device=x.device) if out is None else out.view(M, f)
     epi = 1 if act == "silu" else 2
-    be = _pick_backend(backend, x2, K, bits)
+    be = _pick_backend("mma" if tiled else backend, x2, K, bits)
     if be == "mma":
-        _load_ext().cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f, _variant())
+        _load_ext().cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f,
+                                _kernel_variant(tiled))
     elif be == "triton":
         _triton_gemv(x2, codes.contiguous(), codebook.contiguous(), bits, None, y, epi=epi, f=f)
     else:

@@ -59,25 +59,31 @@ class DenseProj:
 
 
 class CodebookProj:
+    """Per-row scalar codebook projection. With GEMV variant 11 (``cg.use_tiled``) the codes are
+    kept in the kernel's tiled layout (``cg.tile_codes``, made here once); prefill untiles them."""
     kind = "codebook"
 
     def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int,
                  bias: torch.Tensor | None):
-        self.codes = codes.contiguous()
+        self.out_features = codes.shape[0]
+        self.tiled = bits in (4, 8) and codes.shape[1] % 64 == 0 and cg.use_tiled(codes.device)
+        self.codes = cg.tile_codes(codes) if self.tiled else codes.contiguous()
         self.codebook = codebook.to(torch.float16).contiguous()
         self.bits = bits
         self.in_features = in_features
-        self.out_features = codes.shape[0]
         self.bias = bias
 
     def gemv(self, x, out, residual=None):
-        cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out)
+        cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out, tiled=self.tiled)
         if self.bias is not None:
             out.add_(self.bias)
         return out
 
+    def canonical_codes(self) -> torch.Tensor:
+        return cg.untile_codes(self.codes, self.out_features) if self.tiled else self.codes
+
     def dense(self) -> torch.Tensor:
-        return dequantize(self.codes, self.codebook, self.bits, self.in_features)
+        return dequantize(self.canonical_codes(), self.codebook, self.bits, self.in_features)
 
     def matmul(self, x, mm=F.linear):
         return mm(x, self.dense(), self.bias)
@@ -87,11 +93,12 @@ class CodebookProj:
 
 
 class AdditiveProj:
-    """Additive (AQLM 2x8 / 1x16) projections sharing an input: one deterministic GEMV per part into
-    its slice of ``out`` (parts keep their own codebooks, so they are not concatenated); prefill
-    dequantizes per call. The GEMVs' scratch (2x8 partial sums or lookup tables) is one static
-    workspace shared by every additive projection on the device (allocated here, never during a
-    CUDA-graph replay; the decode step runs the GEMVs one after another on one stream)."""
+    """Additive (AQLM 2x8 / 1x16) projections sharing an input. 2x8 on the CUDA kernel: all parts
+    in one launch (``Packed2x8``: each part keeps its codebooks; codes in the kernel's layout,
+    TRAPETUM_AQLM_LAYOUT); otherwise one deterministic GEMV per part into its slice of ``out``.
+    Prefill dequantizes per call. The GEMVs' scratch (2x8 partial sums or lookup tables) is one
+    static workspace shared by every additive projection on the device (allocated here, never during
+    a CUDA-graph replay; the decode step runs the GEMVs one after another on one stream)."""
     kind = "additive"
 
     def __init__(self, mods: list[nn.Module], device):
@@ -106,21 +113,38 @@ class AdditiveProj:
         self.bounds = [0]
         for m in mods:
             self.bounds.append(self.bounds[-1] + m.out_features)
-        needs = [ag.workspace_need(codes, cb) for codes, cb, _, _ in self.parts]
-        self.ws = ag.shared_workspace(device, max(n[0] for n in needs), max(n[1] for n in needs))
+        self.packed = None
+        if all(tuple(cb.shape) == (2, 256, 1, 8) for _, cb, _, _ in self.parts) and self.in_features % 64 == 0 \
+                and len(mods) <= 4 and torch.device(device).type == "cuda" and ag.cuda_available(torch.device(device)) \
+                and ag._load_ext() is not None:
+            self.packed = ag.Packed2x8(self.parts)
+            need = self.packed.need
+            if self.packed.layout != "rows":  # the engine reads the packed copy; prefill unpacks it
+                self.parts = [(None,) + p[1:] for p in self.parts]
+        else:
+            need = max(ag.workspace_need(codes, cb) for codes, cb, _, _ in self.parts)
+        self.ws = ag.shared_workspace(device, need)
 
     def gemv(self, x, out, residual=None):
+        if self.packed is not None:
+            return self.packed.gemv(x, out, residual, workspace=self.ws)
         for (codes, cb, sc, b), lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
             self.ag.additive_gemv(x.view(1, -1), codes, cb, sc, b,
                                   None if residual is None else residual[lo:hi], out=out[lo:hi], workspace=self.ws)
         return out
 
+    def _codes(self, i: int) -> torch.Tensor:
+        return self.parts[i][0] if self.parts[i][0] is not None else self.packed.canonical_codes(i)
+
     def matmul(self, x):
         from ..quant.additive import dequantize_aqlm
 
-        return torch.cat([F.linear(x, dequantize_aqlm(c, cb, sc, torch.float16), b) for c, cb, sc, b in self.parts], -1)
+        return torch.cat([F.linear(x, dequantize_aqlm(self._codes(i), cb, sc, torch.float16), b)
+                          for i, (_, cb, sc, b) in enumerate(self.parts)], -1)
 
     def nbytes(self) -> int:
+        if self.packed is not None:
+            return self.packed.nbytes()
         return sum(t.numel() * t.element_size() for p in self.parts for t in p[:3])
 
 
@@ -185,7 +209,8 @@ class GateUp:
         """out [F]; scratch [2F] fp16 workspace."""
         if self.interleaved is not None:
             p = self.interleaved
-            return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out)
+            return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out,
+                                            tiled=p.tiled)
         if isinstance(self.joint, DenseProj) and self.joint.bias is None:
             return dense_gemv_gate_up(x, self.joint.w, self.f, self.act, out=out, scratch=scratch)
         g, u = scratch[: self.f], scratch[self.f: 2 * self.f]

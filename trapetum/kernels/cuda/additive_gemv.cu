@@ -20,9 +20,13 @@
 // rows 4..7 swap their code words pairwise), which gives the 32 lanes 32 distinct banks at every
 // step (tests/cuda/additive_2x8_host_check.cu runs these lane maps on the CPU and checks it). With
 // random codes and one shared table instead, a warp's LDS costs ~3.2-3.5 wavefronts.
-// Partial sums per (slice, row) go to a workspace; an int counter per octet, bumped after a fence,
-// tells the block that completes an octet's last slice to add its partials in slice order 0, 1, ..
-// (fixed order: deterministic) and apply scale, bias and residual; it resets the counter to 0.
+// Partial sums per (slice, row) go to a workspace; a second, small kernel adds each row's partials in
+// a fixed order and applies scale, bias and residual (deterministic; no atomics, no fences). (The first
+// version let the block finishing an octet's last slice add its partials: the blocks that finished last
+// did most of those sums one row per thread, a tail of ~10-30 us at the big shapes.)
+// Codes: the kernel reads any (row stride, slice stride) layout; the engine packs them once into the
+// "slices" layout ([slice][row][64 B]) so that each block streams one contiguous range. One launch can
+// cover up to 4 projections sharing x (q/k/v, gate/up), each with its own codebooks.
 //
 // Budget per 8 weights (one group, two codes), per SM:
 //   DRAM: 2 code bytes (0.25 B/weight; cuBLAS fp16 reads 2 B/weight: 8x fewer bytes).
@@ -86,12 +90,85 @@ __host__ __device__ constexpr int build_word(int q, int mt, int lane, int e, int
   const int gid = lane >> 2, t = lane & 3, h = (t >> 1) ^ second;
   return bcol_k(q, 2 * t + e) * kCols + tab_col_of(16 * mt + gid + 8 * h, bcol_m(2 * t + e));
 }
-// Units [u, u1) of the slice-major (slice, octet) space: the next segment (one slice).
-__host__ __device__ inline void next_segment(long long u, long long u1, int octets, int* slice, int* oa, int* ob) {
-  *slice = int(u / octets);
-  *oa = int(u - (long long)(*slice) * octets);
-  const long long end = (long long)(*slice) * octets + octets;
-  *ob = int((u1 < end ? u1 : end) - (long long)(*slice) * octets);
+// ----------------------------------------------------------------------------- 2x8 work layout
+// One launch computes up to kMaxParts projections that share the input x (q, k, v; gate, up), each
+// with its own codebooks, rows and code layout. Part q's units are (slice, octet) pairs numbered
+// slice-major from units0; a byte of row r, slice s sits at codes + s * slice_stride + r * row_stride:
+//   "slices" layout (the kernel's, packed once at load): [slice][row (padded to 8)][64 bytes],
+//     row_stride = 64, slice_stride = 64 * 8 * octets: a block's unit range is one contiguous stream;
+//   canonical layout [row][group][2]: row_stride = 2 G, slice_stride = 64 (64-byte pieces, 2 G apart).
+// Partial sums of part q: partial[partial0 + slice * N + row] (added by aqlm_2x8_reduce_kernel);
+// outputs, scales, bias and residual: index row0 + row.
+constexpr int kMaxParts = 4;
+struct Part2x8 {
+  const uint8_t* codes;
+  const void* cb;          // fp16 [2, 256, 8]
+  long long row_stride;    // bytes
+  long long slice_stride;  // bytes
+  long long units0;        // first unit of this part
+  long long partial0;      // first partial float of this part
+  int N, row0, octets;
+};
+
+// The part that owns unit u (parts are few: a select chain, no dynamic indexing of the parameter).
+__host__ __device__ inline Part2x8 part_of(const Part2x8 (&parts)[kMaxParts], int nparts, long long u) {
+  Part2x8 P = parts[0];
+#pragma unroll
+  for (int q = 1; q < kMaxParts; ++q)
+    if (q < nparts && u >= parts[q].units0) P = parts[q];
+  return P;
+}
+// Units [u, u1) of part P: the next segment (one slice of one part, octets [oa, ob)).
+__host__ __device__ inline void next_segment(const Part2x8& P, long long u, long long u1, int* slice, int* oa, int* ob) {
+  const long long lu = u - P.units0;
+  *slice = int(lu / P.octets);
+  *oa = int(lu - (long long)(*slice) * P.octets);
+  const long long end = P.units0 + (long long)(*slice) * P.octets + P.octets;
+  *ob = int((u1 < end ? u1 : end) - P.units0 - (long long)(*slice) * P.octets);
+}
+
+// Totals of a launch's parts (filled by fill_parts).
+struct PartTotals {
+  long long units = 0, rows = 0, floats = 0;
+};
+// Host: part q from meta row (rows N, byte offset into codes[q], row stride, slice stride); unused slots
+// never own a unit.
+inline PartTotals fill_parts(Part2x8 (&parts)[kMaxParts], int nparts, const long long* meta,
+                             const uint8_t* const* codes, const void* cb, int nslices) {
+  PartTotals t;
+  for (int q = 0; q < kMaxParts; ++q) {
+    Part2x8& P = parts[q];
+    if (q >= nparts) {
+      P = parts[0];
+      P.units0 = (long long)1 << 62;
+      continue;
+    }
+    P.N = (int)meta[4 * q];
+    P.codes = codes[q] + meta[4 * q + 1];
+    P.row_stride = meta[4 * q + 2];
+    P.slice_stride = meta[4 * q + 3];
+    P.cb = static_cast<const uint16_t*>(cb) + (size_t)q * 2 * 256 * 8;
+    P.units0 = t.units;
+    P.partial0 = t.floats;
+    P.row0 = (int)t.rows;
+    P.octets = (P.N + 7) / 8;
+    t.units += (long long)nslices * P.octets;
+    t.floats += (long long)nslices * P.N;
+    t.rows += P.N;
+  }
+  return t;
+}
+
+// Second kernel: y[row] = epilogue(sum over slices of partial[slice][row]) for the rows of every
+// part, 64 rows per block: thread (row, q) adds slices q, q + 4, q + 8, .. in order, then the four
+// quarter sums are added as (s0 + s1) + (s2 + s3): a fixed order whatever the grid of the first kernel.
+constexpr int kReduceRows = kThreads / 4;
+__host__ __device__ inline Part2x8 part_of_row(const Part2x8 (&parts)[kMaxParts], int nparts, long long row) {
+  Part2x8 P = parts[0];
+#pragma unroll
+  for (int q = 1; q < kMaxParts; ++q)
+    if (q < nparts && row >= parts[q].row0) P = parts[q];
+  return P;
 }
 
 #ifdef __CUDACC__
@@ -147,20 +224,18 @@ struct Epi {
 // ----------------------------------------------------------------------------- 2x8 kernel
 struct Params2x8 {
   const half* x;          // [G * 8]
-  const uint8_t* codes;   // [N, G, 2]
-  const half* cb;         // [2, 256, 8]
-  const half* scales;     // [N]
-  const half* bias;       // [N] or unused
-  const half* res;        // [N] or unused
-  half* y;                // [N]
-  float* partial;         // [nslices, N]
-  int* counters;          // [octets], zero between calls
-  int N, G, nslices, octets, has_bias, has_res;
-  long long units;        // nslices * octets
+  const half* scales;     // [rows of all parts]
+  const half* bias;       // [rows] or unused
+  const half* res;        // [rows] or unused
+  half* y;                // [rows]
+  float* partial;         // per part [nslices, N]
+  Part2x8 part[kMaxParts];
+  int nparts, G, nslices, has_bias, has_res;
+  long long units;        // all parts
 };
 
 // lut[k][col] for the 32 groups of `slice` (groups >= G get x = 0, hence zero entries).
-__device__ void build_table(const Params2x8& p, uint32_t tab, int slice, int warp, int lane) {
+__device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, int slice, int warp, int lane) {
   const int gid = lane >> 2, t = lane & 3;
   uint32_t a[2][2];
 #pragma unroll
@@ -174,7 +249,7 @@ __device__ void build_table(const Params2x8& p, uint32_t tab, int slice, int war
 #pragma unroll
   for (int i = 0; i < kTiles / kWarps; ++i) {
     const int q = warp + i * kWarps;
-    b[i] = __ldg(reinterpret_cast<const uint32_t*>(p.cb + (bcol_m(gid) * 256 + bcol_k(q, gid)) * 8 + 2 * t));
+    b[i] = __ldg(reinterpret_cast<const uint32_t*>(cb + (bcol_m(gid) * 256 + bcol_k(q, gid)) * 8 + 2 * t));
   }
 #pragma unroll
   for (int i = 0; i < kTiles / kWarps; ++i) {
@@ -195,14 +270,16 @@ __device__ void build_table(const Params2x8& p, uint32_t tab, int slice, int war
 
 // Per-segment state of one lane: where its code chunks and row partials live.
 struct Lane2x8 {
-  const uint8_t* codes;  // chunk j of row r of octet 0 of this slice (octet o: + o * 16 G bytes)
-  float* partial;        // partial[slice][0]
+  const uint8_t* codes;  // chunk j of row r of octet 0 of this slice (octet o: + 8 o row_stride)
+  float* partial;        // this part's partial[slice][0]
+  long long octet_stride;
+  int N;
   bool chunk_ok;         // the chunk lies inside the G groups
 };
 
 // 16 code bytes of lane (r, j) for octet o, or zeros (octet past ob, row past N, chunk past G).
-__device__ __forceinline__ uint4 load_chunk(const Params2x8& p, const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
-  if (o < ob && 8 * o + r < p.N && l.chunk_ok) return ld_codes(l.codes + (size_t)o * (16 * p.G), pol);
+__device__ __forceinline__ uint4 load_chunk(const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
+  if (o < ob && 8 * o + r < l.N && l.chunk_ok) return ld_codes(l.codes + o * l.octet_stride, pol);
   return make_uint4(0u, 0u, 0u, 0u);
 }
 
@@ -220,40 +297,7 @@ __device__ __forceinline__ float lookup_chunk(uint4 c, uint32_t tab, const uint3
   return v;
 }
 
-// Octets [oa, ob) of `slice` are done by this block: count them; an octet whose last slice this
-// was gets its partials summed in slice order, scaled, biased and stored (and its counter reset).
-__device__ void complete_segment(const Params2x8& p, int oa, int ob, int* list, int* nlist) {
-  __threadfence();
-  __syncthreads();
-  for (int base = oa; base < ob; base += kThreads) {
-    if (threadIdx.x == 0) *nlist = 0;
-    __syncthreads();
-    const int o = base + threadIdx.x;
-    if (o < ob && atomicAdd(&p.counters[o], 1) == p.nslices - 1) {
-      p.counters[o] = 0;
-      list[atomicAdd(nlist, 1)] = o;
-    }
-    __syncthreads();
-    const int n = *nlist;
-    if (n > 0) {
-      __threadfence();
-      for (int i = threadIdx.x; i < 8 * n; i += kThreads) {
-        const int row = 8 * list[i >> 3] + (i & 7);
-        if (row >= p.N) continue;
-        const Epi e = Epi::load(p.scales, p.bias, p.res, row, p.has_bias, p.has_res);
-        float acc = 0.f;
-#pragma unroll 16
-        for (int sl = 0; sl < p.nslices; ++sl) acc += __ldcg(p.partial + (size_t)sl * p.N + row);
-        e.store(p.y, row, acc, p.has_bias, p.has_res);
-      }
-    }
-    __syncthreads();
-  }
-}
-
 __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p) {
-  __shared__ int list[kThreads];
-  __shared__ int nlist;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, j = lane & 3;
   const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
   const uint64_t pol = evict_first_policy();
@@ -262,16 +306,18 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
   for (int s = 0; s < 16; ++s) sw[s] = step_word(lane, s);
   const long long u1 = (long long)(blockIdx.x + 1) * p.units / gridDim.x;
   for (long long u = (long long)blockIdx.x * p.units / gridDim.x; u < u1;) {
+    const Part2x8 P = part_of(p.part, p.nparts, u);
     int slice, oa, ob;
-    next_segment(u, u1, p.octets, &slice, &oa, &ob);
+    next_segment(P, u, u1, &slice, &oa, &ob);
     u += ob - oa;
-    const Lane2x8 l = {p.codes + (size_t)r * (2 * p.G) + slice * kSliceBytes + 16 * j,
-                       p.partial + (size_t)slice * p.N, slice * kSlice + 8 * j < p.G};
+    const Lane2x8 l = {P.codes + slice * P.slice_stride + r * P.row_stride + 16 * j,
+                       p.partial + P.partial0 + (size_t)slice * P.N, 8 * P.row_stride, P.N,
+                       slice * kSlice + 8 * j < p.G};
     uint4 buf[kDepth];
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) buf[d] = load_chunk(p, l, oa + warp + d * kWarps, ob, r, pol);
+    for (int d = 0; d < kDepth; ++d) buf[d] = load_chunk(l, oa + warp + d * kWarps, ob, r, pol);
     __syncthreads();  // the previous segment's lookups are done: the table may be overwritten
-    build_table(p, tab, slice, warp, lane);
+    build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
     for (int o = oa + warp; o < ob; o += kDepth * kWarps) {
 #pragma unroll
@@ -279,12 +325,32 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
         const int oo = o + d * kWarps;
         if (oo < ob) {  // warp-uniform
           const float v = lookup_chunk(buf[d], tab, sw, r >= 4);
-          if (j == 0 && 8 * oo + r < p.N) l.partial[8 * oo + r] = v;
+          if (j == 0 && 8 * oo + r < P.N) l.partial[8 * oo + r] = v;
         }
-        buf[d] = load_chunk(p, l, oo + kDepth * kWarps, ob, r, pol);
+        buf[d] = load_chunk(l, oo + kDepth * kWarps, ob, r, pol);
       }
     }
-    complete_segment(p, oa, ob, list, &nlist);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2x8 p) {
+  __shared__ float part_sums[4][kReduceRows];
+  const int rl = threadIdx.x % kReduceRows, q = threadIdx.x / kReduceRows;
+  const long long grow = (long long)blockIdx.x * kReduceRows + rl;
+  const Part2x8 P = part_of_row(p.part, p.nparts, grow);
+  const int row = int(grow - P.row0);
+  const bool ok = row < P.N;
+  const float* src = p.partial + P.partial0 + row;
+  float acc = 0.f;
+  if (ok) {
+#pragma unroll 16
+    for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * P.N);
+  }
+  part_sums[q][rl] = acc;
+  __syncthreads();
+  if (q == 0 && ok) {
+    const float v = (part_sums[0][rl] + part_sums[1][rl]) + (part_sums[2][rl] + part_sums[3][rl]);
+    Epi::load(p.scales, p.bias, p.res, (int)grow, p.has_bias, p.has_res).store(p.y, (int)grow, v, p.has_bias, p.has_res);
   }
 }
 
@@ -446,42 +512,67 @@ static void check_common(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 }  // namespace trapetum_aqlm
 
-void aqlm_gemv_2x8(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
-                   torch::Tensor res, torch::Tensor y, torch::Tensor counters, torch::Tensor partial,
+// meta: CPU int64 [P, 4], one row per part: (rows N, byte offset in codes[q], row stride, slice stride).
+// codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias, res, y: [sum N].
+void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
+                   torch::Tensor res, torch::Tensor y, torch::Tensor partial, torch::Tensor meta,
                    int64_t has_bias, int64_t has_res, int64_t blocks_per_sm) {
   using namespace trapetum_aqlm;
-  check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
-  const int N = codes.size(0), G = codes.size(1);
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(2) == 2 && cb.numel() == 2 * 256 * 8, "2x8 layout");
-  TORCH_CHECK(G % 8 == 0 && aligned(codes, 16), "codes: 16-byte rows");
-  TORCH_CHECK(aligned(x, 4) && aligned(cb, 4), "x, codebooks: 4-byte aligned");
-  const int nslices = (G + kSlice - 1) / kSlice, octets = (N + 7) / 8;
-  TORCH_CHECK(counters.scalar_type() == at::kInt && counters.is_contiguous() && counters.numel() >= octets, "counters");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
-              partial.numel() >= (int64_t)nslices * N, "partial");
+  TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
+  TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 &&
+              meta.size(1) == 4 && meta.size(0) >= 1 && meta.size(0) <= kMaxParts, "meta: int64 [parts <= 4, 4] on the CPU");
+  const int P = meta.size(0);
+  const int64_t G = x.numel() / 8;
+  TORCH_CHECK(x.numel() == G * 8 && G >= 1 && G % 8 == 0 && G < (1 << 24), "x: in_features must be a multiple of 64");
+  TORCH_CHECK((int)codes.size() == P, "codes: one buffer per part");
+  const uint8_t* cptr[kMaxParts];
+  for (int q = 0; q < P; ++q) {
+    TORCH_CHECK(codes[q].device() == x.device() && codes[q].is_contiguous() && codes[q].element_size() == 1 &&
+                aligned(codes[q], 16), "codes: 16-byte aligned contiguous byte buffers on x's device");
+    cptr[q] = reinterpret_cast<const uint8_t*>(codes[q].data_ptr());
+  }
+  TORCH_CHECK(cb.device() == x.device() && half_vec(cb, (int64_t)P * 2 * 256 * 8), "codebooks: fp16 [P, 2, 256, 8]");
+  TORCH_CHECK(aligned(x, 4) && aligned(cb, 4), "alignment");
+  const int64_t* m = meta.data_ptr<int64_t>();
+  const int nslices = (int)((G + kSlice - 1) / kSlice);
+  for (int q = 0; q < P; ++q) {
+    const int64_t N = m[4 * q], off = m[4 * q + 1], rs = m[4 * q + 2], ss = m[4 * q + 3];
+    TORCH_CHECK(N >= 1 && N < (1LL << 31) / 8, "meta: part rows");
+    TORCH_CHECK(off >= 0 && off % 16 == 0 && rs > 0 && rs % 16 == 0 && ss > 0 && ss % 16 == 0, "meta: offsets and strides");
+    const int64_t last_chunk = std::min<int64_t>(3, (G - 1 - (int64_t)(nslices - 1) * kSlice) / 8);
+    const int64_t extent = off + (nslices - 1) * ss + (N - 1) * rs + 16 * last_chunk + 16;
+    TORCH_CHECK(extent <= codes[q].numel(), "meta: part ", q, " reads past its codes buffer");
+  }
+  Params2x8 p;
+  const PartTotals tot = fill_parts(p.part, P, reinterpret_cast<const long long*>(m), cptr, cb.data_ptr(), nslices);
+  const int64_t rows = tot.rows, floats = tot.floats;
+  TORCH_CHECK(rows < (1LL << 31), "too many rows");
+  TORCH_CHECK(half_vec(scales, rows), "scales: fp16 [rows of all parts]");
+  TORCH_CHECK(y.device() == x.device() && half_vec(y, rows), "y: contiguous fp16 [rows]");
+  TORCH_CHECK(!has_bias || half_vec(bias, rows), "bias: fp16 [rows]");
+  TORCH_CHECK(!has_res || half_vec(res, rows), "residual: fp16 [rows]");
+  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() && partial.numel() >= floats, "partial");
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
   TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
   const int bps = std::max(1, std::min<int>((int)blocks_per_sm, max_blocks_2x8(dev)));
-  Params2x8 p;
   p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
-  p.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  p.cb = reinterpret_cast<const half*>(cb.data_ptr<at::Half>());
   p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
   p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
   p.res = has_res ? reinterpret_cast<const half*>(res.data_ptr<at::Half>()) : nullptr;
   p.y = reinterpret_cast<half*>(y.data_ptr<at::Half>());
   p.partial = partial.data_ptr<float>();
-  p.counters = counters.data_ptr<int>();
-  p.N = N;
-  p.G = G;
+  p.nparts = P;
+  p.G = (int)G;
   p.nslices = nslices;
-  p.octets = octets;
   p.has_bias = (int)has_bias;
   p.has_res = (int)has_res;
-  p.units = (long long)nslices * octets;
+  p.units = tot.units;
   const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
-  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kTabBytes, c10::cuda::getCurrentCUDAStream().stream()>>>(p);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kTabBytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  aqlm_2x8_reduce_kernel<<<(unsigned)((rows + kReduceRows - 1) / kReduceRows), kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -131,27 +131,33 @@ __device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, 
 }
 
 // The code stream of one lane: 16 bytes of rows g and g+8 of a 16-row tile per 64-byte chunk.
-// Rows past N read row N-1 (valid loads; never stored). PP = false: chunks past the end re-read the
-// last chunk (unpredicated, never computed); PP = true: they are not loaded at all.
-template <bool PP>
+// Canonical layout (TILED = false): rows past N read row N-1 (valid loads; never stored); a warp load
+// touches 8 rows (8 L1 wavefronts). Tiled layout (TILED = true, ``tile_codes`` in codebook_gemv.py,
+// made once at load): per 16-row tile, chunk c's 1,024 bytes are [h][g][t][16 B] (h: rows g / g+8),
+// so each warp load is 512 contiguous bytes (4 wavefronts); rows are padded to 16.
+// PP = false: chunks past the end re-read the last chunk (unpredicated, never computed); PP = true:
+// they are not loaded at all.
+template <bool PP, bool TILED>
 struct CodeStream {
   const uint8_t* pa;
   const uint8_t* pb;
   int nchunks;
+  static constexpr int kStride = TILED ? 1024 : 64;  // bytes between a lane's consecutive chunks
   __device__ __forceinline__ CodeStream(const uint8_t* codes, int N, int KB, int row0, int g, int t)
-      : pa(codes + (size_t)min(row0 + g, N - 1) * KB + t * 16),
-        pb(codes + (size_t)min(row0 + g + 8, N - 1) * KB + t * 16),
+      : pa(TILED ? codes + (size_t)row0 * KB + (g * 4 + t) * 16 : codes + (size_t)min(row0 + g, N - 1) * KB + t * 16),
+        pb(TILED ? codes + (size_t)row0 * KB + 512 + (g * 4 + t) * 16
+                 : codes + (size_t)min(row0 + g + 8, N - 1) * KB + t * 16),
         nchunks((KB + 63) >> 6) {}
   __device__ __forceinline__ void load(int c, uint4& qa, uint4& qb) const {
     if (PP) {
       if (c < nchunks) {
-        qa = ld_stream(pa + c * 64);
-        qb = ld_stream(pb + c * 64);
+        qa = ld_stream(pa + c * kStride);
+        qb = ld_stream(pb + c * kStride);
       }
     } else {
       const int cc = min(c, nchunks - 1);
-      qa = ld_stream(pa + cc * 64);
-      qb = ld_stream(pb + cc * 64);
+      qa = ld_stream(pa + cc * kStride);
+      qb = ld_stream(pb + cc * kStride);
     }
   }
 };
@@ -241,6 +247,8 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
 // V = 5: V = 3 with x loaded only by the lanes whose activation row exists (load_x's XP).
 // V = 7: V = 5 with no loads past the last chunk (the clamped prefetches re-read the last chunk:
 //        +25% code traffic through L1 at in = 8192, +50% at in = 4096).
+// V = 11: V = 7 on the tiled code layout (a warp's code load is 512 contiguous bytes: 4 L1 wavefronts
+//        instead of 8); rows of `codes` padded to 16.
 // (Measured and removed, see NOTES-kernels.md and git history: V = 2, the first version; V = 6, V = 4
 // with XP; V = 8-10, hybrids looking up 2-4 of every 8 tiles with V = 4's PRMT method.)
 template <int BITS, int NT, int EPI, int V>
@@ -248,12 +256,12 @@ __global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
-  constexpr bool XP = V >= 5, PP = V >= 7;
+  constexpr bool XP = V >= 5, PP = V >= 7, TILED = V == 11;
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  const CodeStream<PP> cs(codes, N, KB, row0, g, t);
+  const CodeStream<PP, TILED> cs(codes, N, KB, row0, g, t);
   const int nchunks = cs.nchunks;
   auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
 
@@ -372,7 +380,7 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
   const int ra = min(row0 + g, N - 1), rb = min(row0 + g + 8, N - 1);
-  const CodeStream<false> cs(codes, N, KB, row0, g, t);
+  const CodeStream<false, false> cs(codes, N, KB, row0, g, t);
   const int nchunks = cs.nchunks;
   auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
   uint4 qa0, qb0, qa1, qb1;
@@ -435,6 +443,7 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 #define TRAPETUM_INST(B, NT, V) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, V>( \
     const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 TRAPETUM_INST(4, 1, 3) TRAPETUM_INST(4, 1, 5) TRAPETUM_INST(4, 1, 7) TRAPETUM_INST(4, 2, 7) TRAPETUM_INST(8, 1, 7)
+TRAPETUM_INST(4, 1, 11) TRAPETUM_INST(8, 1, 11)
 template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
@@ -529,24 +538,36 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 
 // variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
 // uses the table kernel), 5 = 3 with x loaded only by lanes whose activation row exists, 7 = 5 without
-// loads past the last chunk (default).
+// loads past the last chunk, 11 = 7 on tiled codes (``tile_codes``: rows padded to 16; the output
+// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
                  torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
   using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
   TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf, "codebook");
-  const int M = x.size(0), K = x.size(1), N = codes.size(0), KB = codes.size(1);
+  const int M = x.size(0), K = x.size(1), KB = codes.size(1);
+  int N = codes.size(0);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7, "variant");
+  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11, "variant");
+  if (variant == 11) {
+    TORCH_CHECK(N % 16 == 0, "tiled codes: rows padded to a multiple of 16");
+    if (epi == 0) {
+      TORCH_CHECK(y.dim() == 2 && y.size(1) <= N && y.size(1) > N - 16, "tiled codes: y columns vs padded rows");
+      N = y.size(1);
+    }
+    TORCH_CHECK(cb.size(0) >= N, "codebook rows");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const int F = (int)f, hr = (int)has_res, e = (int)epi;
   if (bits == 4 && variant == 4) dispatch_nt_epi<PrmtKernel>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (bits == 4 && variant == 11) dispatch_nt_epi<TableKernel<4, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 7) dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 5) dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4) dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  else if (variant == 11) dispatch_nt_epi<TableKernel<8, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (variant == 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (variant == 5) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else dispatch_nt_epi<TableKernel<8, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
