@@ -232,6 +232,21 @@ def test_tiled_call_checks():
         cg.codebook_gemv(x, cg.tile_codes(codes), cb, 4, tiled=True, backend="triton")
 
 
+def test_tiled_codes_fall_back_without_the_kernel(monkeypatch):
+    """TRAPETUM_TC=0 (or no CUDA kernel): tiled codes are untiled for the fallback path, same result."""
+    monkeypatch.setenv("TRAPETUM_TC", "0")
+    gen = torch.Generator().manual_seed(4)
+    codes, cb = _weights(40, 256, 4, gen)
+    x = torch.randn(2, 256, generator=gen).half().to(DEVICE)
+    y = cg.codebook_gemv(x, cg.tile_codes(codes), cb, 4, tiled=True)
+    assert rel_err(y, cg.codebook_gemv_reference(x, codes, cb, 4)) < TOL[torch.float16]
+    gc, gb = _weights(24, 256, 4, gen)
+    uc, ub = _weights(24, 256, 4, gen)
+    ic, ib, f = cg.interleave_gate_up(gc, gb, uc, ub)
+    y = cg.codebook_gemv_gate_up(x, cg.tile_codes(ic), ib, 4, f, "silu", tiled=True)
+    assert rel_err(y, cg.codebook_gemv_gate_up_reference(x, ic, ib, 4, f, "silu")) < TOL[torch.float16]
+
+
 @requires_cuda
 @pytest.mark.parametrize("seed", range(60))
 def test_tiled_gemv_random_gpu(seed):

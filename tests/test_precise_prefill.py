@@ -190,6 +190,8 @@ def test_precise_prefill_refuses_additive_projections(tmp_path):
 def test_precise_prefill_under_triton_interpreter(tmp_path):
     """The default prefill with the engine's real Triton kernels (interpreted) vs the precise one."""
     pytest.importorskip("triton")
+    if torch.cuda.is_available():  # a CPU-interpreter test (the GPU machine's Triton 3.6 interpreter
+        pytest.skip("CPU interpreter test")  # cannot index range() bounds given as arrays)
     code = f"""
 import torch, trapetum
 from tests.tiny_models import build

@@ -330,7 +330,8 @@ def _pick_backend(backend, x2, K, bits):
 
 
 def _tiled_call(x, codes, codebook, bits, backend):
-    """Checks of a ``tiled=True`` call (codes from ``tile_codes``): the mma kernel only."""
+    """Checks of a ``tiled=True`` call (codes from ``tile_codes``): the mma kernel (untiled for the
+    fallbacks only when the kernel is switched off)."""
     if backend not in (None, "mma"):
         raise ValueError(f"backend: tiled codes run on the 'mma' kernel only, got {backend!r}")
     n = codebook.shape[0] if isinstance(codebook, torch.Tensor) and codebook.dim() == 2 else -1
@@ -352,6 +353,8 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     """
     if tiled:
         _tiled_call(x, codes, codebook, bits, backend)
+        if not mma_available(x.device):  # TRAPETUM_TC=0 (or no sm_80): the fallbacks read canonical codes
+            codes, tiled = untile_codes(codes, codebook.shape[0]), False
     else:
         _check(x, codes, codebook, bits)
     squeeze = x.dim() == 1
@@ -400,6 +403,8 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     """
     if tiled:
         _tiled_call(x, codes, codebook, bits, backend)
+        if not mma_available(x.device):  # TRAPETUM_TC=0: untile for the fallbacks
+            codes, tiled = untile_codes(codes, codebook.shape[0]), False
     else:
         _check(x, codes, codebook, bits)
     if act not in ("silu", "gelu_tanh"):

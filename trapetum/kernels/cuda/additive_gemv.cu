@@ -66,7 +66,12 @@ constexpr int kSlice = 32;                   // input groups per slice
 constexpr int kSliceBytes = 2 * kSlice;      // code bytes of one row in one slice
 constexpr int kCols = 2 * kSlice;            // table columns: one per (group, codebook)
 constexpr int kTabBytes = 256 * kCols * 4;   // 64 KB
-constexpr int kDepth = 5;                    // chunks in flight per warp (16 warps/SM: 40 KB; 6 costs registers)
+// Code chunks in flight per warp: a shared-memory ring filled by cp.async (no registers held), 12 x 512 B
+// per warp = 48 KB per block, 96 KB per SM (2 blocks): enough bytes in flight for DRAM bandwidth. (Held
+// in registers, 5 chunks per warp = 40 KB per SM was the most that fit: the kernel stalled on them.)
+constexpr int kStage = 12;
+constexpr int kRingBytes = kWarps * kStage * 512;
+constexpr int kSmemBytes = kTabBytes + kRingBytes;  // 112 KB: two blocks per SM
 constexpr int kTiles = 2 * 256 / 8;          // mma n-tiles per slice (8 (codebook, entry) columns each)
 
 // Column of code byte p (0..15) of chunk j (0..3); chunk j = groups 8j..8j+7, byte p = 2 (g - 8j) + m.
@@ -178,12 +183,18 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
-// Codes are read once: no L1 allocation, evicted first from L2 (so partials and codebooks stay).
-__device__ __forceinline__ uint4 ld_codes(const uint8_t* p, uint64_t pol) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
-  return r;
+// 16 bytes global -> shared, asynchronous, L2 only, evict-first; src_bytes 0 writes zeros (nothing read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(pol) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
 }
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -277,10 +288,12 @@ struct Lane2x8 {
   bool chunk_ok;         // the chunk lies inside the G groups
 };
 
-// 16 code bytes of lane (r, j) for octet o, or zeros (octet past ob, row past N, chunk past G).
-__device__ __forceinline__ uint4 load_chunk(const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
-  if (o < ob && 8 * o + r < l.N && l.chunk_ok) return ld_codes(l.codes + o * l.octet_stride, pol);
-  return make_uint4(0u, 0u, 0u, 0u);
+// Start copying the 16 code bytes of lane (r, j) for octet o into its ring slot (zeros for an octet
+// past ob, a row past N or a chunk past G); one commit group per call.
+__device__ __forceinline__ void copy_chunk(uint32_t slot, const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
+  const bool ok = o < ob && 8 * o + r < l.N && l.chunk_ok;
+  cp_async16(slot, ok ? l.codes + o * l.octet_stride : l.codes, ok ? 16u : 0u, pol);
+  cp_async_commit();
 }
 
 // The row partial of one chunk (16 lookups), summed over the 4 lanes of the row in a fixed order.
@@ -300,6 +313,7 @@ __device__ __forceinline__ float lookup_chunk(uint4 c, uint32_t tab, const uint3
 __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, j = lane & 3;
   const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
+  const uint32_t ring = tab + kTabBytes + (warp * kStage) * 512 + lane * 16;
   const uint64_t pol = evict_first_policy();
   uint32_t sw[16];
 #pragma unroll
@@ -313,23 +327,22 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
     const Lane2x8 l = {P.codes + slice * P.slice_stride + r * P.row_stride + 16 * j,
                        p.partial + P.partial0 + (size_t)slice * P.N, 8 * P.row_stride, P.N,
                        slice * kSlice + 8 * j < p.G};
-    uint4 buf[kDepth];
+    // ring slots of this lane: ring + d * 512 (each lane reads back only the 16 bytes it copied)
 #pragma unroll
-    for (int d = 0; d < kDepth; ++d) buf[d] = load_chunk(l, oa + warp + d * kWarps, ob, r, pol);
+    for (int d = 0; d < kStage; ++d) copy_chunk(ring + d * 512, l, oa + warp + d * kWarps, ob, r, pol);
     __syncthreads();  // the previous segment's lookups are done: the table may be overwritten
     build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
-    for (int o = oa + warp; o < ob; o += kDepth * kWarps) {
-#pragma unroll
-      for (int d = 0; d < kDepth; ++d) {
-        const int oo = o + d * kWarps;
-        if (oo < ob) {  // warp-uniform
-          const float v = lookup_chunk(buf[d], tab, sw, r >= 4);
-          if (j == 0 && 8 * oo + r < P.N) l.partial[8 * oo + r] = v;
-        }
-        buf[d] = load_chunk(l, oo + kDepth * kWarps, ob, r, pol);
-      }
+    int d = 0;
+    for (int o = oa + warp; o < ob; o += kWarps) {
+      cp_async_wait<kStage - 1>();  // the oldest group (this slot) has landed
+      const uint4 c = lds128(ring + d * 512);
+      const float v = lookup_chunk(c, tab, sw, r >= 4);
+      if (j == 0 && 8 * o + r < P.N) l.partial[8 * o + r] = v;
+      copy_chunk(ring + d * 512, l, o + kStage * kWarps, ob, r, pol);  // c was consumed above
+      d = d + 1 == kStage ? 0 : d + 1;
     }
+    cp_async_wait<0>();
   }
 }
 
@@ -473,9 +486,9 @@ static int sm_count(int dev) {
 static int max_blocks_2x8(int dev) {
   static int cached[kMaxDevices] = {0};
   if (cached[dev] == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTabBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached[dev], aqlm_2x8_kernel, kThreads, kTabBytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached[dev], aqlm_2x8_kernel, kThreads, kSmemBytes));
     TORCH_CHECK(cached[dev] > 0, "aqlm 2x8: kernel does not fit on an SM");
   }
   return cached[dev];
@@ -570,7 +583,7 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   p.units = tot.units;
   const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kTabBytes, stream>>>(p);
+  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   aqlm_2x8_reduce_kernel<<<(unsigned)((rows + kReduceRows - 1) / kReduceRows), kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
