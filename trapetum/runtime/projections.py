@@ -68,16 +68,27 @@ class CodebookProj:
         self.out_features = codes.shape[0]
         self.tiled = bits in (4, 8) and codes.shape[1] % 64 == 0 and cg.use_tiled(codes.device)
         self.codes = cg.tile_codes(codes) if self.tiled else codes.contiguous()
+        self._untiled = None  # canonical copy, made only if the kernel is switched off (kernel_codes)
         self.codebook = codebook.to(torch.float16).contiguous()
         self.bits = bits
         self.in_features = in_features
         self.bias = bias
 
     def gemv(self, x, out, residual=None):
-        cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out, tiled=self.tiled)
+        codes, tiled = self.kernel_codes(x.device)
+        cg.codebook_gemv(x, codes, self.codebook, self.bits, residual, out=out, tiled=tiled)
         if self.bias is not None:
             out.add_(self.bias)
         return out
+
+    def kernel_codes(self, device) -> tuple[torch.Tensor, bool]:
+        """(codes, tiled) for the GEMV now: the tiled codes, or, while the CUDA kernel is switched off
+        (TRAPETUM_TC=0), canonical codes untiled once and kept (the fallbacks read those)."""
+        if not self.tiled or cg.mma_available(device):
+            return self.codes, self.tiled
+        if self._untiled is None:
+            self._untiled = self.canonical_codes()
+        return self._untiled, False
 
     def canonical_codes(self) -> torch.Tensor:
         return cg.untile_codes(self.codes, self.out_features) if self.tiled else self.codes
@@ -209,8 +220,8 @@ class GateUp:
         """out [F]; scratch [2F] fp16 workspace."""
         if self.interleaved is not None:
             p = self.interleaved
-            return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out,
-                                            tiled=p.tiled)
+            codes, tiled = p.kernel_codes(x.device)
+            return cg.codebook_gemv_gate_up(x, codes, p.codebook, p.bits, self.f, self.act, out=out, tiled=tiled)
         if isinstance(self.joint, DenseProj) and self.joint.bias is None:
             return dense_gemv_gate_up(x, self.joint.w, self.f, self.act, out=out, scratch=scratch)
         g, u = scratch[: self.f], scratch[self.f: 2 * self.f]
