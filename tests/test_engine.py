@@ -156,3 +156,30 @@ def test_engine_shares_weights_with_the_decoder(tmp_path, quantized):
     o = eng.layers[1].o.codes if quantized else eng.layers[1].o.w
     assert getattr(a.o_proj, attr).data_ptr() == o.data_ptr()
     assert torch.equal(dec(ids), before)
+
+
+def test_engine_takes_over_private_codes(tmp_path):
+    """own_weights=True frees the decoder's codes that only the engine's own layouts serve (here the
+    interleaved gate/up copy; on the GPU also tiled 4-bit and packed 2x8 codes): same logits after,
+    the bytes are gone, and the decoder refuses forward() with a clear error."""
+    from trapetum.errors import UnsupportedError
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    build("llama3", tmp_path / "src")
+    out = tmp_path / "m.cbk"
+    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
+                    progress=False, log=lambda s: None)
+    m = trapetum.load(out)
+    ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = m.logits(ids)
+    keep = GpuEngine(m.decoder, 32).prefill(ids, all_logits=True)
+    gate = m.decoder.model.layers[0].mlp.gate_proj
+    n_gate = gate.codes.numel()
+    eng = GpuEngine(m.decoder, 32, own_weights=True)
+    assert eng.released_bytes >= 2 * n_gate * len(m.decoder.model.layers) and gate.codes.numel() == 0
+    assert m.decoder.model.layers[0].self_attn.q_proj.codes.numel() > 0  # shared with the engine: kept
+    assert torch.equal(eng.prefill(ids, all_logits=True), keep)
+    assert rel(keep, ref) < 2e-3
+    with pytest.raises(UnsupportedError, match="GPU engine"):
+        m.decoder(torch.tensor([ids]))
+    assert m.decoder.released is not None and "MB" in m.decoder.released
+    assert GpuEngine(trapetum.load(out).decoder, 32, own_weights=False).released_bytes == 0

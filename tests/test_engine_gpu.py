@@ -72,3 +72,46 @@ def test_unfused_agrees_with_fused(pairs, family):
         e.set_position(9, len(ids))
         e.step(greedy=False)
     assert rel(unfused.logits, fused.logits) < 2e-3
+
+
+def test_engine_owns_packed_and_interleaved_codes(tmp_path):
+    """trapetum.load(..., device="cuda") hands the codes the engine keeps in its own layouts to the engine
+    (the decoder's copies are freed; Model.logits runs on the engine); keep_reference=True keeps them.
+    Here: a 4-bit .cbk (interleaved gate/up copies) and 2x8 projections (packed "slices" copies)."""
+    import copy
+    from trapetum.errors import UnsupportedError
+    from trapetum.eval.bench_e2e import random_additive
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    build("llama3", tmp_path / "src")
+    out = tmp_path / "m.cbk"
+    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
+                    progress=False, log=lambda s: None)
+    ids = list(range(5, 21))
+    kept = trapetum.load(out, device="cuda", keep_reference=True)
+    owned = trapetum.load(out, device="cuda")
+    assert kept.decoder.released is None and owned.decoder.released is not None
+    assert owned.runner.released_bytes > 0 and kept.runner.released_bytes == 0
+    assert torch.equal(owned.logits(ids), kept.runner.logits_for(ids).float().cpu())
+    assert rel(owned.logits(ids), kept.logits(ids)) < 2e-3
+    with pytest.raises(UnsupportedError, match="keep_reference"):
+        owned.decoder(torch.tensor([ids], device="cuda"))
+    assert owned.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids == \
+        kept.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids
+    # 2x8 additive projections: the packed copies replace the decoder's codes
+    dec = trapetum.load(tmp_path / "src", device="cuda").decoder
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for blk in dec.model.layers:
+        for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for nm in names:
+                old = getattr(parent, nm)
+                setattr(parent, nm, random_additive(old.out_features, old.in_features, "aqlm-2x8", "cuda", g))
+    dec2 = copy.deepcopy(dec)
+    ref = GpuEngine(dec, 32).prefill(ids, all_logits=True)
+    eng = GpuEngine(dec2, 32, own_weights=True)
+    # packed (hence released) are the parts with in % 64 == 0; the down projections (in 96) stay canonical
+    packed = lambda d: [m for m in d.modules() if type(m).__name__ == "AdditiveLinear" and m.in_features % 64 == 0]  # noqa: E731
+    assert eng.released_bytes == sum(m.codes.numel() for m in packed(dec)) > 0
+    assert all(m.codes.numel() == 0 for m in packed(dec2))
+    assert all(blk.mlp.down_proj.codes.numel() > 0 for blk in dec2.model.layers)
+    assert torch.equal(eng.prefill(ids, all_logits=True), ref)

@@ -83,7 +83,7 @@ class Model:
     """A loaded model: tokenizer + decoder + a runner; not thread-safe (one generation at a time)."""
 
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_context: int | None = None, precise_prefill: bool | None = None):
+                 max_context: int | None = None, precise_prefill: bool | None = None, keep_reference: bool = False):
         from .runtime.precise import precise_enabled
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
@@ -103,6 +103,9 @@ class Model:
         if device.startswith("cuda"):
             self.context_size = min(self.context_size, ENGINE_MAX_LEN)
         self.decoder = Decoder.from_checkpoint(ckpt, dtype=self.dtype, device=device).eval()
+        # on CUDA the engine takes over the codes it keeps in its own layouts (tiled / interleaved /
+        # packed) unless keep_reference: the reference decoder then refuses forward() (logits() uses the engine)
+        self.keep_reference = keep_reference
         self.runner = self._runner()
 
     def _runner(self):
@@ -110,7 +113,7 @@ class Model:
         if self.device.startswith("cuda") and os.environ.get("TRAPETUM_ENGINE", "gpu") != "reference":
             from .runtime.engine import GpuEngine
             return GpuEngine(self.decoder, max_len=min(self.context_size, ENGINE_MAX_LEN),
-                             precise_prefill=self.precise_prefill)
+                             precise_prefill=self.precise_prefill, own_weights=not self.keep_reference)
         return ReferenceRunner(self.decoder)
 
     # -- prompts ---------------------------------------------------------------------------
@@ -162,13 +165,18 @@ class Model:
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
-        """Prompt logits [T, V] (float32) in one prefill."""
+        """Prompt logits [T, V] (float32) in one prefill (the GPU engine's once it owns the codes)."""
+        if self.decoder.released is not None:
+            return self.runner.logits_for(ids).float().cpu()
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
         return self.decoder(t)[0].float().cpu()
 
     # -- description -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        return describe(self.checkpoint, self.decoder)
+        info = describe(self.checkpoint, self.decoder)
+        if self.decoder.released is not None:  # the engine's copies replaced the decoder's codes
+            info["memory_loaded_weights_bytes"] = self.runner.weight_bytes()
+        return info
 
 
 def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
@@ -207,12 +215,16 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
-         max_context: int | None = None, precise_prefill: bool | None = None) -> Model:
+         max_context: int | None = None, precise_prefill: bool | None = None, keep_reference: bool = False) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
     ``precise_prefill`` (GPU engine; default: TRAPETUM_PREFILL, else off): prompt passes at the CPU fp32
     reference's accuracy (prompt logits ~1e-5 from it instead of ~1e-3), for evaluation and perplexity;
     2-3x the prefill GEMM work, and the decoder is kept in fp32 (more memory for dense sources).
-    Decode steps are unchanged."""
+    Decode steps are unchanged.
+
+    ``keep_reference`` (CUDA): keep the reference decoder usable. By default the GPU engine takes over
+    the codes it stores in its own kernel layouts (the decoder's copies are freed, so a model's codes
+    are held once), and ``Model.logits`` runs on the engine."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
-                 precise_prefill=precise_prefill)
+                 precise_prefill=precise_prefill, keep_reference=keep_reference)

@@ -106,11 +106,16 @@ class Decoder(nn.Module):
         self.lm_head = lm_head
         g, loc = rotaries(cfg)
         self.rope_global, self.rope_local = g, loc
+        self.released: str | None = None  # set when a GPU engine took over the codes (GpuEngine own_weights)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
                 last_only: bool = False) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] float32 (or [B, 1, V] with last_only)."""
+        if self.released is not None:
+            from ..errors import UnsupportedError
+            raise UnsupportedError(f"this decoder's quantized codes were handed to the GPU engine ({self.released}); "
+                                   "use the engine (Model.runner), or load with keep_reference=True")
         cfg = self.config
         x = self.model.embed_tokens(tokens)
         if cfg.embed_scale is not None:

@@ -28,7 +28,7 @@ from ..kernels.attention import attention_workspace, decode_attention
 from ..kernels.fused import rmsnorm, rope_kv_append, rope_tables
 from ..models.decoder import Decoder
 from .precise import PrecisePrefill, precise_enabled
-from .projections import GateUp, make_proj
+from .projections import GateUp, make_proj, release_codes
 from .sampling import GenerationSettings, Sampler
 
 
@@ -55,7 +55,7 @@ class GpuEngine:
     """Batch-1 decoding of a Decoder on one GPU. Implements the Runner protocol (``tokens``)."""
 
     def __init__(self, decoder: Decoder, max_len: int, *, fuse: bool | None = None, graph: bool | None = None,
-                 precise_prefill: bool | None = None):
+                 precise_prefill: bool | None = None, own_weights: bool = False):
         cfg = self.cfg = decoder.config
         dev = self.device = next(decoder.parameters()).device
         self.fuse = env_on("TRAPETUM_FUSE") if fuse is None else fuse
@@ -91,6 +91,17 @@ class GpuEngine:
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         # fp32-accurate prefill (None: the default); exact weights where the decoder holds non-fp16 ones
         self.precise = PrecisePrefill(self, decoder) if precise_enabled(precise_prefill) else None
+        # own_weights: free the decoder's codes that only the engine's own layouts (tiled, interleaved,
+        # packed) serve now, so a model's codes are not held twice; the decoder then refuses forward()
+        self.released_bytes = self._release(decoder) if own_weights else 0
+
+    def _release(self, decoder: Decoder) -> int:
+        projs = [self.head] + [p for lw in self.layers for p in (*lw.qkv, lw.o, lw.gate_up, lw.down)]
+        mods = {id(m): m for p in projs for m in p.sources}
+        freed = sum(release_codes(m) for m in mods.values())
+        if mods:
+            decoder.released = f"{len(mods)} projections' codes, {freed / 1e6:.1f} MB"
+        return freed
 
     # -- buffers ---------------------------------------------------------------------------
     def _alloc(self) -> None:

@@ -37,8 +37,24 @@ def _bias(mods: list[nn.Module], device) -> torch.Tensor | None:
     return torch.cat([p.to(device=device, dtype=torch.float16) for p in parts])
 
 
+def release_codes(mod: nn.Module) -> int:
+    """Free a quantized module's ``codes`` (the engine holds them in its own layout): the buffer
+    becomes an empty tensor. Returns the bytes freed."""
+    t = getattr(mod, "codes", None)
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return 0
+    n = t.numel() * t.element_size()
+    empty = torch.empty(0, dtype=t.dtype, device=t.device)
+    if "codes" in mod._buffers:
+        mod._buffers["codes"] = empty
+    else:
+        mod.codes = empty
+    return n
+
+
 class DenseProj:
     kind = "fp16"
+    sources: list = []  # modules whose codes this projection copied (see ``release_codes``): none
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.w = weight.to(torch.float16).contiguous()  # [N, K]
@@ -69,6 +85,7 @@ class CodebookProj:
         self.tiled = bits in (4, 8) and codes.shape[1] % 64 == 0 and cg.use_tiled(codes.device)
         self.codes = cg.tile_codes(codes) if self.tiled else codes.contiguous()
         self._untiled = None  # canonical copy, made only if the kernel is switched off (kernel_codes)
+        self.sources: list[nn.Module] = []  # set by make_proj when the codes were copied (tiled)
         self.codebook = codebook.to(torch.float16).contiguous()
         self.bits = bits
         self.in_features = in_features
@@ -125,6 +142,7 @@ class AdditiveProj:
         for m in mods:
             self.bounds.append(self.bounds[-1] + m.out_features)
         self.packed = None
+        self.sources: list[nn.Module] = []  # modules whose codes only the packed copy serves now
         if all(tuple(cb.shape) == (2, 256, 1, 8) for _, cb, _, _ in self.parts) and self.in_features % 64 == 0 \
                 and len(mods) <= 4 and torch.device(device).type == "cuda" and ag.cuda_available(torch.device(device)) \
                 and ag._load_ext() is not None:
@@ -132,6 +150,7 @@ class AdditiveProj:
             need = self.packed.need
             if self.packed.layout != "rows":  # the engine reads the packed copy; prefill unpacks it
                 self.parts = [(None,) + p[1:] for p in self.parts]
+                self.sources = list(mods)
         else:
             need = max(ag.workspace_need(codes, cb) for codes, cb, _, _ in self.parts)
         self.ws = ag.shared_workspace(device, need)
@@ -190,7 +209,10 @@ def make_proj(mods: list[nn.Module], device) -> DenseProj | CodebookProj | Addit
         if len(mods) > 1:
             _alias(mods, codes, "codes")
             _alias(mods, cb, "codebook")
-        return CodebookProj(codes, cb, parts[0][2], mods[0].in_features, bias)
+        proj = CodebookProj(codes, cb, parts[0][2], mods[0].in_features, bias)
+        if proj.tiled:
+            proj.sources = list(mods)
+        return proj
     w = _cat([m.dequantize().to(device=device, dtype=torch.float16) for m in mods])
     if len(mods) > 1 and all(isinstance(getattr(m, "weight", None), nn.Parameter) for m in mods):
         _alias(mods, w, "weight")
@@ -211,10 +233,19 @@ class GateUp:
         if fuse and pg is not None and pu is not None and pg[2] == pu[2] and gate.bias is None and up.bias is None:
             codes, cb, f = cg.interleave_gate_up(pg[0].to(device), pg[1].to(device), pu[0].to(device), pu[1].to(device))
             self.interleaved = CodebookProj(codes, cb, pg[2], gate.in_features, None)
+            self.interleaved.sources = [gate, up]  # interleaving copied their codes
         elif fuse:
             self.joint = make_proj([gate, up], device)
         else:
             self.separate = (make_proj([gate], device), make_proj([up], device))
+
+    @property
+    def sources(self) -> list[nn.Module]:
+        if self.interleaved is not None:
+            return self.interleaved.sources
+        if self.separate is not None:
+            return self.separate[0].sources + self.separate[1].sources
+        return self.joint.sources
 
     def gemv(self, x, out, scratch):
         """out [F]; scratch [2F] fp16 workspace."""
