@@ -11,8 +11,9 @@
 // (slice, octet) units (slice-major, so a range covers one or two slices), builds the slice's table
 //     lut[k][col] = x_g . C_m[k]   (fp32, 256 entries x 64 columns, one column per (group, codebook))
 // in shared memory (64 KB) with mma.sync m16n8k8 (x is A, the codebooks are B), then streams codes:
-// one warp instruction loads 8 rows x 64 code bytes (16 B per lane: lane = 4 * row + chunk, chunk =
-// 8 groups x 2 codebooks). Each lane turns a code byte into a table address with one PRMT
+// a warp's unit is 8 rows x 64 code bytes (16 B per lane: lane = 4 * row + chunk, chunk = 8 groups x
+// 2 codebooks), copied by cp.async into a per-warp shared-memory ring (12 units in flight per warp)
+// and read back by each lane (its own 16 bytes). Each lane turns a code byte into a table address with one PRMT
 // ((code << 8) | 4 * column), loads the entry (LDS [R + UR]: the table base folds in) and adds it.
 // Bank-conflict freedom: the column of byte p of chunk j is tab_col(j, p) = 16 j + (p ^ 8 (j >> 1)),
 // so the bank (= column mod 32, whatever the code) is fixed by (chunk, byte); at step s lane (r, j)
@@ -40,6 +41,8 @@
 //     the benchmark shapes).
 //   So the main loop should run near DRAM speed; expected 8192x28672: 58.7 MB of codes, ~17 us at
 //   3.5 TB/s + ~2-3 us build/launch/reduction tail (cuBLAS fp16: ~110 us).
+//   Measured (H200, session 3, NOTES-additive.md): 30.0 us, main kernel ~26.5 us at 48% of DRAM peak,
+//   bound by LDS latency with 16 warps per SM (issue active 63%).
 //
 // ---- 1x16 (one codebook of 65,536 entries = 1 MiB, stays in L2/L1): gathers
 // A warp owns 4 rows and a share of the input groups (lane l takes group 32 c + l of chunk c, so
@@ -48,7 +51,8 @@
 // rows (k-split, partials added in warp order). Budget per 8 weights: one 16-byte gather = one L1
 // wavefront (a random 128-B line per lane), + 1/32 for the code load and 1/32 for x: the L1 pipe
 // caps the kernel near 132 SMs x 1.8 GHz x 8 / 1.06 = 1.8e12 weights/s, about 0.85x of cuBLAS fp16
-// at 4.3 TB/s: 1x16 at batch 1 is L1-bound on Hopper whatever the instruction count.
+// at 4.3 TB/s. Measured (ncu, H200): the L2 is the limit first - each 16-byte gather costs a 32-byte
+// L2 sector (L1 hit rate 16%), 85% of L2 peak at ~0.56-0.78x cuBLAS.
 #include <cuda_fp16.h>
 #include <stdint.h>
 
