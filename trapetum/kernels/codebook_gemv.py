@@ -14,7 +14,9 @@ Backends (``codebook_gemv(..., backend=None)`` picks one):
            lookup per code byte; 8-bit: 256 entries), each replicated 4x so that a warp's lookups
            hit 32 distinct banks. TRAPETUM_GEMV_V picks a variant (see ``_variant``), e.g. byte-permute
            (PRMT) lookups from codebook byte planes in registers instead. Reads the canonical layout
-           directly (no repacking). Off with TRAPETUM_TC=0 (Triton then).
+           directly, or (``tiled=True``, variant 11, the engine's default) codes repacked once by
+           ``tile_codes`` so that each warp load is 512 contiguous bytes. Off with TRAPETUM_TC=0
+           (Triton then; tiled codes are untiled for it).
   "triton" Triton kernel, any bits in {2, 4, 8}, any M and shape; also runs on the CPU under
            TRITON_INTERPRET=1. fp32 accumulation, fixed reduction order, no atomics.
   "torch"  dequantize + fp32 matmul (CPU fallback when Triton cannot run).

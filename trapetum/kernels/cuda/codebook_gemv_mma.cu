@@ -15,7 +15,8 @@
 //  * The looked-up half2 words are exactly the A operand of mma.sync.m16n8k16 (rows g and g+8,
 //    k pairs); x is the B operand (n = activation row), so M <= 8 costs one mma per 256 weights
 //    and M <= 16 two. The mma's k order is a permutation of the input columns, applied to x
-//    identically, so the canonical code layout is read as stored (no repacking).
+//    identically, so the canonical code layout can be read as stored (variants 3-7); variant 11
+//    reads codes tiled once at load (``tile_codes``) so that each warp load is 512 contiguous bytes.
 //  * Codes are streamed with 16-byte loads (ld.global.nc.L1::no_allocate), two chunks ahead.
 // Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for
 // 4-bit, in % 64 == 0 for 8-bit), M <= 16, sm_80+.
