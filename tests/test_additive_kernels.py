@@ -242,6 +242,32 @@ def test_engine_projection_mixed_parts():
     assert rel_err(proj.matmul(xs.half()), xs.double() @ W.T) < 2e-3
 
 
+@requires_cuda
+def test_engine_projection_packed_and_kill_switch_gpu(monkeypatch):
+    """q/k/v-style 2x8 parts packed into one launch; TRAPETUM_TC=0 afterwards takes the per-part Triton
+    path on unpacked codes (the switch is honoured after the engine was built); prefill unpacks."""
+    import trapetum.runtime.projections as P
+
+    gen = torch.Generator().manual_seed(12)
+    mods = [AdditiveLinear(*[t.cpu() for t in _weights(n, 64, 2, 8, gen)]) for n in (512, 128, 128)]
+    proj = P.make_proj(mods, "cuda")
+    assert proj.packed is not None and proj.sources == mods
+    x = torch.randn(512, generator=gen).half().cuda()
+    res = torch.randn(768, generator=gen).half().cuda()
+    W = torch.cat([m.dequantize(torch.float64) for m in mods]).cuda()
+    ref = W @ x.double() + res.double()
+    out = torch.empty(768, dtype=torch.float16, device="cuda")
+    proj.gemv(x, out, residual=res)
+    assert rel_err(out, ref) < TOL[torch.float16]
+    monkeypatch.setenv("TRAPETUM_TC", "0")
+    off = torch.empty_like(out)
+    proj.gemv(x, off, residual=res)
+    assert rel_err(off, ref) < TOL[torch.float16] and len(proj._unpacked) == 3
+    monkeypatch.delenv("TRAPETUM_TC")
+    xs = torch.randn(5, 512, generator=gen).cuda()
+    assert rel_err(proj.matmul(xs.half()), xs.double() @ W.T) < 2e-3
+
+
 def test_2x8_lane_maps_host(tmp_path):
     """The 2x8 CUDA kernel's index math, emulated lane by lane on the CPU (tests/cuda/*.cu, via nvcc)."""
     import shutil

@@ -147,24 +147,34 @@ class AdditiveProj:
                 and len(mods) <= 4 and torch.device(device).type == "cuda" and ag.cuda_available(torch.device(device)) \
                 and ag._load_ext() is not None:
             self.packed = ag.Packed2x8(self.parts)
-            need = self.packed.need
             if self.packed.layout != "rows":  # the engine reads the packed copy; prefill unpacks it
                 self.parts = [(None,) + p[1:] for p in self.parts]
                 self.sources = list(mods)
-        else:
-            need = max(ag.workspace_need(codes, cb) for codes, cb, _, _ in self.parts)
+        # the per-part path's needs too: it runs while the CUDA kernels are switched off (TRAPETUM_TC=0)
+        need = max([ag.workspace_need(m.codes, m.codebooks) for m in mods] +
+                   [self.packed.need if self.packed is not None else 0])
         self.ws = ag.shared_workspace(device, need)
+        self._unpacked: dict[int, torch.Tensor] = {}  # canonical codes for the fallback, made on demand
 
     def gemv(self, x, out, residual=None):
-        if self.packed is not None:
+        if self.packed is not None and self.ag.cuda_available(x.device):
             return self.packed.gemv(x, out, residual, workspace=self.ws)
-        for (codes, cb, sc, b), lo, hi in zip(self.parts, self.bounds, self.bounds[1:]):
-            self.ag.additive_gemv(x.view(1, -1), codes, cb, sc, b,
+        for i, ((_, cb, sc, b), lo, hi) in enumerate(zip(self.parts, self.bounds, self.bounds[1:])):
+            self.ag.additive_gemv(x.view(1, -1), self._codes(i, keep=True), cb, sc, b,
                                   None if residual is None else residual[lo:hi], out=out[lo:hi], workspace=self.ws)
         return out
 
-    def _codes(self, i: int) -> torch.Tensor:
-        return self.parts[i][0] if self.parts[i][0] is not None else self.packed.canonical_codes(i)
+    def _codes(self, i: int, keep: bool = False) -> torch.Tensor:
+        """Part i's canonical codes (unpacked from the packed copy when that is all there is; kept when
+        ``keep``, i.e. for the kill-switch path that runs every step)."""
+        if self.parts[i][0] is not None:
+            return self.parts[i][0]
+        if i in self._unpacked:
+            return self._unpacked[i]
+        codes = self.packed.canonical_codes(i)
+        if keep:
+            self._unpacked[i] = codes
+        return codes
 
     def matmul(self, x):
         from ..quant.additive import dequantize_aqlm
