@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import FAMILIES, build
+from tests.tiny_models import FAMILIES, build, build_families
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 
@@ -33,12 +33,7 @@ def torch_fallbacks(monkeypatch, request):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    out = {}
-    for fam in FAMILIES:
-        d = tmp_path_factory.mktemp(fam)
-        build(fam, d)
-        out[fam] = trapetum.load(d)
-    return out
+    return {fam: trapetum.load(d) for fam, d in build_families(tmp_path_factory).items()}
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import FAMILIES, build
+from tests.tiny_models import FAMILIES, build, build_families
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 
@@ -17,12 +17,8 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    out = {}
-    for fam in FAMILIES:
-        d = tmp_path_factory.mktemp(fam)
-        build(fam, d)
-        out[fam] = (trapetum.load(d), trapetum.load(d, device="cuda"))
-    return out
+    return {fam: (trapetum.load(d), trapetum.load(d, device="cuda"))
+            for fam, d in build_families(tmp_path_factory).items()}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

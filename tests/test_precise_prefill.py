@@ -13,7 +13,7 @@ import torch
 
 import trapetum
 from tests.kernels_conftest import requires_cuda
-from tests.tiny_models import FAMILIES, build
+from tests.tiny_models import FAMILIES, build, build_families
 from trapetum.errors import ConfigError, UnsupportedError
 from trapetum.runtime import precise as P
 from trapetum.runtime.engine import GpuEngine
@@ -40,12 +40,7 @@ def torch_fallbacks(monkeypatch, request):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    out = {}
-    for fam in FAMILIES:
-        d = tmp_path_factory.mktemp(fam)
-        build(fam, d)
-        out[fam] = trapetum.load(d)
-    return out
+    return {fam: trapetum.load(d) for fam, d in build_families(tmp_path_factory).items()}
 
 
 def ids_for(n, seed=0):
@@ -266,12 +261,7 @@ def test_api_on_cpu_keeps_the_reference_path(tiny):
 # ----------------------------------------------------------------------------- on the GPU
 @pytest.fixture(scope="module")
 def gpu_pairs(tmp_path_factory):
-    out = {}
-    for fam in FAMILIES:
-        d = tmp_path_factory.mktemp(fam)
-        build(fam, d)
-        out[fam] = (trapetum.load(d), d)
-    return out
+    return {fam: (trapetum.load(d), d) for fam, d in build_families(tmp_path_factory).items()}
 
 
 @requires_cuda

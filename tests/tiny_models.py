@@ -79,3 +79,13 @@ def build(family: str, path, seed: int = 0, tokenizer: bool = False):
     if tokenizer:
         save_tokenizer(path)
     return model
+
+
+def build_families(tmp_path_factory, families=None) -> dict:
+    """One saved tiny model per family under the pytest tmp_path_factory: {family: directory}."""
+    out = {}
+    for fam in families or FAMILIES:
+        d = tmp_path_factory.mktemp(fam)
+        build(fam, d)
+        out[fam] = d
+    return out
