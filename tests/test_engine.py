@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import FAMILIES, build, build_families
+from tests.tiny_models import FAMILIES, build, build_cbk, build_families
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 
@@ -94,11 +94,7 @@ print("ok")
 @pytest.mark.parametrize("family", ["llama3", "gemma2"])
 def test_engine_runs_quantized_cbk(tmp_path, family):
     """A .cbk from the quantizer (4-bit projections, 8-bit head) through the engine's codebook path."""
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build(family, tmp_path / "src")
-    out = tmp_path / "m.cbk"
-    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=5).validate(),
-                    progress=False, log=lambda s: None)
+    out = build_cbk(family, tmp_path)
     m = trapetum.load(out)
     eng = GpuEngine(m.decoder, 40)
     assert all(type(p).__name__ == "CodebookProj" for L in eng.layers for p in L.qkv + [L.o, L.down])
@@ -131,13 +127,11 @@ def test_engine_shares_weights_with_the_decoder(tmp_path, quantized):
     """Building the engine makes no second copy of the weights: single projections are used as they are,
     and the decoder's q/k/v point into the engine's fused tensor (logits unchanged)."""
     from trapetum.models.decoder import Decoder
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build("llama3", tmp_path / "src")
-    src = tmp_path / "src"
     if quantized:
-        quantize_to_cbk(str(src), tmp_path / "m.cbk", Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
-                        progress=False, log=lambda s: None)
-        src = tmp_path / "m.cbk"
+        src = build_cbk("llama3", tmp_path, iters=3)
+    else:
+        build("llama3", tmp_path / "src")
+        src = tmp_path / "src"
     from trapetum.api import load_checkpoint
     dec = Decoder.from_checkpoint(load_checkpoint(src), dtype=torch.float16)
     ids = torch.tensor([list(range(5, 17))])
@@ -158,11 +152,7 @@ def test_engine_takes_over_private_codes(tmp_path):
     interleaved gate/up copy; on the GPU also tiled 4-bit and packed 2x8 codes): same logits after,
     the bytes are gone, and the decoder refuses forward() with a clear error."""
     from trapetum.errors import UnsupportedError
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build("llama3", tmp_path / "src")
-    out = tmp_path / "m.cbk"
-    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
-                    progress=False, log=lambda s: None)
+    out = build_cbk("llama3", tmp_path, iters=3)
     m = trapetum.load(out)
     ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = m.logits(ids)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import FAMILIES, build, build_families
+from tests.tiny_models import FAMILIES, build_cbk, build_families
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 
@@ -77,11 +77,7 @@ def test_engine_owns_packed_and_interleaved_codes(tmp_path):
     import copy
     from trapetum.errors import UnsupportedError
     from trapetum.eval.bench_e2e import random_additive
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build("llama3", tmp_path / "src")
-    out = tmp_path / "m.cbk"
-    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
-                    progress=False, log=lambda s: None)
+    out = build_cbk("llama3", tmp_path, iters=3)
     ids = list(range(5, 21))
     kept = trapetum.load(out, device="cuda", keep_reference=True)
     owned = trapetum.load(out, device="cuda")

@@ -13,7 +13,7 @@ import torch
 
 import trapetum
 from tests.kernels_conftest import requires_cuda
-from tests.tiny_models import FAMILIES, build, build_families
+from tests.tiny_models import FAMILIES, build, build_cbk, build_families
 from trapetum.errors import ConfigError, UnsupportedError
 from trapetum.runtime import precise as P
 from trapetum.runtime.engine import GpuEngine
@@ -147,11 +147,7 @@ def test_precise_prefill_fp16_exact_weights(tmp_path):
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
 def test_precise_prefill_quantized_cbk(tmp_path, family):
     """A .cbk (4-bit projections, 8-bit tied head and embedding): codebook projections, no residuals."""
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build(family, tmp_path / "src")
-    out = tmp_path / "m.cbk"
-    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=5).validate(),
-                    progress=False, log=lambda s: None)
+    out = build_cbk(family, tmp_path)
     m = trapetum.load(out)
     ids = ids_for(20, seed=6)
     ref = m.logits(ids)
@@ -283,11 +279,7 @@ def test_gpu_precise_prefill_matches_reference(gpu_pairs, family):
 
 @requires_cuda
 def test_gpu_precise_prefill_cbk(tmp_path):
-    from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build("llama3", tmp_path / "src")
-    out = tmp_path / "m.cbk"
-    quantize_to_cbk(str(tmp_path / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=5).validate(),
-                    progress=False, log=lambda s: None)
+    out = build_cbk("llama3", tmp_path)
     cpu = trapetum.load(out)
     ids = ids_for(24, seed=2)
     ref = cpu.logits(ids)

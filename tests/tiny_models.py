@@ -1,6 +1,8 @@
 """Tiny random Hugging Face models of every supported family, saved as safetensors directories."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 VOCAB = 300
@@ -14,7 +16,6 @@ TEXT = "/work/shared/data/tinyshakespeare/input.txt"
 def save_tokenizer(path, vocab=VOCAB):
     """Train a small byte-level BPE tokenizer and save HF tokenizer files next to a tiny model."""
     import json
-    from pathlib import Path
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tk = Tokenizer(models.BPE())
@@ -88,4 +89,15 @@ def build_families(tmp_path_factory, families=None) -> dict:
         d = tmp_path_factory.mktemp(fam)
         build(fam, d)
         out[fam] = d
+    return out
+
+
+def build_cbk(family: str, tmp_path, iters: int = 5) -> Path:
+    """A tiny ``family`` model saved under tmp_path/src and quantized (4-bit projections, 8-bit head,
+    unweighted, ``iters`` k-means rounds) to tmp_path/m.cbk; returns the .cbk path."""
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    build(family, Path(tmp_path) / "src")
+    out = Path(tmp_path) / "m.cbk"
+    quantize_to_cbk(str(Path(tmp_path) / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=iters).validate(),
+                    progress=False, log=lambda s: None)
     return out
