@@ -250,73 +250,38 @@ def test_tiled_codes_fall_back_without_the_kernel(monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("seed", range(60))
 def test_tiled_gemv_random_gpu(seed):
-    """Variants 11 and 12 on tiled codes: float64 agreement and the same bits as variant 7 on canonical
-    codes. Every third case has more row tiles than the GPU holds blocks (~400 at M <= 8), so variant
-    12's blocks walk several tiles each."""
+    """Variant 11 on tiled codes: float64 agreement and the same bits as variant 7 on canonical codes."""
     r = random.Random(seed)
     bits = r.choice([4, 4, 8])
     k = (512 // bits) * r.randint(1, 60)
-    n = r.choice(AWKWARD + [r.randint(1, 5000)]) if seed % 3 else r.randint(6400, 24000)
-    if seed % 3 == 0:
-        k = (512 // bits) * r.randint(1, 12)
+    n = r.choice(AWKWARD + [r.randint(1, 5000)])
     m = r.choice([1, 1, 2, 5, 8, 9, 16])
     gen = torch.Generator().manual_seed(seed)
     codes, cb = _weights(n, k, bits, gen)
     x = torch.randn(m, k, generator=gen).half().cuda()
     res = torch.randn(m, n, generator=gen).half().cuda() if r.random() < 0.4 else None
     tiled = cg.tile_codes(codes)
+    y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    cg.codebook_gemv(x, tiled, cb, bits, res, out=y, tiled=True)
+    assert rel_err(y, cg.codebook_gemv_reference(x, codes, cb, bits, res)) < TOL[torch.float16], (bits, m, k, n)
     with _variant("mma-7"):
         y7 = cg.codebook_gemv(x, codes, cb, bits, res, backend="mma")
-    ref = cg.codebook_gemv_reference(x, codes, cb, bits, res)
-    for v in cg.TILED_VARIANTS:
-        with _variant(f"mma-{v}"):
-            y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-            cg.codebook_gemv(x, tiled, cb, bits, res, out=y, tiled=True)
-            assert rel_err(y, ref) < TOL[torch.float16], (v, bits, m, k, n)
-            assert torch.equal(y, y7), (v, bits, m, k, n)
-            for _ in range(5):
-                assert torch.equal(cg.codebook_gemv(x, tiled, cb, bits, res, tiled=True), y), v
+    assert torch.equal(y, y7)
+    for _ in range(5):
+        assert torch.equal(cg.codebook_gemv(x, tiled, cb, bits, res, tiled=True), y)
 
 
 @requires_cuda
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("m", [1, 12])
-def test_tiled_gate_up_gpu(act, m):
+def test_tiled_gate_up_gpu(act):
     gen = torch.Generator().manual_seed(9)
     gc, gb = _weights(11008, 4096, 4, gen)
     uc, ub = _weights(11008, 4096, 4, gen)
     codes, cb, f = cg.interleave_gate_up(gc, gb, uc, ub)
-    x = torch.randn(m, 4096, generator=gen).half().cuda()
+    x = torch.randn(1, 4096, generator=gen).half().cuda()
+    y = cg.codebook_gemv_gate_up(x, cg.tile_codes(codes), cb, 4, f, act, tiled=True)
     with _variant("mma-7"):
         y7 = cg.codebook_gemv_gate_up(x, codes, cb, 4, f, act, backend="mma")
+    assert torch.equal(y, y7)
     ref = cg.codebook_gemv_gate_up_reference(x, codes, cb, 4, f, act)
-    for v in cg.TILED_VARIANTS:
-        with _variant(f"mma-{v}"):
-            y = cg.codebook_gemv_gate_up(x, cg.tile_codes(codes), cb, 4, f, act, tiled=True)
-        assert torch.equal(y, y7), v
-        assert rel_err(y, ref) < TOL[torch.float16], v
-
-
-@requires_cuda
-def test_persistent_gemv_cuda_graph_gpu():
-    """Variant 12 inside a CUDA graph (its grid is fixed at capture: the resident block count)."""
-    gen = torch.Generator().manual_seed(13)
-    codes, cb = _weights(11008, 4096, 4, gen)
-    tiled = cg.tile_codes(codes)
-    x = torch.randn(1, 4096, generator=gen).half().cuda()
-    y = torch.empty(1, 11008, dtype=torch.float16, device="cuda")
-    with _variant("mma-12"):
-        cg.codebook_gemv(x, tiled, cb, 4, out=y, tiled=True)  # warm-up: compile, set attributes
-        eager = y.clone()
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            cg.codebook_gemv(x, tiled, cb, 4, out=y, tiled=True)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(graph):
-            cg.codebook_gemv(x, tiled, cb, 4, out=y, tiled=True)
-    y.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y, eager)
+    assert rel_err(y, ref) < TOL[torch.float16]

@@ -66,7 +66,7 @@ def _rand_codes(n, kb, gen):
     return torch.randint(0, 256, (n, kb), dtype=torch.uint8, device="cuda", generator=gen)
 
 
-VARIANTS = (3, 4, 5, 7, 11, 12)
+VARIANTS = (3, 4, 5, 7, 11)
 GEMV_BACKENDS = ("mma",) + tuple(f"mma_v{v}" for v in VARIANTS) + ("triton",)
 
 
@@ -103,19 +103,19 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=GEMV_BACKENDS) ->
             continue
         kernel_be = "mma" if be.startswith("mma") else be
 
-        tiled = be in tuple(f"mma_v{v}" for v in cg.TILED_VARIANTS) or (be == "mma" and cg._variant() in cg.TILED_VARIANTS)
+        tiled = be == f"mma_v{cg.TILED_VARIANT}" or (be == "mma" and cg._variant() == cg.TILED_VARIANT)
 
         def make_q(i, kernel_be=kernel_be, tiled=tiled):
             codes = _rand_codes(n, kb, gen)
             cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
             x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
-            if tiled:  # the engine's layout for variants 11 and 12, made once at load
+            if tiled:  # the engine's layout for variant 11, made once at load
                 codes = cg.tile_codes(codes)
             return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be, tiled=tiled)
 
         old_v = os.environ.get("TRAPETUM_GEMV_V")
-        if bits == 8 and be.startswith("mma_v") and be not in ("mma_v3", "mma_v5", "mma_v7", "mma_v11", "mma_v12"):
+        if bits == 8 and be.startswith("mma_v") and be not in ("mma_v3", "mma_v5", "mma_v7", "mma_v11"):
             continue  # the 8-bit head has the table kernels only (v4 == v3)
         if be.startswith("mma_v"):
             os.environ["TRAPETUM_GEMV_V"] = be[len("mma_v"):]
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ncu_driver() -> int:
-    """Eager launches for `ncu -k regex:cb_gemv`: per shape, variants 4 and 7 on canonical codes, 11 and 12 on tiled codes."""
+    """Eager launches for `ncu -k regex:cb_gemv`: per shape, every variant (one launch each)."""
     from trapetum.kernels import codebook_gemv as cg
     gen = torch.Generator(device="cuda").manual_seed(0)
     for k, n, bits in ((4096, 11008, 4), (8192, 28672, 4), (4096, 32000, 8)):
@@ -298,12 +298,10 @@ def ncu_driver() -> int:
         cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
         x = torch.randn(1, k, device="cuda", dtype=torch.float16, generator=gen)
         tiled = cg.tile_codes(codes)
-        for v in (("7",) if bits == 8 else ("4", "7")):
+        for v in (("5", "7") if bits == 8 else ("3", "4", "5", "7")):
             os.environ["TRAPETUM_GEMV_V"] = v
             cg.codebook_gemv(x, codes, cb, bits, backend="mma")
-        for v in cg.TILED_VARIANTS:  # tiled codes: 11, then the persistent 12
-            os.environ["TRAPETUM_GEMV_V"] = str(v)
-            cg.codebook_gemv(x, tiled, cb, bits, tiled=True)
+        cg.codebook_gemv(x, tiled, cb, bits, tiled=True)  # variant 11
     torch.cuda.synchronize()
     os.environ.pop("TRAPETUM_GEMV_V", None)
     return 0

@@ -228,38 +228,35 @@ def mma_available(device: torch.device | None = None) -> bool:
 
 
 DEFAULT_VARIANT = 11  # fastest measured on the H200 (NOTES-kernels.md, session 3: tiled codes)
-_VARIANTS = ("3", "4", "5", "7", "11", "12")
-TILED_VARIANTS = (11, 12)  # variants that read codes tiled at load (``tile_codes``)
+_VARIANTS = ("3", "4", "5", "7", "11")
+TILED_VARIANT = 11  # variant 7 on the tiled code layout (``tile_codes``)
 
 
 def _variant() -> int:
-    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3|4|5|7|11|12, default DEFAULT_VARIANT.
+    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3|4|5|7, default DEFAULT_VARIANT.
 
     3: shared-memory pair tables; 4: byte-permute lookups from codebook byte planes in registers
     (4-bit only; the 8-bit LM head uses the table kernel); 5: 3 with the activation x loaded only
     by the lanes whose row exists; 7: 5 with no code loads past the last chunk; 11: 7 on codes
     tiled at load (``tile_codes``; only through ``tiled=True`` calls, i.e. the engine: a canonical
-    call under 11 or 12 runs 7); 12: 11 as a persistent kernel (one block per resident slot walks
-    row tiles; the next tile's codebook rows and codes are prefetched during the current one; bitwise
-    the results of 11). NOTES-kernels.md has the measurements (and those of variants 6 and 8-10,
+    call under 11 runs 7). NOTES-kernels.md has the measurements (and those of variants 6 and 8-10,
     removed as slower)."""
     v = os.environ.get("TRAPETUM_GEMV_V", "")
     return int(v) if v in _VARIANTS else DEFAULT_VARIANT
 
 
 def _kernel_variant(tiled: bool) -> int:
-    """The variant a call runs: the selected tiled variant (11 or 12) for tiled codes, else the selected
-    one (7 in place of 11 or 12)."""
-    v = _variant()
+    """The variant a call runs: 11 for tiled codes, else the selected one (7 in place of 11)."""
     if tiled:
-        return v if v in TILED_VARIANTS else DEFAULT_VARIANT if DEFAULT_VARIANT in TILED_VARIANTS else 11
-    return 7 if v in TILED_VARIANTS else v
+        return TILED_VARIANT
+    v = _variant()
+    return 7 if v == TILED_VARIANT else v
 
 
 def use_tiled(device: torch.device | None = None) -> bool:
-    """True if the engine should keep its codebook projections in the tiled layout (a tiled variant
+    """True if the engine should keep its codebook projections in the tiled layout (variant 11
     selected and the CUDA kernels available)."""
-    return _variant() in TILED_VARIANTS and mma_available(device) and _load_ext() is not None
+    return _variant() == TILED_VARIANT and mma_available(device) and _load_ext() is not None
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -40,15 +40,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
   return r;
 }
 
-// The same load as a coherent (not .nc) load, which ptxas keeps below a barrier: V = 12 issues a chunk
-// after the table build on purpose, and ptxas hoists an .nc load above the build and spills it there.
-__device__ __forceinline__ uint4 ld_stream_ordered(const uint8_t* p) {
-  uint4 r;
-  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -158,12 +149,6 @@ struct CodeStream {
         pb(TILED ? codes + (size_t)row0 * KB + 512 + (g * 4 + t) * 16
                  : codes + (size_t)min(row0 + g + 8, N - 1) * KB + t * 16),
         nchunks((KB + 63) >> 6) {}
-  __device__ __forceinline__ void load_ordered(int c, uint4& qa, uint4& qb) const {
-    if (c < nchunks) {
-      qa = ld_stream_ordered(pa + c * kStride);
-      qb = ld_stream_ordered(pb + c * kStride);
-    }
-  }
   __device__ __forceinline__ void load(int c, uint4& qa, uint4& qb) const {
     if (PP) {
       if (c < nchunks) {
@@ -360,139 +345,6 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
 }
 
-// ---------------------------------------------------------------------------------------------
-// V = 12: V = 11 (tiled codes) as a persistent kernel. The grid is the number of blocks that fit on
-// the GPU at once (3 per SM at M <= 8); block b computes row tiles b, b + grid, ... in turn. Per tile
-// the same table build, lookups, mma sequence and fixed-order reduction as V = 11, so the results
-// are bitwise those of V = 11. What changes is what a tile waits for at its start: the next tile's
-// 16 codebook rows are copied (cp.async) into a small staging area while the current tile's lookups
-// run, and each warp's code stream runs on across tile boundaries (its two chunks in flight at the
-// end of a tile are the next tile's first two). At in = 4096 a tile is only 4 chunks per warp, and
-// V = 11 spent a large part of each block on these start-up latencies (NOTES-kernels.md, session 4).
-// Shared memory: the 64 KB table (reused for the reduction, as in V = 11) + the codebook stage.
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
-}
-template <int BITS>
-struct CbStage { static constexpr int kHalves = (BITS == 4) ? 16 : 256; static constexpr int kBytes = 16 * kHalves * 2; };
-
-// Copy the 16 codebook rows of tile `row0` (rows past N clamped to N - 1, never stored) into the stage.
-template <int BITS>
-__device__ __forceinline__ void stage_codebook(uint32_t stage_addr, const half* __restrict__ cb, int row0, int N, int tid) {
-  constexpr int kPieces = CbStage<BITS>::kBytes / 16;  // 16-byte pieces: 32 (4-bit) or 512 (8-bit)
-  constexpr int kPerRow = CbStage<BITS>::kHalves / 8;
-#pragma unroll
-  for (int k = 0; k < (kPieces + kThreads - 1) / kThreads; ++k) {
-    const int i = tid + k * kThreads;
-    if (kPieces % kThreads != 0 && i >= kPieces) break;
-    const int rl = i / kPerRow, piece = i - rl * kPerRow;
-    const int r = min(row0 + rl, N - 1);
-    cp_async16(stage_addr + i * 16, cb + (size_t)r * CbStage<BITS>::kHalves + piece * 8);
-  }
-}
-
-// The table of one tile from its staged codebook rows (same words as V = 11's register-sourced build).
-template <int BITS>
-__device__ __forceinline__ void build_table_from_stage(uint32_t* smem, const half* stage, int tid) {
-  const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
-  const int rl = h * 8 + gg;
-  if (BITS == 4) {
-    const uint4* cp = reinterpret_cast<const uint4*>(stage + rl * 16);
-    const uint4 c0 = cp[0], c1 = cp[1];
-    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const uint32_t lov = __half_as_ushort(stage[rl * 16 + sIdx]);
-#pragma unroll
-    for (int hi = 0; hi < 16; ++hi) {
-      const uint32_t hv = (hi & 1) ? (cw[hi >> 1] & 0xFFFF0000u) : (cw[hi >> 1] << 16);
-      const uint32_t v = lov | hv;
-      const int e = hi * 16 + sIdx;
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  } else {
-    const uint4* cp = reinterpret_cast<const uint4*>(stage + rl * 256 + sIdx * 16);
-    const uint4 c0 = cp[0], c1 = cp[1];
-    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t v = (i & 1) ? (cw[i >> 1] >> 16) : (cw[i >> 1] & 0xFFFFu);
-      const int e = sIdx * 16 + i;
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  }
-}
-
-// Prefetch `bytes` (a multiple of 16) at `p` into L2 with one bulk request (sm_90; on sm_80 nothing is
-// prefetched and the next tile's codes come from DRAM when they are loaded).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(p), "r"(bytes) : "memory");
-#endif
-}
-
-template <int BITS, int NT, int EPI>
-__global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
-cb_gemv_persist_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
-                       const half* __restrict__ cb, const half* __restrict__ res,
-                       half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F, int ntiles) {
-  constexpr bool XP = true;
-  uint32_t* smem = trapetum_cbgemv_smem;
-  const half* stage = reinterpret_cast<const half*>(smem + kTabWords);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  uint32_t sb;
-  asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
-  const uint32_t lane4 = (uint32_t)lane * 4u;
-  constexpr int XW = XWords<BITS>::value;
-  const int offt = t * 16;
-  const uint32_t tile_bytes = 16u * (uint32_t)KB;
-
-  if (tid == 0) prefetch_l2(codes + (size_t)blockIdx.x * tile_bytes, tile_bytes);
-  stage_codebook<BITS>(sb + kTabWords * 4, cb, blockIdx.x * 16, N, tid);
-  cp_async_commit_wait_all();
-  __syncthreads();
-
-  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-    const int row0 = tile * 16;
-    const CodeStream<true, true> cs(codes, N, KB, row0, g, t);
-    const int nchunks = cs.nchunks;
-    // zeros first: a predicated-off load would otherwise keep the previous tile's registers live (PTX has
-    // no undefined value), and ptxas spills them around the tile loop
-    uint4 qa0 = make_uint4(0, 0, 0, 0), qb0 = qa0, qa1 = qa0, qb1 = qa0;
-    cs.load(warp, qa0, qb0);
-    build_table_from_stage<BITS>(smem, stage, tid);
-    __syncthreads();  // table complete; the stage is free
-    // the second chunk is requested only now (in flight across the build, ptxas spilled it): it is an
-    // L2 hit (bulk-prefetched during the previous tile), and the first chunk's lookups cover that
-    cs.load_ordered(warp + kWarps, qa1, qb1);
-    const int next = tile + gridDim.x;
-    if (next < ntiles) {
-      if (tid == 0) prefetch_l2(codes + (size_t)next * tile_bytes, tile_bytes);
-      stage_codebook<BITS>(sb + kTabWords * 4, cb, next * 16, N, tid);
-    }
-
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    // x is loaded just before its chunk (one buffer, unlike V = 11's one-chunk-ahead copy, to keep the
-    // register count of 3 blocks per SM); the chunk's first table lookups cover its L1-hit latency.
-    uint32_t xw[NT][XW] = {};
-    for (int c = warp; c < nchunks; c += kWarps) {
-      load_x<BITS, NT, XP>(xw, x, M, K, g, c * 64 + offt);
-      uint4 qa2, qb2;
-      cs.load(c + 2 * kWarps, qa2, qb2);
-      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
-      qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
-    }
-    // reduce_store starts with a barrier (every warp done with the table) and reuses it for the sums
-    reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
-    cp_async_commit_wait_all();  // this thread's part of the next tile's codebook has landed
-    __syncthreads();  // the reduction has read the table region; the stage is complete
-  }
-}
-
 template <int NT>
 __device__ __forceinline__ void compute_chunk_prmt(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
                                                    const uint32_t (&LA)[4], const uint32_t (&HA)[4],
@@ -593,9 +445,6 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
     const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 TRAPETUM_INST(4, 1, 3) TRAPETUM_INST(4, 1, 5) TRAPETUM_INST(4, 1, 7) TRAPETUM_INST(4, 2, 7) TRAPETUM_INST(8, 1, 7)
 TRAPETUM_INST(4, 1, 11) TRAPETUM_INST(8, 1, 11)
-template __global__ void trapetum_mma::cb_gemv_persist_kernel<4, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_persist_kernel<8, 1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int, int);
-template __global__ void trapetum_mma::cb_gemv_persist_kernel<4, 2, 1>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int, int);
 template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
@@ -628,34 +477,6 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// V = 12: as many blocks as fit at once (occupancy x SMs, computed once per instantiation), at most one per tile.
-template <int BITS, int NT, int EPI>
-static void launch_persist(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
-                           const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
-                           int has_res, int F, cudaStream_t stream) {
-  auto kern = cb_gemv_persist_kernel<BITS, NT, EPI>;
-  const int smem_bytes = kTabWords * 4 + CbStage<BITS>::kBytes;
-  static int resident = 0;  // blocks per SM x SMs (one device per process is assumed, as for attr_set)
-  if (resident == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, kThreads, smem_bytes));
-    int dev = 0, sms = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    resident = std::max(1, per_sm) * std::max(1, sms);
-  }
-  const int ntiles = (N + 15) / 16;
-  const int grid = std::min(ntiles, resident);
-  kern<<<grid, kThreads, smem_bytes, stream>>>(
-      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
-      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
-      reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F, ntiles);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 template <int NT, int EPI>
 static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
                         const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
@@ -676,14 +497,6 @@ struct TableKernel {
   static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
                  torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
     launch<BITS, NT, EPI, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-  }
-};
-template <int BITS>
-struct PersistKernel {
-  template <int NT, int EPI>
-  static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
-                 torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
-    launch_persist<BITS, NT, EPI>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
   }
 };
 struct PrmtKernel {
@@ -727,8 +540,7 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 // variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
 // uses the table kernel), 5 = 3 with x loaded only by lanes whose activation row exists, 7 = 5 without
 // loads past the last chunk, 11 = 7 on tiled codes (``tile_codes``: rows padded to 16; the output
-// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues), 12 = 11 as a persistent
-// kernel (same tiled codes; bitwise the results of 11).
+// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
                  torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
   using namespace trapetum_mma;
@@ -739,8 +551,8 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   int N = codes.size(0);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11 || variant == 12, "variant");
-  if (variant == 11 || variant == 12) {
+  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11, "variant");
+  if (variant == 11) {
     TORCH_CHECK(N % 16 == 0, "tiled codes: rows padded to a multiple of 16");
     if (epi == 0) {
       TORCH_CHECK(y.dim() == 2 && y.size(1) <= N && y.size(1) > N - 16, "tiled codes: y columns vs padded rows");
@@ -752,12 +564,10 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const int F = (int)f, hr = (int)has_res, e = (int)epi;
   if (bits == 4 && variant == 4) dispatch_nt_epi<PrmtKernel>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 12) dispatch_nt_epi<PersistKernel<4>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 11) dispatch_nt_epi<TableKernel<4, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 7) dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 5) dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4) dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (variant == 12) dispatch_nt_epi<PersistKernel<8>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (variant == 11) dispatch_nt_epi<TableKernel<8, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (variant == 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (variant == 5) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
