@@ -1,0 +1,227 @@
+"""Sweep the split-KV decode-attention configs (trapetum.kernels.attention.CANDIDATE_CONFIGS) on CUDA.
+
+    python scripts/attn_sweep.py --out DIR [--configs NAME,...] [--shapes NAME,...] [--replays N]
+
+Shapes (cache T_max = 4096, length as a device tensor, as the engine runs it): MHA 32/32x128 and
+GQA 32/8x128 at 1024 and 4096 positions, 8/4x256 (Gemma-2-2B), 4/1x256 and 9/3x64 (SmolLM2) at 4096.
+Per shape and config: the output is checked against the float64 reference (rel. error < 2e-3, and a
+second call bitwise equal) before timing; configs that break the static rule (config_fits) are
+skipped. Timing: >= 20 calls captured in one CUDA graph, each call on another of several cache
+copies (2-64 copies, >= 256 MB of K/V read between two reads of one copy where 64 copies allow it:
+5x the H200's 50 MB L2, so K/V come from HBM); median over
+timed replays of replay time / calls. GB/s = K+V bytes of `length` positions / time. The row
+"seq" is the sequential kernel (TRAPETUM_ATTN=seq) for reference; "*" marks what choose_config picks.
+Prints a table per shape and a summary; writes DIR/attn_sweep.json and DIR/attn_sweep.md with --out.
+Exit status 1 if any config gave a wrong result or failed to compile.
+--cpu-smoke runs this script's checks on the CPU under the Triton interpreter (small cache, a few
+configs, no timing): a test of the script, not of the kernels' speed.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--cpu-smoke" in sys.argv:  # Triton picks the interpreter when the kernels are decorated (import)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+from trapetum.kernels import attention as at
+
+T_MAX = 4096
+ROTATE_BYTES = 256 * 2**20
+MAX_COPIES = 64
+TOL = 2e-3
+# name, Hq, Hkv, D, length
+SHAPES = [("mha-32/32x128@1024", 32, 32, 128, 1024), ("mha-32/32x128@4096", 32, 32, 128, 4096),
+          ("gqa-32/8x128@1024", 32, 8, 128, 1024), ("gqa-32/8x128@4096", 32, 8, 128, 4096),
+          ("gemma-8/4x256@4096", 8, 4, 256, 4096), ("mqa-4/1x256@4096", 4, 1, 256, 4096),
+          ("smollm-9/3x64@4096", 9, 3, 64, 4096)]
+SMOKE_SHAPES = [("smoke-2/2x128@600", 2, 2, 128, 600), ("smoke-4/1x256@623", 4, 1, 256, 623),
+                ("smoke-3/1x64@100", 3, 1, 64, 100)]
+
+
+def rel_err(y, ref):
+    y, ref = y.double(), ref.double()
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+def graph_time_us(calls, replays):
+    """Median us per call of `calls` (zero-argument launches) captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    for _ in range(2):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del g
+    return statistics.median(times)
+
+
+def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX):
+    g = hq // hkv
+    scale = d ** -0.5
+    kv_bytes = 2 * hkv * length * d * 2
+    n_copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes))) if dev == "cuda" else 1
+    n_calls = max(20, n_copies)
+    gen = torch.Generator(device=dev).manual_seed(length * 7 + d)
+    qs = [torch.randn(hq, d, device=dev, generator=gen).half() * 2 for _ in range(n_copies)]
+    ks = [torch.randn(hkv, t_max, d, device=dev, generator=gen).half() for _ in range(n_copies)]
+    vs = [torch.randn(hkv, t_max, d, device=dev, generator=gen).half() for _ in range(n_copies)]
+    outs = [torch.empty(hq, d, device=dev, dtype=torch.float16) for _ in range(n_copies)]
+    ln = torch.tensor([length], dtype=torch.int32, device=dev)
+    ref = at.decode_attention_reference(qs[0], ks[0], vs[0], length, scale=scale)
+    chosen = at.choose_config(d, g, t_max)
+    rows = []
+    for cfg in [None] + configs:  # None: the sequential kernel
+        label = "seq" if cfg is None else cfg.name
+        row = {"config": label, "params": None if cfg is None else dataclasses.asdict(cfg),
+               "chosen": cfg == chosen, "status": "ok"}
+        rows.append(row)
+        if cfg is not None and not at.config_fits(cfg, d, g):
+            row["status"] = "skipped (resource rule)"
+            continue
+        ws = at.attention_workspace(hq, d, t_max, dev, config=cfg or chosen)
+        kw = dict(scale=scale, workspace=ws, split=cfg is not None, config=cfg)
+        try:
+            y = at.decode_attention(qs[0], ks[0], vs[0], ln, out=outs[0], **kw).clone()
+            y2 = at.decode_attention(qs[0], ks[0], vs[0], ln, out=outs[0], **kw)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # a compile / launch failure is a result too
+            row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            continue
+        row["rel_err"] = rel_err(y, ref)
+        if not row["rel_err"] < TOL or not torch.equal(y, y2):
+            row["status"] = "WRONG" if not row["rel_err"] < TOL else "NOT REPRODUCIBLE"
+            continue
+        if dev != "cuda":
+            row["status"] = "ok (not timed)"
+            continue
+        calls = [(lambda i=i % n_copies, kw=kw: at.decode_attention(qs[i], ks[i], vs[i], ln, out=outs[i], **kw))
+                 for i in range(n_calls)]
+        row["us"] = graph_time_us(calls, replays)
+        row["GBps"] = kv_bytes / row["us"] / 1e3
+    timed = [r for r in rows if "us" in r and r["config"] != "seq"]
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    return {"shape": name, "hq": hq, "hkv": hkv, "d": d, "length": length, "t_max": t_max,
+            "kv_bytes": kv_bytes, "cache_copies": n_copies, "calls_per_graph": n_calls,
+            "chosen": chosen.name, "best": best and best["config"], "rows": rows}
+
+
+def shape_table(res):
+    lines = [(f"### {res['shape']}  (K+V {res['kv_bytes'] / 1e6:.1f} MB read; {res['cache_copies']} cache copies, "
+              f"{res['calls_per_graph']} calls per graph)"), "| config | us | GB/s | rel err | status |",
+             "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        mark = (" *" if r["chosen"] else "") + (" (best)" if r["config"] == res["best"] else "")
+        us = f"{r['us']:.2f}" if "us" in r else "-"
+        gb = f"{r['GBps']:,.0f}" if "GBps" in r else "-"
+        er = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
+        lines.append(f"| {r['config']}{mark} | {us} | {gb} | {er} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def summary_table(results):
+    lines = ["| shape | legacy us | chosen (*) us | best config | best us | best GB/s |", "|---|---|---|---|---|---|"]
+    legacy = at.LEGACY_CONFIG.name
+    for res in results:
+        by = {r["config"]: r for r in res["rows"]}
+        def f(n, by=by):
+            return f"{by[n]['us']:.2f}" if n in by and "us" in by[n] else "-"
+        b = by.get(res["best"]) or {}
+        lines.append(f"| {res['shape']} | {f(legacy)} | {f(res['chosen'])} | {res['best']} | "
+                     f"{b.get('us', float('nan')):.2f} | {b.get('GBps', float('nan')):,.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="directory for attn_sweep.json / attn_sweep.md")
+    ap.add_argument("--configs", help="comma-separated config names (default: all candidates)")
+    ap.add_argument("--shapes", help="comma-separated shape names or substrings (default: all)")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--list", action="store_true", help="print the shapes and candidate configs and exit")
+    ap.add_argument("--cpu-smoke", action="store_true", help="check this script on the CPU interpreter (no timing)")
+    a = ap.parse_args()
+
+    configs = list(at.CANDIDATE_CONFIGS)
+    for d, g in {(d, hq // hkv) for _, hq, hkv, d, _ in SHAPES}:  # the chooser's picks are timed too
+        c = at.choose_config(d, g, T_MAX)
+        if c not in configs:
+            configs.append(c)
+    if a.configs:
+        want = a.configs.split(",")
+        configs = [c for c in configs if c.name in want]
+    shapes = [s for s in (SMOKE_SHAPES if a.cpu_smoke else SHAPES)
+              if not a.shapes or any(w in s[0] for w in a.shapes.split(","))]
+    if a.list:
+        print("shapes:", ", ".join(s[0] for s in shapes))
+        print("configs:\n  " + "\n  ".join(f"{c.name}: {c}" for c in configs))
+        return 0
+    dev, t_max = ("cpu", 640) if a.cpu_smoke else ("cuda", T_MAX)
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("attn_sweep: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
+        return 2
+    import triton
+    t0 = time.time()
+    results = []
+    for name, hq, hkv, d, length in shapes:
+        t = time.time()
+        res = sweep_shape(name, hq, hkv, d, length, configs, a.replays, dev, t_max)
+        results.append(res)
+        if dev == "cuda":
+            torch.cuda.empty_cache()  # the shape's caches are gone with sweep_shape's frame
+        print(shape_table(res), flush=True)
+        print(f"({time.time() - t:.1f} s)\n", flush=True)
+    summary = summary_table(results)
+    print(f"## Summary (T_max {t_max}, * = choose_config)")
+    print(summary)
+    bad = [(res["shape"], r["config"], r["status"]) for res in results for r in res["rows"]
+           if r["status"] in ("WRONG", "NOT REPRODUCIBLE")]
+    errors = [(res["shape"], r["config"], r["status"]) for res in results for r in res["rows"]
+              if r["status"].startswith("error")]
+    for b in bad + errors:
+        print("FAILED:" if b in bad else "ERROR:", *b)
+    print(f"total {time.time() - t0:.1f} s")
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter smoke test)", "torch": torch.__version__, "triton": triton.__version__,
+                "python": platform.python_version(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "replays": a.replays, "rotate_bytes": ROTATE_BYTES, "seconds": time.time() - t0,
+                "env": {k: os.environ[k] for k in ("TRAPETUM_ATTN",) if k in os.environ}}
+        (out / "attn_sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / "attn_sweep.md").write_text("\n\n".join(shape_table(r) for r in results) + "\n\n## Summary\n"
+                                          + summary + "\n")
+    return 1 if bad or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
