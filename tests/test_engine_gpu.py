@@ -107,3 +107,41 @@ def test_engine_owns_packed_and_interleaved_codes(tmp_path):
     assert all(m.codes.numel() == 0 for m in packed(dec2))
     assert all(blk.mlp.down_proj.codes.numel() > 0 for blk in dec2.model.layers)
     assert torch.equal(eng.prefill(ids, all_logits=True), ref)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "cb4", "aqlm-2x8"])
+def test_pdl_on_and_off_give_the_same_bits(tmp_path, monkeypatch, kind):
+    """Programmatic dependent launch (trapetum/kernels/cuda/pdl.cuh) only lets a GEMV's weight-only
+    prologue start before the previous kernel ends: prefill and graph-decode logits are bitwise those of
+    TRAPETUM_PDL=0, for the fp16 GEMV, the 4-bit codebook GEMV and the 2x8 kernel + its reduction."""
+    from trapetum.eval.bench_e2e import random_additive
+    out = build_cbk("llama3", tmp_path, iters=2)
+    ids = list(range(5, 21))
+
+    def engine():
+        if kind == "aqlm-2x8":
+            dec = trapetum.load(tmp_path / "src", device="cuda").decoder
+            g = torch.Generator(device="cuda").manual_seed(0)
+            for blk in dec.model.layers:
+                for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                      (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                    for nm in names:
+                        old = getattr(parent, nm)
+                        setattr(parent, nm, random_additive(old.out_features, old.in_features, kind, "cuda", g))
+            return GpuEngine(dec, 64)
+        return trapetum.load(out if kind == "cb4" else tmp_path / "src", device="cuda").runner
+
+    runs = []
+    for pdl in ("1", "0"):
+        monkeypatch.setenv("TRAPETUM_PDL", pdl)
+        eng = engine()
+        first = eng.prefill(ids).clone()
+        steps = []
+        for i in range(6):
+            eng.set_position(len(ids) + i, len(ids) + i)
+            eng.step(greedy=False)
+            steps.append(eng.logits.clone())
+        runs.append((first, steps))
+        del eng
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))

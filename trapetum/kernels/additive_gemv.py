@@ -275,10 +275,12 @@ def _build():
     # torch caches the build under ~/.cache/torch_extensions and rebuilds when the source changes.
     from torch.utils.cpp_extension import load_inline
 
+    from . import cuda_ext
+
     return load_inline(name="trapetum_aqlm_gemv_v2", cpp_sources=_CPP_DECLS,
-                       cuda_sources="#define TRAPETUM_TORCH_LAUNCHER 1\n" + _CU_PATH.read_text(),
+                       cuda_sources=cuda_ext.cuda_source([_CU_PATH.name]),
                        functions=["aqlm_gemv_2x8", "aqlm_gemv_1x16"], extra_cuda_cflags=["-O3", "-lineinfo"],
-                       verbose=False)
+                       extra_include_paths=[str(_CU_PATH.parent)], verbose=False)
 
 
 def _load_ext():

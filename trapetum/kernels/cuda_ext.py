@@ -3,7 +3,8 @@ under ~/.cache/torch_extensions, rebuilt when a source changes).
 
 Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on
 tensor cores, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16
-path). Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
+path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPETUM_PDL=0 turns it off).
+Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
 False without CUDA, below compute capability 8.0, or with TRAPETUM_TC=0; callers then fall back to
 Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``).
 """
@@ -17,6 +18,7 @@ import torch
 
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
+HEADERS = ("pdl.cuh",)  # included by the sources (programmatic dependent launch)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant);
@@ -38,7 +40,7 @@ def available(device: torch.device | None = None) -> bool:
     device = device or torch.device("cuda")
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    return all((_DIR / s).exists() for s in SOURCES)
+    return all((_DIR / s).exists() for s in SOURCES + HEADERS)
 
 
 def load():
@@ -51,14 +53,24 @@ def load():
             return _EXT
         try:
             from torch.utils.cpp_extension import load_inline
-            src = "#define TRAPETUM_TORCH_LAUNCHER 1\n" + "\n".join((_DIR / s).read_text() for s in SOURCES)
-            _EXT = load_inline(name="trapetum_cuda_kernels", cpp_sources=_DECLS, cuda_sources=src,
-                               functions=_FUNCTIONS, extra_cuda_cflags=["-O3", "-lineinfo"], verbose=False)
+            _EXT = load_inline(name="trapetum_cuda_kernels", cpp_sources=_DECLS, cuda_sources=cuda_source(SOURCES),
+                               functions=_FUNCTIONS, extra_cuda_cflags=["-O3", "-lineinfo"],
+                               extra_include_paths=[str(_DIR)], verbose=False)
         except Exception as e:  # keep the Triton / torch fallbacks, but say why
             _ERR = f"{type(e).__name__}: {e}"
             import warnings
             warnings.warn(f"trapetum: CUDA kernels unavailable, using fallbacks ({_ERR[:300]})")
     return _EXT
+
+
+def cuda_source(sources) -> str:
+    """The text given to ``load_inline`` for `sources` (files of ``trapetum/kernels/cuda``): their torch
+    launchers switched on, and the headers they include (``HEADERS``) named with a hash of their text, so
+    that torch's build cache (keyed on this text) rebuilds when a header changes."""
+    import hashlib
+    tag = hashlib.sha256("".join((_DIR / h).read_text() for h in HEADERS).encode()).hexdigest()[:16]
+    return (f"// headers {', '.join(HEADERS)}: {tag}\n#define TRAPETUM_TORCH_LAUNCHER 1\n"
+            + "\n".join((_DIR / s).read_text() for s in sources))
 
 
 def error() -> str | None:

@@ -23,6 +23,8 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
+from . import pdl
+
 
 def _use_triton(device) -> bool:
     if triton is None:
@@ -76,7 +78,9 @@ def act_mul_reference(gate, up, act="silu"):
 if triton is not None:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, offset, BLOCK: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, offset, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+        pdl.pdl_enter(PDL)
         row = tl.program_id(0)
         acc = tl.zeros([BLOCK], tl.float32)
         for n0 in range(0, N, BLOCK):
@@ -94,7 +98,8 @@ if triton is not None:
     def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, pos_val,
                         HQ, D, HALF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
                         skc_h, skc_t, svc_h, svc_t, POS_PTR: tl.constexpr,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl.pdl_enter(PDL)
         t = tl.program_id(0)
         h = tl.program_id(1)
         if POS_PTR:
@@ -163,7 +168,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float 
         return y.view(x.shape)
     block = min(4096, triton.next_power_of_2(n))
     _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), float(eps), float(offset),
-                                    BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                    BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl.launch_kwargs(x.device))
     return y.view(x.shape)
 
 
@@ -214,7 +219,7 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                                    v3.stride(0), v3.stride(1), k_cache.stride(0), k_cache.stride(1),
                                    v_cache.stride(0), v_cache.stride(1), POS_PTR=is_t,
                                    BLOCK_H=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
-                                   num_warps=1)
+                                   num_warps=1, **pdl.launch_kwargs(q.device))
     return q
 
 

@@ -53,6 +53,7 @@
 // caps the kernel near 132 SMs x 1.8 GHz x 8 / 1.06 = 1.8e12 weights/s, about 0.85x of cuBLAS fp16
 // at 4.3 TB/s. Measured (ncu, H200): the L2 is the limit first - each 16-byte gather costs a 32-byte
 // L2 sector (L1 hit rate 16%), 85% of L2 peak at ~0.56-0.78x cuBLAS.
+#include "pdl.cuh"
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -315,6 +316,7 @@ __device__ __forceinline__ float lookup_chunk(uint4 c, uint32_t tab, const uint3
 }
 
 __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p) {
+  trapetum_pdl::allow_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, j = lane & 3;
   const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
   const uint32_t ring = tab + kTabBytes + (warp * kStage) * 512 + lane * 16;
@@ -335,6 +337,9 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
 #pragma unroll
     for (int d = 0; d < kStage; ++d) copy_chunk(ring + d * 512, l, oa + warp + d * kWarps, ob, r, pol);
     __syncthreads();  // the previous segment's lookups are done: the table may be overwritten
+    // the ring copies above read codes only (PDL: they may overlap the previous kernel); the table
+    // needs x, and the partial sums may still be read by the previous GEMV's reduction until it ends
+    trapetum_pdl::wait_inputs();
     build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
     int d = 0;
@@ -352,6 +357,8 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
 
 __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2x8 p) {
   __shared__ float part_sums[4][kReduceRows];
+  trapetum_pdl::allow_dependents();
+  trapetum_pdl::wait_inputs();  // the partial sums of aqlm_2x8_kernel
   const int rl = threadIdx.x % kReduceRows, q = threadIdx.x / kReduceRows;
   const long long grow = (long long)blockIdx.x * kReduceRows + rl;
   const Part2x8 P = part_of_row(p.part, p.nparts, grow);
@@ -405,6 +412,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p) {
   __shared__ float red[kWarps][kRows16];
+  trapetum_pdl::allow_dependents();
+  trapetum_pdl::wait_inputs();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int ks = 1 << p.ks_log2, rs = warp >> p.ks_log2, kq = warp & (ks - 1);
   const int rows_per_block = kRows16 * (kWarps >> p.ks_log2);
@@ -587,10 +596,9 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   p.units = tot.units;
   const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  aqlm_2x8_kernel<<<(unsigned)grid, kThreads, kSmemBytes, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  aqlm_2x8_reduce_kernel<<<(unsigned)((rows + kReduceRows - 1) / kReduceRows), kThreads, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_kernel, (unsigned)grid, kThreads, kSmemBytes, stream, p));
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel, (unsigned)((rows + kReduceRows - 1) / kReduceRows),
+                                      kThreads, 0, stream, p));
 }
 
 // ks_log2 < 0: pick the k-split from the shape (enough warps to fill the GPU, >= 2 chunks per warp).
@@ -628,7 +636,6 @@ void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torc
   p.has_res = (int)has_res;
   const int rows_per_block = kRows16 * (kWarps >> ks);
   const int grid = (N + rows_per_block - 1) / rows_per_block;
-  aqlm_1x16_kernel<<<grid, kThreads, 0, c10::cuda::getCurrentCUDAStream().stream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_1x16_kernel, grid, kThreads, 0, c10::cuda::getCurrentCUDAStream().stream(), p));
 }
 #endif  // TRAPETUM_TORCH_LAUNCHER

@@ -22,6 +22,7 @@
 // 4-bit, in % 64 == 0 for 8-bit), M <= 16, sm_80+.
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include "pdl.cuh"
 
 // Dynamic shared memory, named at file scope so PTX can take its address as a constant
 // (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
@@ -258,6 +259,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
   constexpr bool XP = V >= 5, PP = V >= 7, TILED = V == 11;
+  trapetum_pdl::allow_dependents();
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -302,6 +304,9 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
     }
   }
   __syncthreads();
+  // everything above read weights only (PDL: it may overlap the previous kernel); x, the residual and
+  // y belong to the previous kernels
+  trapetum_pdl::wait_inputs();
 
   uint32_t sb;
   asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
@@ -377,6 +382,7 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
                     const half* __restrict__ cb, const half* __restrict__ res,
                     half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
   __shared__ float red[kWarps * NT * 4 * 32];
+  trapetum_pdl::allow_dependents();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
@@ -390,6 +396,7 @@ cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ code
   uint32_t LA[4], HA[4], LB[4], HB[4];
   load_planes(cb, ra, LA, HA);
   load_planes(cb, rb, LB, HB);
+  trapetum_pdl::wait_inputs();  // codes and codebook above; x below
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
@@ -469,12 +476,11 @@ static void launch(const torch::Tensor& x, const torch::Tensor& codes, const tor
     attr_set = true;
   }
   const int grid = (N + 15) / 16;
-  kern<<<grid, kThreads, smem_bytes, stream>>>(
-      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
+  C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream,
+      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)codes.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
       reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F));
 }
 
 template <int NT, int EPI>
@@ -482,12 +488,11 @@ static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, cons
                         const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
                         int has_res, int F, cudaStream_t stream) {
   const int grid = (N + 15) / 16;
-  cb_gemv_prmt_kernel<NT, EPI><<<grid, kThreads, 0, stream>>>(
-      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
+  C10_CUDA_CHECK(trapetum_pdl::launch(cb_gemv_prmt_kernel<NT, EPI>, grid, kThreads, 0, stream,
+      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)codes.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
       reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F));
 }
 
 // One launcher per kernel family; NT (activation rows <= 8 or <= 16) and the epilogue are picked here.

@@ -10,6 +10,7 @@
 // reproducible. Requires K % 8 == 0 (16-byte rows); the Python wrapper falls back to cuBLAS.
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include "pdl.cuh"
 
 namespace trapetum_dense {
 
@@ -55,6 +56,7 @@ template <int EPI, int ROWS>
 __global__ void __launch_bounds__(kWarps * 32)
 dense_gemv_kernel(const half* __restrict__ x, const half* __restrict__ W, const half* __restrict__ res,
                   half* __restrict__ y, int N, int K, int F, int has_res) {
+  trapetum_pdl::allow_dependents();
   const int lane = threadIdx.x & 31;
   const int wid = blockIdx.x * kWarps + (threadIdx.x >> 5);
   const int nout = EPI == 0 ? N : F;
@@ -67,6 +69,14 @@ dense_gemv_kernel(const half* __restrict__ x, const half* __restrict__ W, const 
     rows[r] = W + (size_t)row * K;
   }
   const int K8 = K >> 3;
+  // weight-only prologue (PDL: may overlap the previous kernel): the first step's weight lines into L2
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (lane + 32 * u < K8)
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(rows[r] + (size_t)(lane + 32 * u) * 8));
+  trapetum_pdl::wait_inputs();  // x and the residual belong to the previous kernels
   float acc[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
@@ -127,12 +137,12 @@ void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tens
   const int threads = kWarps * 32;
   if (epi == 0) {
     const int warps = (N + 1) / 2;
-    dense_gemv_kernel<0, 2><<<(warps + kWarps - 1) / kWarps, threads, 0, s>>>(xp, wp, rp, yp, N, K, F, (int)has_res);
+    C10_CUDA_CHECK(trapetum_pdl::launch(dense_gemv_kernel<0, 2>, (warps + kWarps - 1) / kWarps, threads, 0, s,
+                                        xp, wp, rp, yp, N, K, F, (int)has_res));
   } else {
     const int blocks = (F + kWarps - 1) / kWarps;
-    if (epi == 1) dense_gemv_kernel<1, 2><<<blocks, threads, 0, s>>>(xp, wp, rp, yp, N, K, F, 0);
-    else dense_gemv_kernel<2, 2><<<blocks, threads, 0, s>>>(xp, wp, rp, yp, N, K, F, 0);
+    C10_CUDA_CHECK(trapetum_pdl::launch(epi == 1 ? dense_gemv_kernel<1, 2> : dense_gemv_kernel<2, 2>, blocks, threads,
+                                        0, s, xp, wp, rp, yp, N, K, F, 0));
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 #endif

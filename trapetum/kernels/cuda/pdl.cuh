@@ -1,0 +1,60 @@
+// Programmatic dependent launch (PDL, sm_90+), shared by the package's CUDA kernels.
+//
+// A kernel launched through trapetum_pdl::launch may start while the previous kernel in the stream is
+// still running, once every block of that kernel has called allow_dependents() (or exited). It must
+// call wait_inputs() before it reads anything the previous kernels wrote (activations, residuals,
+// partial sums) and before it writes anything; what it does before that may only read weights (codes,
+// codebooks, scales), which no decode kernel writes. The GEMVs use that window for their weight-only
+// prologue (table build from the codebook, first code loads), which otherwise starts only after the
+// previous kernel (a norm, attention, another GEMV) has finished. wait_inputs() waits for the full
+// completion of the previous kernel and the visibility of its memory, so results are unchanged.
+// TRAPETUM_PDL=0 launches without the attribute (each kernel then starts after the previous one
+// ends, as with <<<>>>). Below sm_90 both device calls compile to nothing and the attribute is not set.
+#pragma once
+#include <cuda_runtime.h>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+namespace trapetum_pdl {
+
+__device__ __forceinline__ void wait_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0".
+inline bool enabled() {
+  const char* e = std::getenv("TRAPETUM_PDL");
+  if (e != nullptr && std::strcmp(e, "0") == 0) return false;
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  return major >= 9;
+}
+
+// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled().
+template <typename... KArgs, typename... Args>
+inline cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = enabled() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
+}
+
+}  // namespace trapetum_pdl
