@@ -38,6 +38,9 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
+from . import pdl  # programmatic dependent launch of the split and merge kernels
+
+
 CHUNK = 64  # positions per step of the sequential kernel (fixed: not an AttnConfig knob)
 SEQ_STAGES = 3  # its num_stages (Triton's default, what it always ran with)
 # finite "minus infinity": keeps exp(m_old - m_new) free of NaN (a constexpr: Triton kernels may
@@ -146,14 +149,15 @@ def config_fits(cfg: AttnConfig, d: int, g: int = 1) -> bool:
 def choose_config(d: int, g: int, t_max: int) -> AttnConfig:
     """The production config for head dim d, group size g, cache of t_max positions.
 
-    128-position chunks while BLOCK_D <= 128 (a chunk sweep on the H200: 27.0 vs 28.6 us at 4k MHA), 64
-    otherwise (a 128x256 tile needs 8 warps not to spill); the merge takes up to 64 chunks per
-    step (every chunk up to 8k / 4k positions) with 32 columns per program (Hq * D / 32 programs
-    instead of Hq). g and t_max are in the signature for rules that depend on them.
-    Falls back to LEGACY_CONFIG if a choice would break the static rule.
+    64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
+    (Hq * D / 32 programs instead of Hq): the fastest or within 6% of the fastest of the 13 candidates
+    at every shape of the H200 sweep (scripts/attn_sweep.py, 2026-11-30 08:06 UTC; BENCHMARKS.md), e.g.
+    4k-position MHA 32x128 27.5 -> 23.5 us, GQA 32/8x128 14.1 -> 10.2 us, 8/4x256 13.7 -> 10.1 us. Longer
+    pipelined chunks (512 positions, 3 stages) were 6% faster at 4k MHA but 37% slower at 1k, and the
+    length changes within one captured decode graph. g and t_max are in the signature for rules that
+    depend on them. Falls back to LEGACY_CONFIG if a choice would break the static rule.
     """
-    chunk = 128 if _block_d(d) <= 128 else 64
-    cfg = AttnConfig(chunk=chunk, block_n=chunk, merge_chunks=64, merge_d=32)
+    cfg = AttnConfig(chunk=64, block_n=64, merge_chunks=64, merge_d=32)
     return cfg if config_fits(cfg, d, g) else LEGACY_CONFIG
 
 
@@ -233,8 +237,10 @@ if triton is not None:
                            G, D, NCH, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt,
                            scale, softcap, window,
                            LEN_PTR: tl.constexpr, HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr):
+                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr,
+                           PDL: tl.constexpr):
         # NCH: chunk stride of the workspace (>= the number of chunks of the cache)
+        pdl.pdl_enter(PDL)  # before the length, q and the new K/V: all written by the previous kernels
         hk = tl.program_id(0)
         c = tl.program_id(1)
         L = _load_len(len_ptr, len_val, LEN_PTR)
@@ -272,11 +278,12 @@ if triton is not None:
     @triton.jit
     def _attn_merge_kernel(len_ptr, len_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, stride_oh, window,
                            LEN_PTR: tl.constexpr, HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr):
+                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
         # One program per (query head, BLOCK_DM columns), one pass over the head's chunks, BLOCK_C
         # chunks per step (steps aligned to BLOCK_C): the chunks of a step are loaded together (not
         # one dependent load per chunk) and folded into the running (max, sum, out) by tl.max /
         # tl.sum in a fixed order: bitwise reproducible.
+        pdl.pdl_enter(PDL)
         hq = tl.program_id(0)
         ds = tl.program_id(1)
         L = _load_len(len_ptr, len_val, LEN_PTR)
@@ -425,12 +432,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                                    v_cache.stride(0), v_cache.stride(1), float(scale), cap, win,
                                    HAS_CAP=softcap is not None, BLOCK_G=_block_g(g),
                                    BLOCK_D=BLOCK_D, CH=cfg.chunk, BN=cfg.block_n,
-                                   num_warps=cfg.warps, num_stages=cfg.stages, **common)
+                                   num_warps=cfg.warps, num_stages=cfg.stages, **common, **pdl.launch_kwargs(q.device))
     bdm = min(cfg.merge_d, BLOCK_D) if cfg.merge_d else BLOCK_D
     bc = min(cfg.merge_chunks, max(16, 1 << (nch - 1).bit_length()))
     _attn_merge_kernel[(hq, BLOCK_D // bdm)](len_ptr, len_val, m, l, o, out, d, ws_nch, out.stride(0), win,
                                              BLOCK_D=BLOCK_D, BLOCK_DM=bdm, CH=cfg.chunk, BLOCK_C=bc,
-                                             num_warps=cfg.merge_warps, **common)
+                                             num_warps=cfg.merge_warps, **common, **pdl.launch_kwargs(q.device))
     return out
 
 
