@@ -343,13 +343,25 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
     build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
     int d = 0;
-    for (int o = oa + warp; o < ob; o += kWarps) {
-      cp_async_wait<kStage - 1>();  // the oldest group (this slot) has landed
-      const uint4 c = lds128(ring + d * 512);
-      const float v = lookup_chunk(c, tab, sw, r >= 4);
+    int o = oa + warp;
+    // two units per step: their 32 lookups and two shuffle trees are independent, which doubles the
+    // loads in flight per warp (one unit per step left the kernel LDS-latency-bound at 16 warps per SM)
+    for (; o + kWarps < ob; o += 2 * kWarps) {
+      cp_async_wait<kStage - 2>();  // the two oldest groups (these slots) have landed
+      const int d1 = d + 1 == kStage ? 0 : d + 1;
+      const uint4 c0 = lds128(ring + d * 512), c1 = lds128(ring + d1 * 512);
+      const float v0 = lookup_chunk(c0, tab, sw, r >= 4);
+      const float v1 = lookup_chunk(c1, tab, sw, r >= 4);
+      if (j == 0 && 8 * o + r < P.N) l.partial[8 * o + r] = v0;
+      if (j == 0 && 8 * (o + kWarps) + r < P.N) l.partial[8 * (o + kWarps) + r] = v1;
+      copy_chunk(ring + d * 512, l, o + kStage * kWarps, ob, r, pol);  // c0, c1 were consumed above
+      copy_chunk(ring + d1 * 512, l, o + (kStage + 1) * kWarps, ob, r, pol);
+      d = d1 + 1 == kStage ? 0 : d1 + 1;
+    }
+    if (o < ob) {  // an odd unit left
+      cp_async_wait<kStage - 1>();
+      const float v = lookup_chunk(lds128(ring + d * 512), tab, sw, r >= 4);
       if (j == 0 && 8 * o + r < P.N) l.partial[8 * o + r] = v;
-      copy_chunk(ring + d * 512, l, o + kStage * kWarps, ob, r, pol);  // c was consumed above
-      d = d + 1 == kStage ? 0 : d + 1;
     }
     cp_async_wait<0>();
   }

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Session 4 device runs. PART=a: build, the 2x8 correctness tests, the additive kernel table, Llama-2-70B
+# 2x8 / 1x16 decode (PDL on and off), then every GPU test file with the time left.
+# PART=b: the 4-bit GEMV table (v11, cuBLAS; kernel tables run with PDL off, see graph_time_us), Llama-2-7B
+# decode with every kill switch (TRAPETUM_PDL=0 among them) and Llama-3-8B.
+# Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session4.sh
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
+OUT=${OUT:-out/gpu-session4}
+PART=${PART:-a}
+L=$(mktemp -d)
+mkdir -p "$OUT"
+t0=$(date +%s)
+deadline=$(( t0 + ${BUDGET_S:-570} ))
+budget() { local left=$(( deadline - $(date +%s) - $2 )) c=$1; (( left < c )) && c=$left; (( c < 5 )) && c=5; echo $c; }
+since() { echo "$(( $(date +%s) - t0 )) s"; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
+python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
+python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
+wait
+echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
+if [ "$PART" = a ]; then
+  timeout "$(budget 90 400)" python3 -m pytest -q -p no:cacheprovider tests/test_additive_kernels.py \
+    -k "cuda or packed or bitwise or graph or mixed or kill_switch" > "$L/pytest_2x8.log" 2>&1
+  echo "2x8 tests: $(tail -1 "$L/pytest_2x8.log") ($(since))"
+  timeout "$(budget 60 330)" python3 -m trapetum.kernels.additive_gemv --backends cuda --json "$L/additive.json" \
+    > "$L/additive.log" 2>&1; echo "additive bench rc=$? ($(since))"
+  for f in aqlm-2x8 aqlm-1x16; do
+    timeout "$(budget 60 220)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats $f --bins 0 \
+      --out "$L/e2e70_$f" > "$L/e2e70_$f.log" 2>&1; echo "e2e 70b $f rc=$? ($(since))"
+  done
+  TRAPETUM_PDL=0 timeout "$(budget 50 170)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
+    --out "$L/e2e70_nopdl" > "$L/e2e70_nopdl.log" 2>&1; echo "e2e 70b 2x8 pdl=0 rc=$? ($(since))"
+  timeout "$(budget 400 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gemv.py \
+    tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_dense_gemv.py tests/test_additive_kernels.py \
+    tests/test_precise_prefill.py -k "not (cuda or packed or bitwise or mixed or kill_switch)" -x > "$L/pytest_rest.log" 2>&1
+  echo "other GPU tests: $(tail -1 "$L/pytest_rest.log") ($(since))"
+else
+  timeout "$(budget 90 300)" python3 -m trapetum.eval.bench_kernels --only gemv --backends mma_v11 --out "$L/kernels" \
+    > "$L/kernels.log" 2>&1; echo "gemv bench rc=$? ($(since))"
+  timeout "$(budget 260 60)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --switches --out "$L/e2e7" \
+    > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
+  timeout "$(budget 80 0)" python3 -m trapetum.eval.bench_e2e --models llama3-8b --out "$L/e2e8" \
+    > "$L/e2e8.log" 2>&1; echo "e2e 8b rc=$? ($(since))"
+fi
+tar czf "$OUT/logs.tgz" -C "$L" .
+echo "==== tables ($(since))"
+grep -h "FAILED\|Error" "$L"/pytest*.log 2>/dev/null | head -20
+grep "^|" "$L/additive.log" 2>/dev/null | head -20
+cat "$L/kernels/kernels.md" 2>/dev/null | grep "^|" | head -16
+for d in "$L"/e2e*/; do echo "-- $d"; grep "^|" "$d/results.md" 2>/dev/null | head -30; done
