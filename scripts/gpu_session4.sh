@@ -2,7 +2,8 @@
 # Session 4 device runs. PART=a: build, the 2x8 correctness tests, the additive kernel table, Llama-2-70B
 # 2x8 / 1x16 decode (PDL on and off), then every GPU test file with the time left.
 # PART=b: the 4-bit GEMV table (v11, cuBLAS; kernel tables run with PDL off, see graph_time_us), Llama-2-7B
-# decode with every kill switch (TRAPETUM_PDL=0 among them) and Llama-3-8B.
+# decode with every kill switch (TRAPETUM_PDL=0 among them) and Llama-3-8B. PART=c: the PDL diagnostic
+# (scripts/pdl_diag.py), Llama-2-7B / 70B 2x8 / Llama-3-8B decode, then every GPU test file.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session4.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -35,7 +36,20 @@ if [ "$PART" = a ]; then
     tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_dense_gemv.py tests/test_additive_kernels.py \
     tests/test_precise_prefill.py -k "not (cuda or packed or bitwise or mixed or kill_switch)" -x > "$L/pytest_rest.log" 2>&1
   echo "other GPU tests: $(tail -1 "$L/pytest_rest.log") ($(since))"
+elif [ "$PART" = c ]; then  # after the fix of the hoisted x loads: diagnostic, every GPU test, decode
+  timeout "$(budget 60 420)" python3 scripts/pdl_diag.py > "$L/pdl_diag.log" 2>&1; echo "pdl diag rc=$? ($(since))"
+  timeout "$(budget 90 330)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats fp16,cb4 --bins 0,1024,3968 \
+    --out "$L/e2e7" > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
+  timeout "$(budget 40 290)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
+    --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
+  timeout "$(budget 40 250)" python3 -m trapetum.eval.bench_e2e --models llama3-8b --formats fp16,cb4 --bins 0,3968 \
+    --out "$L/e2e8" > "$L/e2e8.log" 2>&1; echo "e2e 8b rc=$? ($(since))"
+  timeout "$(budget 400 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gemv.py \
+    tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_dense_gemv.py tests/test_additive_kernels.py \
+    tests/test_precise_prefill.py > "$L/pytest_all.log" 2>&1
+  echo "all GPU tests: $(tail -1 "$L/pytest_all.log") ($(since))"
 else
+  timeout "$(budget 60 380)" python3 scripts/pdl_diag.py > "$L/pdl_diag.log" 2>&1; echo "pdl diag rc=$? ($(since))"
   timeout "$(budget 90 300)" python3 -m trapetum.eval.bench_kernels --only gemv --backends mma_v11 --out "$L/kernels" \
     > "$L/kernels.log" 2>&1; echo "gemv bench rc=$? ($(since))"
   timeout "$(budget 260 60)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --switches --out "$L/e2e7" \
@@ -45,6 +59,7 @@ else
 fi
 tar czf "$OUT/logs.tgz" -C "$L" .
 echo "==== tables ($(since))"
+tail -6 "$L/pdl_diag.log" 2>/dev/null
 grep -h "FAILED\|Error" "$L"/pytest*.log 2>/dev/null | head -20
 grep "^|" "$L/additive.log" 2>/dev/null | head -20
 cat "$L/kernels/kernels.md" 2>/dev/null | grep "^|" | head -16

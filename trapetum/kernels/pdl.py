@@ -9,7 +9,8 @@ and they are launched with ``launch_pdl=True`` themselves. Results are unchanged
 reads its inputs only after the kernels that wrote them have completed.
 
 On only where it can work: a CUDA device of compute capability 9.0+, a Triton with ``launch_pdl`` and
-``gdc_wait``, not the interpreter, and TRAPETUM_PDL not "0".
+``gdc_wait``, not the interpreter, and TRAPETUM_PDL not "0". TRAPETUM_PDL=cuda keeps it for the CUDA
+kernels only, TRAPETUM_PDL=triton for the Triton kernels only (to bisect a difference).
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """True if Triton kernels on `device` should use PDL (see the module docstring)."""
-    if device.type != "cuda" or os.environ.get("TRAPETUM_PDL", "1") == "0":
+    if device.type != "cuda" or os.environ.get("TRAPETUM_PDL", "1") in ("0", "cuda"):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not _triton_supports_pdl():
         return False

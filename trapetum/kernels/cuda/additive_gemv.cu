@@ -227,7 +227,7 @@ struct Epi {
   __device__ __forceinline__ static Epi load(const half* __restrict__ scales, const half* __restrict__ bias,
                                              const half* __restrict__ res, int row, int has_bias, int has_res) {
     return {__half2float(scales[row]), has_bias ? __half2float(bias[row]) : 0.f,
-            has_res ? __half2float(res[row]) : 0.f};
+            has_res ? trapetum_pdl::ld_input_half(res + row) : 0.f};
   }
   __device__ __forceinline__ void store(half* __restrict__ y, int row, float acc, int has_bias, int has_res) const {
     float v = acc * scale;
@@ -259,7 +259,7 @@ __device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, in
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int g = slice * kSlice + 16 * mt + 8 * hh + gid;
-      a[mt][hh] = g < p.G ? __ldg(reinterpret_cast<const uint32_t*>(p.x + (size_t)g * 8 + 2 * t)) : 0u;
+      a[mt][hh] = g < p.G ? trapetum_pdl::ld_input(reinterpret_cast<const uint32_t*>(p.x + (size_t)g * 8 + 2 * t)) : 0u;
     }
   uint32_t b[kTiles / kWarps];  // all B fragments in flight at once (the codebooks sit in L2)
 #pragma unroll
@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
       uint4 e[kRows16];
 #pragma unroll
       for (int r = 0; r < kRows16; ++r) e[r] = __ldg(p.cb + cur[r]);
-      const uint4 xv = __ldg(reinterpret_cast<const uint4*>(p.x) + g);
+      const uint4 xv = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(p.x) + g);
       const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
       float xf[8];
 #pragma unroll

@@ -87,7 +87,7 @@ __device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], 
     const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + col0);
 #pragma unroll
     for (int i = 0; i < XW / 4; ++i) {
-      uint4 v = __ldg(xp + i);
+      uint4 v = trapetum_pdl::ld_input(xp + i);  // x: written by the previous kernel
       xw[nt][4 * i + 0] = v.x; xw[nt][4 * i + 1] = v.y;
       xw[nt][4 * i + 2] = v.z; xw[nt][4 * i + 3] = v.w;
     }
@@ -217,7 +217,7 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
       for (int w = 0; w < kWarps; ++w) s += red[((w * NT + nt) * 4 + reg) * 32 + ln];
       const int row = row0 + rr;
       if (row < N && m < M) {
-        if (has_res) s += __half2float(res[(size_t)m * N + row]);
+        if (has_res) s += trapetum_pdl::ld_input_half(res + (size_t)m * N + row);
         y[(size_t)m * N + row] = __float2half(s);
       }
     }

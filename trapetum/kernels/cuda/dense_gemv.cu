@@ -86,7 +86,7 @@ dense_gemv_kernel(const half* __restrict__ x, const half* __restrict__ W, const 
     for (int u = 0; u < kU; ++u) {
       const int v = v0 + 32 * u;
       if (v < K8) {
-        xv[u] = __ldg(reinterpret_cast<const uint4*>(x) + v);
+        xv[u] = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(x) + v);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) wv[u][r] = ld_stream(rows[r] + (size_t)v * 8);
       }
@@ -104,7 +104,7 @@ dense_gemv_kernel(const half* __restrict__ x, const half* __restrict__ W, const 
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int o = o0 + r;
-      if (o < N) y[o] = __float2half(has_res ? acc[r] + __half2float(res[o]) : acc[r]);
+      if (o < N) y[o] = __float2half(has_res ? acc[r] + trapetum_pdl::ld_input_half(res + o) : acc[r]);
     }
   } else {
     const float a = EPI == 1 ? act_silu(acc[0]) : act_gelu_tanh(acc[0]);

@@ -8,10 +8,12 @@
 // prologue (table build from the codebook, first code loads), which otherwise starts only after the
 // previous kernel (a norm, attention, another GEMV) has finished. wait_inputs() waits for the full
 // completion of the previous kernel and the visibility of its memory, so results are unchanged.
-// TRAPETUM_PDL=0 launches without the attribute (each kernel then starts after the previous one
-// ends, as with <<<>>>). Below sm_90 both device calls compile to nothing and the attribute is not set.
+// TRAPETUM_PDL=0 (or =triton: PDL for the Triton kernels only, kernels/pdl.py) launches without the
+// attribute (each kernel then starts after the previous one ends, as with <<<>>>). Below sm_90 both device calls compile to nothing and the attribute is not set.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdint.h>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -30,10 +32,30 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// Loads of what earlier kernels wrote (activations, residuals) must stay below wait_inputs(). ptxas
+// treats read-only-path loads (__ldg, ld.global.nc, and what it infers from const __restrict__) as free to
+// move and was seen hoisting them above griddepcontrol.wait (the 2x8 kernel's x loads: wrong logits
+// once the previous kernel could start early). These are coherent loads, which it keeps in place.
+__device__ __forceinline__ uint4 ld_input(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint32_t ld_input(const uint32_t* p) {
+  uint32_t r;
+  asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ float ld_input_half(const void* p) {
+  unsigned short r;
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return __half2float(__ushort_as_half(r));
+}
+
 // PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0".
 inline bool enabled() {
   const char* e = std::getenv("TRAPETUM_PDL");
-  if (e != nullptr && std::strcmp(e, "0") == 0) return false;
+  if (e != nullptr && (std::strcmp(e, "0") == 0 || std::strcmp(e, "triton") == 0)) return false;
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
