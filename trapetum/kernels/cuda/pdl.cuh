@@ -35,22 +35,11 @@ __device__ __forceinline__ void allow_dependents() {
 // Loads of what earlier kernels wrote (activations, residuals) must stay below wait_inputs(). ptxas
 // treats read-only-path loads (__ldg, ld.global.nc, and what it infers from const __restrict__) as free to
 // move and was seen hoisting them above griddepcontrol.wait (the 2x8 kernel's x loads: wrong logits
-// once the previous kernel could start early). These are coherent loads, which it keeps in place.
-__device__ __forceinline__ uint4 ld_input(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint32_t ld_input(const uint32_t* p) {
-  uint32_t r;
-  asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ float ld_input_half(const void* p) {
-  unsigned short r;
-  asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return __half2float(__ushort_as_half(r));
-}
+// once the previous kernel could start early). These are ordinary coherent loads (ld.global.ca), which it
+// keeps below the wait; unlike an asm volatile load they stay free to be scheduled otherwise.
+__device__ __forceinline__ uint4 ld_input(const uint4* p) { return __ldca(p); }
+__device__ __forceinline__ uint32_t ld_input(const uint32_t* p) { return __ldca(reinterpret_cast<const unsigned int*>(p)); }
+__device__ __forceinline__ float ld_input_half(const half* p) { return __half2float(__ldca(p)); }
 
 // PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0".
 inline bool enabled() {
