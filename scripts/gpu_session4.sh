@@ -4,7 +4,8 @@
 # PART=b: the 4-bit GEMV table (v11, cuBLAS; kernel tables run with PDL off, see graph_time_us), Llama-2-7B
 # decode with every kill switch (TRAPETUM_PDL=0 among them) and Llama-3-8B. PART=c: the PDL diagnostic
 # (scripts/pdl_diag.py), Llama-2-7B / 70B 2x8 / Llama-3-8B decode, then every GPU test file. PART=d: the
-# diagnostic, the PDL / determinism tests and the same decode runs (final check).
+# diagnostic, the PDL / determinism tests and the same decode runs (final check). PART=e: the engine-keeps-
+# no-decoder test and the serving peaks of Llama-2-70B 2x8 and Llama-2-7B 4-bit.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session4.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -37,6 +38,13 @@ if [ "$PART" = a ]; then
     tests/test_kernels_fused.py tests/test_kernels_attention.py tests/test_dense_gemv.py tests/test_additive_kernels.py \
     tests/test_precise_prefill.py -k "not (cuda or packed or bitwise or mixed or kill_switch)" -x > "$L/pytest_rest.log" 2>&1
   echo "other GPU tests: $(tail -1 "$L/pytest_rest.log") ($(since))"
+elif [ "$PART" = e ]; then  # the engine no longer keeps its decoder alive: test, then the serving peaks
+  timeout "$(budget 60 60)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py \
+    -k "no_reference or owns or pdl" > "$L/pytest_e.log" 2>&1; echo "tests: $(tail -1 "$L/pytest_e.log") ($(since))"
+  timeout "$(budget 30 30)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
+    --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
+  timeout "$(budget 30 0)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats cb4 --bins 0 \
+    --out "$L/e2e7" > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
 elif [ "$PART" = d ]; then  # final check: diagnostic, PDL and determinism tests, decode
   timeout "$(budget 60 300)" python3 scripts/pdl_diag.py > "$L/pdl_diag.log" 2>&1; echo "pdl diag rc=$? ($(since))"
   timeout "$(budget 90 200)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gemv.py \

@@ -145,3 +145,22 @@ def test_pdl_on_and_off_give_the_same_bits(tmp_path, monkeypatch, kind):
         del eng
     assert torch.equal(runs[0][0], runs[1][0])
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_engine_keeps_no_reference_to_its_decoder(tmp_path):
+    """An engine built without own_weights (bench_e2e, keep_reference) copies what it needs; once the caller
+    drops the decoder, its modules and canonical codes are freed (the engine used to keep the modules it had
+    copied codes from, which held a 4-bit model's codes twice on the GPU)."""
+    import gc
+    import weakref
+    out = build_cbk("llama3", tmp_path, iters=2)
+    dec = trapetum.load(out, device="cuda", keep_reference=True).decoder
+    probe = weakref.ref(dec.model.layers[0].mlp.gate_proj)
+    eng = GpuEngine(dec, 32)
+    assert all(not p.sources for p in eng._projections())
+    before = torch.cuda.memory_allocated()
+    del dec
+    gc.collect()
+    assert probe() is None
+    assert torch.cuda.memory_allocated() < before
+    assert eng.prefill(list(range(5, 21))).isfinite().all()

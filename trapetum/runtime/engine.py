@@ -94,10 +94,19 @@ class GpuEngine:
         # own_weights: free the decoder's codes that only the engine's own layouts (tiled, interleaved,
         # packed) serve now, so a model's codes are not held twice; the decoder then refuses forward()
         self.released_bytes = self._release(decoder) if own_weights else 0
+        # the release step was the only use of the projections' references to the decoder's modules: drop
+        # them, or an engine would keep a decoder it was built from (and its canonical codes) alive
+        for p in self._projections():
+            if isinstance(p, GateUp):
+                p.forget_sources()
+            else:
+                p.sources = []
+
+    def _projections(self) -> list:
+        return [self.head] + [p for lw in self.layers for p in (*lw.qkv, lw.o, lw.gate_up, lw.down)]
 
     def _release(self, decoder: Decoder) -> int:
-        projs = [self.head] + [p for lw in self.layers for p in (*lw.qkv, lw.o, lw.gate_up, lw.down)]
-        mods = {id(m): m for p in projs for m in p.sources}
+        mods = {id(m): m for p in self._projections() for m in p.sources}
         freed = sum(release_codes(m) for m in mods.values())
         if mods:
             decoder.released = f"{len(mods)} projections' codes, {freed / 1e6:.1f} MB"

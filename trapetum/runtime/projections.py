@@ -249,6 +249,11 @@ class GateUp:
         else:
             self.separate = (make_proj([gate], device), make_proj([up], device))
 
+    def forget_sources(self) -> None:
+        for p in (self.interleaved, self.joint, *(self.separate or ())):
+            if p is not None:
+                p.sources = []
+
     @property
     def sources(self) -> list[nn.Module]:
         if self.interleaved is not None:
