@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ if "--cpu-smoke" in sys.argv:  # Triton picks the interpreter when the kernels a
 
 import torch
 
+from trapetum.eval.bench_kernels import graph_time_calls  # noqa: E402
 from trapetum.kernels import attention as at
 
 T_MAX = 4096
@@ -55,33 +55,6 @@ def rel_err(y, ref):
     if not torch.isfinite(y).all():
         return float("inf")
     return ((y - ref).norm() / ref.norm()).item()
-
-
-def graph_time_us(calls, replays):
-    """Median us per call of `calls` (zero-argument launches) captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    for _ in range(2):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del g
-    return statistics.median(times)
 
 
 def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX):
@@ -126,7 +99,7 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
             continue
         calls = [(lambda i=i % n_copies, kw=kw: at.decode_attention(qs[i], ks[i], vs[i], ln, out=outs[i], **kw))
                  for i in range(n_calls)]
-        row["us"] = graph_time_us(calls, replays)
+        row["us"] = graph_time_calls(calls, replays=replays, warmup=2)
         row["GBps"] = kv_bytes / row["us"] / 1e3
     timed = [r for r in rows if "us" in r and r["config"] != "seq"]
     best = min(timed, key=lambda r: r["us"]) if timed else None

@@ -5,27 +5,8 @@
 # decode (Llama-2-7B 4-bit v7 / v11, Llama-2-70B 2x8), ncu counters of the 2x8 / 1x16 / 4-bit kernels,
 # then the rest of the GPU tests with the time left. Every step has a timeout drawn from one deadline.
 # Logs: $OUT/logs.tgz; the tables are printed last. Usage on the device: OUT=... bash scripts/gpu_layouts.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu-layouts}
-L=$(mktemp -d)
-mkdir -p "$OUT"
-t0=$(date +%s)
-deadline=$(( t0 + ${BUDGET_S:-560} ))
-budget() {  # budget CAP RESERVE: at most CAP seconds, leaving RESERVE for the steps after
-  local left=$(( deadline - $(date +%s) - $2 )) c=$1
-  (( left < c )) && c=$left
-  (( c < 5 )) && c=5
-  echo $c
-}
-since() { echo "$(( $(date +%s) - t0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
-
-# both extensions in parallel
-python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
-python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
-wait
-echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
+source "$(dirname "$0")/gpu_common.sh"
 
 timeout "$(budget 90 420)" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py tests/test_additive_kernels.py \
   -k "tile or tiled or packed or cuda_random or bitwise or graph or host or mixed or real_shapes" > "$L/pytest_quick.log" 2>&1

@@ -3,21 +3,9 @@
 # extensions, runs the PDL on/off bitwise tests and the graph/ownership tests, then Llama-2-7B decode
 # (fp16 and 4-bit) and Llama-2-70B 2x8 with TRAPETUM_PDL=1 and =0 in the same call.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: OUT=... bash scripts/gpu_pdl.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu-pdl}
-L=$(mktemp -d)
-mkdir -p "$OUT"
-t0=$(date +%s)
-deadline=$(( t0 + ${BUDGET_S:-560} ))
-budget() { local left=$(( deadline - $(date +%s) - $2 )) c=$1; (( left < c )) && c=$left; (( c < 5 )) && c=5; echo $c; }
-since() { echo "$(( $(date +%s) - t0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
+source "$(dirname "$0")/gpu_common.sh"
 python3 -c "import triton; from trapetum.kernels import pdl; import torch; print('triton', triton.__version__, 'pdl', pdl.enabled(torch.device('cuda')))" | tee "$L/pdl.txt"
-python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
-python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
-wait
-echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
 timeout "$(budget 150 330)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_additive_kernels.py \
   tests/test_kernels_gemv.py tests/test_kernels_fused.py tests/test_dense_gemv.py tests/test_kernels_attention.py \
   -k "pdl or owns or kill_switch or replays or graph or bitwise or tiled or fused or dense or gate_up or attention" > "$L/pytest.log" 2>&1

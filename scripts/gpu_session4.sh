@@ -7,21 +7,10 @@
 # diagnostic, the PDL / determinism tests and the same decode runs (final check). PART=e: the engine-keeps-
 # no-decoder test and the serving peaks of Llama-2-70B 2x8 and Llama-2-7B 4-bit.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session4.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu-session4}
 PART=${PART:-a}
-L=$(mktemp -d)
-mkdir -p "$OUT"
-t0=$(date +%s)
-deadline=$(( t0 + ${BUDGET_S:-570} ))
-budget() { local left=$(( deadline - $(date +%s) - $2 )) c=$1; (( left < c )) && c=$left; (( c < 5 )) && c=5; echo $c; }
-since() { echo "$(( $(date +%s) - t0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
-python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
-python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
-wait
-echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
+BUDGET_S=${BUDGET_S:-570}
+source "$(dirname "$0")/gpu_common.sh"
 if [ "$PART" = a ]; then
   timeout "$(budget 90 400)" python3 -m pytest -q -p no:cacheprovider tests/test_additive_kernels.py \
     -k "cuda or packed or bitwise or graph or mixed or kill_switch" > "$L/pytest_2x8.log" 2>&1

@@ -13,8 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trapetum  # noqa: E402
-from tests.tiny_models import build  # noqa: E402
-from trapetum.eval.bench_e2e import random_additive  # noqa: E402
+from tests.tiny_models import build, randomize_additive  # noqa: E402
 from trapetum.runtime.engine import GpuEngine  # noqa: E402
 
 tmp = Path(tempfile.mkdtemp())
@@ -24,15 +23,7 @@ ids = list(range(5, 21))
 
 def run(mode, fmt="aqlm-2x8"):
     os.environ["TRAPETUM_PDL"] = mode
-    dec = trapetum.load(tmp / "src", device="cuda").decoder
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for blk in dec.model.layers:
-        for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for nm in names:
-                old = getattr(parent, nm)
-                setattr(parent, nm, random_additive(old.out_features, old.in_features, fmt, "cuda", g))
-    eng = GpuEngine(dec, 64)
+    eng = GpuEngine(randomize_additive(trapetum.load(tmp / "src", device="cuda").decoder, fmt), 64)
     out = [eng.prefill(ids).clone()]
     for i in range(6):
         eng.set_position(len(ids) + i, len(ids) + i)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import FAMILIES, build_cbk, build_families
+from tests.tiny_models import FAMILIES, build_cbk, build_families, randomize_additive
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 
@@ -76,7 +76,6 @@ def test_engine_owns_packed_and_interleaved_codes(tmp_path):
     Here: a 4-bit .cbk (interleaved gate/up copies) and 2x8 projections (packed "slices" copies)."""
     import copy
     from trapetum.errors import UnsupportedError
-    from trapetum.eval.bench_e2e import random_additive
     out = build_cbk("llama3", tmp_path, iters=3)
     ids = list(range(5, 21))
     kept = trapetum.load(out, device="cuda", keep_reference=True)
@@ -90,14 +89,7 @@ def test_engine_owns_packed_and_interleaved_codes(tmp_path):
     assert owned.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids == \
         kept.generate(ids, max_new_tokens=8, ignore_eos=True).token_ids
     # 2x8 additive projections: the packed copies replace the decoder's codes
-    dec = trapetum.load(tmp_path / "src", device="cuda").decoder
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for blk in dec.model.layers:
-        for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for nm in names:
-                old = getattr(parent, nm)
-                setattr(parent, nm, random_additive(old.out_features, old.in_features, "aqlm-2x8", "cuda", g))
+    dec = randomize_additive(trapetum.load(tmp_path / "src", device="cuda").decoder)
     dec2 = copy.deepcopy(dec)
     ref = GpuEngine(dec, 32).prefill(ids, all_logits=True)
     eng = GpuEngine(dec2, 32, own_weights=True)
@@ -114,21 +106,12 @@ def test_pdl_on_and_off_give_the_same_bits(tmp_path, monkeypatch, kind):
     """Programmatic dependent launch (trapetum/kernels/cuda/pdl.cuh) only lets a GEMV's weight-only
     prologue start before the previous kernel ends: prefill and graph-decode logits are bitwise those of
     TRAPETUM_PDL=0, for the fp16 GEMV, the 4-bit codebook GEMV and the 2x8 kernel + its reduction."""
-    from trapetum.eval.bench_e2e import random_additive
     out = build_cbk("llama3", tmp_path, iters=2)
     ids = list(range(5, 21))
 
     def engine():
         if kind == "aqlm-2x8":
-            dec = trapetum.load(tmp_path / "src", device="cuda").decoder
-            g = torch.Generator(device="cuda").manual_seed(0)
-            for blk in dec.model.layers:
-                for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                      (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
-                    for nm in names:
-                        old = getattr(parent, nm)
-                        setattr(parent, nm, random_additive(old.out_features, old.in_features, kind, "cuda", g))
-            return GpuEngine(dec, 64)
+            return GpuEngine(randomize_additive(trapetum.load(tmp_path / "src", device="cuda").decoder), 64)
         return trapetum.load(out if kind == "cb4" else tmp_path / "src", device="cuda").runner
 
     runs = []

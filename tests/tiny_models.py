@@ -101,3 +101,20 @@ def build_cbk(family: str, tmp_path, iters: int = 5) -> Path:
     quantize_to_cbk(str(Path(tmp_path) / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=iters).validate(),
                     progress=False, log=lambda s: None)
     return out
+
+
+def randomize_additive(decoder, fmt: str = "aqlm-2x8", seed: int = 0):
+    """Replace every attention and MLP projection of a (CUDA) Llama-style decoder with random AQLM
+    projections of the same shape (``bench_e2e.random_additive``, seeded): a 2-bit model without a quantizer
+    run. Returns the decoder."""
+    import torch
+
+    from trapetum.eval.bench_e2e import random_additive
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for blk in decoder.model.layers:
+        for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                              (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for nm in names:
+                old = getattr(parent, nm)
+                setattr(parent, nm, random_additive(old.out_features, old.in_features, fmt, "cuda", g))
+    return decoder

@@ -30,37 +30,42 @@ def graph_time_us(make_op, bytes_per_set: int, *, replays: int = 30, warmup: int
     """Median microseconds per launch of op(set) over CUDA-graph replays with rotating buffer sets.
 
     make_op(i) -> zero-argument callable launching the op on buffer set i (allocations done here).
-    Programmatic dependent launch is off here (TRAPETUM_PDL=0 while capturing): with it, each launch's
-    prologue would overlap the previous launch of the same kernel in the graph, an overlap cuBLAS does
-    not get; the decode benchmark (bench_e2e) measures PDL where it belongs, between different kernels.
     """
-    old = os.environ.get("TRAPETUM_PDL")
-    os.environ["TRAPETUM_PDL"] = "0"
-    try:
-        return _graph_time_us(make_op, bytes_per_set, replays=replays, warmup=warmup, max_sets=max_sets)
-    finally:
-        if old is None:
-            os.environ.pop("TRAPETUM_PDL", None)
-        else:
-            os.environ["TRAPETUM_PDL"] = old
-
-
-def _graph_time_us(make_op, bytes_per_set: int, *, replays: int, warmup: int, max_sets: int) -> float:
     n_sets = max(2, min(max_sets, math.ceil(ROTATE_BYTES / max(1, bytes_per_set))))
     ops = [make_op(i) for i in range(n_sets)]
     for op in ops:  # eager warm-up: compilation, attribute setup
         op()
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for op in ops:
-            op()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for op in ops:
-            op()
+    us = graph_time_calls(ops, replays=replays, warmup=warmup)
+    del ops
+    return us
+
+
+def graph_time_calls(calls, *, replays: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of `calls` (zero-argument launches) captured in one CUDA graph.
+
+    Programmatic dependent launch is off while capturing (TRAPETUM_PDL=0): with it, each launch's prologue
+    would overlap the previous launch of the same kernel in the graph, an overlap cuBLAS does not get; the
+    decode benchmark (bench_e2e) measures PDL where it belongs, between different kernels.
+    """
+    old = os.environ.get("TRAPETUM_PDL")
+    os.environ["TRAPETUM_PDL"] = "0"
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for f in calls:
+                f()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for f in calls:
+                f()
+    finally:
+        if old is None:
+            os.environ.pop("TRAPETUM_PDL", None)
+        else:
+            os.environ["TRAPETUM_PDL"] = old
     for _ in range(warmup):
         g.replay()
     torch.cuda.synchronize()
@@ -72,8 +77,8 @@ def _graph_time_us(make_op, bytes_per_set: int, *, replays: int, warmup: int, ma
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / n_sets)
-    del g, ops
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del g
     return statistics.median(times)
 
 
