@@ -39,15 +39,15 @@ CALIB = DATA / "wikitext-2-valid-tokenized" / "valid.txt"
 TEST = DATA / "wikitext-2-raw" / "wiki.test.raw"
 
 
-def scalar(W, imp, bits):
+def scalar(W, imp, bits, bias=None):
     r = kmeans_rows(W, 1 << bits, imp)
-    return CodebookLinear(pack_codes(r.codes, bits), r.codebook, W.shape[1], bits)
+    return CodebookLinear(pack_codes(r.codes, bits), r.codebook, W.shape[1], bits, bias)
 
 
-def additive(W, imp, M, nbits, args, seed):
+def additive(W, imp, M, nbits, args, seed, bias=None):
     r = quantize_additive(W, imp, num_codebooks=M, nbits=nbits, beam=args.beam, iters=args.iters,
                           beam_steps=args.beam_steps, kmeans_iters=args.kmeans_iters, seed=seed, device=args.device)
-    return AdditiveLinear(r.codes, r.codebooks, r.scales)
+    return AdditiveLinear(r.codes, r.codebooks, r.scales, bias)
 
 
 def set_module(root, name, mod):
@@ -73,14 +73,17 @@ def layer_mode(args) -> str:
             name = f"model.layers.{i}.{suf}"
             W = ckpt.tensors[name + ".weight"].float()
             imp = stats[name]
+            # the projection's bias (Qwen2's q/k/v) stays the source's, as in the whole-model drivers
+            b = ckpt.tensors.get(name + ".bias")
+            b = None if b is None else b.detach().float()
             row = {"name": name, "shape": tuple(W.shape)}
             for s in schemes:
                 t = time.perf_counter()
                 if s.startswith("scalar"):
-                    m = scalar(W, imp, int(s.split("-")[1][0]))
+                    m = scalar(W, imp, int(s.split("-")[1][0]), b)
                 else:
                     M, nb = (2, 8) if s == "aqlm-2x8" else (1, 16)
-                    m = additive(W, imp, M, nb, args, seed=len(rows))
+                    m = additive(W, imp, M, nb, args, seed=len(rows), bias=b)
                 mods[s][name] = m
                 row[s] = (weighted_error(W, m.dequantize(torch.float32), imp), m.bits_per_weight(),
                           time.perf_counter() - t)
@@ -141,6 +144,15 @@ def full_mode(args) -> str:
            f"{'all' if not args.windows else args.windows} windows; LM head 8-bit scalar codebook in every file.\n",
            "| scheme | file bytes | bits/weight (projections) | bits/weight (all) | quantize s | PPL |",
            "|---|---|---|---|---|---|"]
+    from trapetum.api import load_checkpoint
+
+    src = load_checkpoint(args.model)  # the reference: the source dequantized (same dtype as the rows)
+    dec = Decoder.from_checkpoint(src, dtype=torch.float16 if args.device == "cuda" else torch.float32,
+                                  device=args.device).eval()
+    r = perplexity(dec, tokenize_file(src.tokenizer, TEST), args.ctx, args.windows or None, progress=False)
+    out.append(f"| source (dequantized) | - | - | - | - | {r.ppl:.3f} |")
+    print(out[-1], flush=True)
+    del dec, src
     for s in schemes:
         path = work / f"{s}.cbk"
         t = time.perf_counter()
