@@ -222,3 +222,11 @@ def test_untied_model_keeps_fp16_embedding_and_8bit_head(tmp_path):
     ours = trapetum.load(cbk, dtype=torch.float32).logits(ids[0].tolist())
     ref = _hf_logits_from_dequantized(src, cbk, ids)
     assert ((ours - ref).norm() / ref.norm()).item() < 1e-4
+    # the report carries the scalar report's two measures: rel_err is the plain relative error of the weights
+    W = load_file(str(src / "model.safetensors"))
+    for r in qm.report:
+        if r["name"].startswith("model.layers."):
+            assert 0 < r["rel_err_weighted"] < 1
+            w = W[r["name"] + ".weight"].float()
+            wq = build_linear(f.record(r["name"] + ".weight"), r["name"]).dequantize(torch.float32)
+            assert abs(r["rel_err"] - float((w - wq).norm() / w.norm())) < 1e-4

@@ -37,7 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import ConfigError
-from .additive import SCHEMES, AdditiveLinear, quantize_additive
+from .additive import SCHEMES, AdditiveLinear, dequantize_aqlm, quantize_additive
 from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint
 from .record import QuantRecord
 
@@ -187,12 +187,14 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     bar = tqdm(range(cfg.num_layers), desc=f"quantize {recipe.scheme}", unit="layer", disable=not progress,
                dynamic_ncols=True)
     for i in bar:
-        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}".encode()).hexdigest()
+        # "errors v2": parts record the plain and the weighted error (older parts, weighted only, are redone)
+        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}|errors v2".encode()).hexdigest()
         part = work / f"layer_{i:04d}.safetensors"
         got = _load_if(part, lfp)
         if got is None:
             tensors: dict[str, torch.Tensor] = {}
             errs: dict[str, float] = {}
+            errs_w: dict[str, float] = {}
             for suf in PROJ_SUFFIXES:
                 name = f"model.layers.{i}.{suf}"
                 W = T[name + ".weight"]
@@ -206,14 +208,18 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                                       device=device)
                 tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"] = \
                     r.codes, r.codebooks, r.scales
-                errs[suf] = r.history[-1] ** 0.5  # relative (weighted) norm error, as the scalar report
-                del W
-            _atomic_save(tensors, part, {"fingerprint": lfp, "errors": json.dumps(errs)})
+                # the two measures of the scalar report: plain and E[x^2]-weighted relative norm error
+                Wf = W.float().cpu()
+                Wq = dequantize_aqlm(r.codes.cpu(), r.codebooks.cpu(), r.scales.cpu())
+                errs[suf] = float((Wf - Wq).norm() / Wf.norm().clamp_min(1e-30))
+                errs_w[suf] = r.history[-1] ** 0.5 if imp is not None else float("nan")
+                del W, Wf, Wq
+            meta = {"errors": json.dumps(errs), "errors_weighted": json.dumps(errs_w)}
+            _atomic_save(tensors, part, {"fingerprint": lfp, **meta})
             computed += 1
-            meta = {"errors": json.dumps(errs)}
         else:
             tensors, meta = got
-        errs = json.loads(meta["errors"])
+        errs, errs_w = json.loads(meta["errors"]), json.loads(meta["errors_weighted"])
         for suf in PROJ_SUFFIXES:
             name = f"model.layers.{i}.{suf}"
             bias = T[name + ".bias"] if (name + ".bias") in T else None
@@ -221,7 +227,7 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                                  None if bias is None else bias.detach().to(torch.float16).cpu())
             quantized[name + ".weight"] = mod.to_record()
             report.append({"name": name, "scheme": recipe.scheme, "shape": [mod.out_features, mod.in_features],
-                           "rel_err": errs[suf]})
+                           "rel_err": errs[suf], "rel_err_weighted": errs_w[suf]})
         for key in T:
             if key.startswith(f"model.layers.{i}.") and not any(key.startswith(f"model.layers.{i}.{s}.")
                                                                   for s in PROJ_SUFFIXES):
