@@ -41,14 +41,22 @@ __device__ __forceinline__ uint4 ld_input(const uint4* p) { return __ldca(p); }
 __device__ __forceinline__ uint32_t ld_input(const uint32_t* p) { return __ldca(reinterpret_cast<const unsigned int*>(p)); }
 __device__ __forceinline__ float ld_input_half(const half* p) { return __half2float(__ldca(p)); }
 
-// PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0".
+// PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0" (nor "triton"). The switch is
+// read at each launch (tests flip it); the device's capability is looked up once per device.
 inline bool enabled() {
   const char* e = std::getenv("TRAPETUM_PDL");
   if (e != nullptr && (std::strcmp(e, "0") == 0 || std::strcmp(e, "triton") == 0)) return false;
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  return major >= 9;
+  constexpr int kDevices = 64;
+  static int major[kDevices] = {};  // 0: not looked up yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
+  if (dev >= kDevices) return false;
+  if (major[dev] == 0) {
+    int m = 0;
+    if (cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+    major[dev] = m;
+  }
+  return major[dev] >= 9;
 }
 
 // kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled().
