@@ -209,8 +209,8 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                 tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"] = \
                     r.codes, r.codebooks, r.scales
                 # the two measures of the scalar report: plain and E[x^2]-weighted relative norm error
-                Wf = W.float().cpu()
-                Wq = dequantize_aqlm(r.codes.cpu(), r.codebooks.cpu(), r.scales.cpu())
+                Wf = W.to(device=device, dtype=torch.float32)  # on the quantizer's device (GPU: fast, transient)
+                Wq = dequantize_aqlm(r.codes.to(Wf.device), r.codebooks.to(Wf.device), r.scales.to(Wf.device))
                 errs[suf] = float((Wf - Wq).norm() / Wf.norm().clamp_min(1e-30))
                 errs_w[suf] = r.history[-1] ** 0.5 if imp is not None else float("nan")
                 del W, Wf, Wq
