@@ -248,12 +248,9 @@ def test_tiled_codes_fall_back_without_the_kernel(monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", cg.TILED_VARIANTS)
 @pytest.mark.parametrize("seed", range(60))
-def test_tiled_gemv_random_gpu(seed, variant):
-    """The tiled variants (11; 13, 14: half the rows by byte permutes): float64 agreement and the same
-    bits as variant 7 on canonical codes (every variant dequantizes to the same fp16 weights and sums
-    the mma products in the same order)."""
+def test_tiled_gemv_random_gpu(seed):
+    """Variant 11 on tiled codes: float64 agreement and the same bits as variant 7 on canonical codes."""
     r = random.Random(seed)
     bits = r.choice([4, 4, 8])
     k = (512 // bits) * r.randint(1, 60)
@@ -265,28 +262,24 @@ def test_tiled_gemv_random_gpu(seed, variant):
     res = torch.randn(m, n, generator=gen).half().cuda() if r.random() < 0.4 else None
     tiled = cg.tile_codes(codes)
     y = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-    with _variant(f"mma-{variant}"):
-        cg.codebook_gemv(x, tiled, cb, bits, res, out=y, tiled=True)
-        again = [cg.codebook_gemv(x, tiled, cb, bits, res, tiled=True) for _ in range(5)]
+    cg.codebook_gemv(x, tiled, cb, bits, res, out=y, tiled=True)
     assert rel_err(y, cg.codebook_gemv_reference(x, codes, cb, bits, res)) < TOL[torch.float16], (bits, m, k, n)
     with _variant("mma-7"):
         y7 = cg.codebook_gemv(x, codes, cb, bits, res, backend="mma")
     assert torch.equal(y, y7)
-    for z in again:
-        assert torch.equal(z, y)
+    for _ in range(5):
+        assert torch.equal(cg.codebook_gemv(x, tiled, cb, bits, res, tiled=True), y)
 
 
 @requires_cuda
-@pytest.mark.parametrize("variant", cg.TILED_VARIANTS)
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_tiled_gate_up_gpu(act, variant):
+def test_tiled_gate_up_gpu(act):
     gen = torch.Generator().manual_seed(9)
     gc, gb = _weights(11008, 4096, 4, gen)
     uc, ub = _weights(11008, 4096, 4, gen)
     codes, cb, f = cg.interleave_gate_up(gc, gb, uc, ub)
     x = torch.randn(1, 4096, generator=gen).half().cuda()
-    with _variant(f"mma-{variant}"):
-        y = cg.codebook_gemv_gate_up(x, cg.tile_codes(codes), cb, 4, f, act, tiled=True)
+    y = cg.codebook_gemv_gate_up(x, cg.tile_codes(codes), cb, 4, f, act, tiled=True)
     with _variant("mma-7"):
         y7 = cg.codebook_gemv_gate_up(x, codes, cb, 4, f, act, backend="mma")
     assert torch.equal(y, y7)

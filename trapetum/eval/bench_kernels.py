@@ -123,15 +123,14 @@ def bench_gemv(k: int, n: int, bits: int, m: int = 1, backends=GEMV_BACKENDS) ->
             continue
         kernel_be = "mma" if be.startswith("mma") else be
 
-        vsel = int(be[len("mma_v"):]) if be.startswith("mma_v") else cg._variant()
-        tiled = be.startswith("mma") and vsel in cg.TILED_VARIANTS
+        tiled = be == f"mma_v{cg.TILED_VARIANT}" or (be == "mma" and cg._variant() == cg.TILED_VARIANT)
 
         def make_q(i, kernel_be=kernel_be, tiled=tiled):
             codes = _rand_codes(n, kb, gen)
             cb = torch.randn(n, 1 << bits, device="cuda", generator=gen).half()
             x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
             y = torch.empty(m, n, device="cuda", dtype=torch.float16)
-            if tiled:  # the engine's layout for the tiled variants, made once at load
+            if tiled:  # the engine's layout for variant 11, made once at load
                 codes = cg.tile_codes(codes)
             return lambda: cg.codebook_gemv(x, codes, cb, bits, out=y, backend=kernel_be, tiled=tiled)
 

@@ -228,39 +228,35 @@ def mma_available(device: torch.device | None = None) -> bool:
 
 
 DEFAULT_VARIANT = 11  # fastest measured on the H200 (NOTES-kernels.md, session 3: tiled codes)
-_VARIANTS = ("3", "4", "5", "7", "11", "13", "14")
+_VARIANTS = ("3", "4", "5", "7", "11")
 TILED_VARIANT = 11  # variant 7 on the tiled code layout (``tile_codes``)
-TILED_VARIANTS = (11, 13, 14)  # variants that read tiled codes (13, 14: 4-bit; the 8-bit head runs 11)
 
 
 def _variant() -> int:
-    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3|4|5|7|11|13|14, default DEFAULT_VARIANT.
+    """Kernel variant of the mma path: TRAPETUM_GEMV_V=3|4|5|7, default DEFAULT_VARIANT.
 
     3: shared-memory pair tables; 4: byte-permute lookups from codebook byte planes in registers
     (4-bit only; the 8-bit LM head uses the table kernel); 5: 3 with the activation x loaded only
     by the lanes whose row exists; 7: 5 with no code loads past the last chunk; 11: 7 on codes
     tiled at load (``tile_codes``; only through ``tiled=True`` calls, i.e. the engine: a canonical
-    call under 11 runs 7); 13: 11 with the second row of each lane dequantized by byte permutes
-    from registers instead of the shared-memory table (4-bit; half the table build and lookups);
-    14: 13 at 2 blocks per SM. NOTES-kernels.md has the measurements (and those of variants 6 and
-    8-10, removed as slower)."""
+    call under 11 runs 7). NOTES-kernels.md has the measurements (and those of variants 6 and 8-10,
+    removed as slower)."""
     v = os.environ.get("TRAPETUM_GEMV_V", "")
     return int(v) if v in _VARIANTS else DEFAULT_VARIANT
 
 
-def _kernel_variant(tiled: bool, bits: int) -> int:
-    """The variant a call runs: for tiled codes the selected tiled variant (11 for the 8-bit head),
-    else the selected one (7 in place of a tiled variant)."""
-    v = _variant()
+def _kernel_variant(tiled: bool) -> int:
+    """The variant a call runs: 11 for tiled codes, else the selected one (7 in place of 11)."""
     if tiled:
-        return v if v in TILED_VARIANTS and bits == 4 else TILED_VARIANT
-    return 7 if v in TILED_VARIANTS else v
+        return TILED_VARIANT
+    v = _variant()
+    return 7 if v == TILED_VARIANT else v
 
 
 def use_tiled(device: torch.device | None = None) -> bool:
-    """True if the engine should keep its codebook projections in the tiled layout (a tiled variant
+    """True if the engine should keep its codebook projections in the tiled layout (variant 11
     selected and the CUDA kernels available)."""
-    return _variant() in TILED_VARIANTS and mma_available(device) and _load_ext() is not None
+    return _variant() == TILED_VARIANT and mma_available(device) and _load_ext() is not None
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -387,7 +383,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     if be == "mma":
         x2 = x2.contiguous()
         _load_ext().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y,
-                                bits, 0, int(residual is not None), 0, _kernel_variant(tiled, bits))
+                                bits, 0, int(residual is not None), 0, _kernel_variant(tiled))
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y)
     else:
@@ -427,7 +423,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     be = _pick_backend("mma" if tiled else backend, x2, K, bits)
     if be == "mma":
         _load_ext().cb_gemv_mma(x2, codes.contiguous(), codebook.contiguous(), y, y, bits, epi, 0, f,
-                                _kernel_variant(tiled, bits))
+                                _kernel_variant(tiled))
     elif be == "triton":
         _triton_gemv(x2, codes.contiguous(), codebook.contiguous(), bits, None, y, epi=epi, f=f)
     else:

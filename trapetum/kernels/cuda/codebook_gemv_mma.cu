@@ -194,34 +194,6 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
   }
 }
 
-// V = 13 (4-bit): rows g (h = 0) are looked up in the shared-memory pair table, rows g + 8 (h = 1)
-// by V = 4's byte permutes from their codebook planes in registers (L, H). Half the table to build,
-// half the lookups on the L1/shared pipe; the other half of the weights goes through the ALU pipe.
-template <int NT>
-__device__ __forceinline__ void compute_chunk_hyb(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
-                                                  const uint32_t sb, const uint32_t lane4,
-                                                  const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                                  const uint32_t (&xw)[NT][16]) {
-  const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
-  const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
-  uint32_t base;  // 0x32103210 in a register: sf is one LOP3 (see compute_chunk_prmt)
-  asm("mov.b32 %0, 0x32103210;" : "=r"(base));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // word i holds tiles 2i (bytes 0, 1) and 2i+1 (bytes 2, 3)
-    const uint32_t b7 = wb4[i] & 0x77777777u, bf = ((wb4[i] >> 1) & 0x44444444u) | base;
-#pragma unroll
-    for (int half_ = 0; half_ < 2; ++half_) {
-      const int j = 2 * i + half_;
-      uint32_t A[4];
-      A[0] = lds(sb + sel_byte(wa4[i], lane4, 2 * half_));
-      A[2] = lds(sb + sel_byte(wa4[i], lane4, 2 * half_ + 1));
-      lut4(b7 >> (16 * half_), bf >> (16 * half_), L, H, A[1], A[3]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, xw[nt][2 * j], xw[nt][2 * j + 1]);
-    }
-  }
-}
-
 // Fixed-order reduction of the 8 warps' partial sums through shared memory, then the epilogue.
 template <int NT, int EPI>
 __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][4], int tid, int lane, int warp,
@@ -279,18 +251,14 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
 //        +25% code traffic through L1 at in = 8192, +50% at in = 4096).
 // V = 11: V = 7 on the tiled code layout (a warp's code load is 512 contiguous bytes: 4 L1 wavefronts
 //        instead of 8); rows of `codes` padded to 16.
-// V = 13 (4-bit): V = 11 with rows g + 8 of each tile dequantized by byte permutes from register planes
-//        (compute_chunk_hyb): the table holds rows 0-7 only (half the build and half the lookups).
-// V = 14: V = 13 at 2 blocks per SM (128 registers: no rematerialisation or spill, 16 warps per SM).
 // (Measured and removed, see NOTES-kernels.md and git history: V = 2, the first version; V = 6, V = 4
 // with XP; V = 8-10, hybrids looking up 2-4 of every 8 tiles with V = 4's PRMT method.)
 template <int BITS, int NT, int EPI, int V>
-__global__ void __launch_bounds__(kThreads, NT == 1 && V != 14 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
-  constexpr bool XP = V >= 5, PP = V >= 7, TILED = V >= 11, HYB = V == 13 || V == 14;
-  static_assert(!HYB || BITS == 4, "variants 13 and 14 are 4-bit only");
+  constexpr bool XP = V >= 5, PP = V >= 7, TILED = V == 11;
   trapetum_pdl::allow_dependents();
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -311,23 +279,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
     // words land, for each unrolled step, as 8 consecutive uint4 per quarter-warp: no conflicts.
     const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
     const int r = min(row0 + h * 8 + gg, N - 1);
-    if (HYB) {
-      // rows 0-7 only, at the same addresses as V = 11 (word e*64 + gg*4; the h = 1 half is unused):
-      // thread (gg, h, s) writes high nibbles 8h .. 8h+7 of entry column s of row gg
-      const int rr = min(row0 + gg, N - 1);
-      const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)rr * 16);
-      const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-      const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const uint32_t lov = __half_as_ushort(cb[(size_t)rr * 16 + sIdx]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int hi = 8 * h + i;
-        const uint32_t w = cw[4 * h + (i >> 1)];
-        const uint32_t hv = (i & 1) ? (w & 0xFFFF0000u) : (w << 16);
-        const uint32_t v = lov | hv;
-        *reinterpret_cast<uint4*>(&smem[(hi * 16 + sIdx) * 64 + gg * 4]) = make_uint4(v, v, v, v);
-      }
-    } else if (BITS == 4) {
+    if (BITS == 4) {
       const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
       const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
       const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
@@ -351,9 +303,6 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       }
     }
   }
-  // V = 13: codebook planes of row g + 8 (rows past N are clamped: never stored)
-  uint32_t LB[4], HB[4];
-  if (HYB) load_planes(cb, min(row0 + g + 8, N - 1), LB, HB);
   __syncthreads();
   // everything above read weights only (PDL: it may overlap the previous kernel); x, the residual and
   // y belong to the previous kernels
@@ -376,8 +325,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       uint4 qa2, qb2;
       load(c + 2 * kWarps, qa2, qb2);
       load_x<BITS, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
-      if constexpr (HYB) compute_chunk_hyb<NT>(acc, qa0, qb0, sb, lane4, LB, HB, xw0);
-      else compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
       qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
 #pragma unroll
       for (int i = 0; i < XW; ++i) xw0[0][i] = xw1[0][i];
@@ -388,13 +336,11 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
       uint4 qa2, qb2, qa3, qb3;
       load(c + 2 * kWarps, qa2, qb2);
       load_x<BITS, NT, XP>(xw, x, M, K, g, c * 64 + offt);
-      if constexpr (HYB) compute_chunk_hyb<NT>(acc, qa0, qb0, sb, lane4, LB, HB, xw);
-      else compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
+      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
       load(c + 3 * kWarps, qa3, qb3);
       if (c + kWarps < nchunks) {
         load_x<BITS, NT, XP>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
-        if constexpr (HYB) compute_chunk_hyb<NT>(acc, qa1, qb1, sb, lane4, LB, HB, xw);
-        else compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
+        compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
       }
       qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
     }
@@ -505,7 +451,7 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 #define TRAPETUM_INST(B, NT, V) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, V>( \
     const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 TRAPETUM_INST(4, 1, 3) TRAPETUM_INST(4, 1, 5) TRAPETUM_INST(4, 1, 7) TRAPETUM_INST(4, 2, 7) TRAPETUM_INST(8, 1, 7)
-TRAPETUM_INST(4, 1, 11) TRAPETUM_INST(8, 1, 11) TRAPETUM_INST(4, 1, 13) TRAPETUM_INST(4, 2, 13) TRAPETUM_INST(4, 1, 14)
+TRAPETUM_INST(4, 1, 11) TRAPETUM_INST(8, 1, 11)
 template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
 #endif
 
@@ -599,8 +545,7 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 // variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
 // uses the table kernel), 5 = 3 with x loaded only by lanes whose activation row exists, 7 = 5 without
 // loads past the last chunk, 11 = 7 on tiled codes (``tile_codes``: rows padded to 16; the output
-// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues), 13 = 11 with the
-// second row of each lane dequantized by byte permutes (4-bit only), 14 = 13 at 2 blocks per SM.
+// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
                  torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
   using namespace trapetum_mma;
@@ -611,9 +556,8 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   int N = codes.size(0);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11 ||
-              ((variant == 13 || variant == 14) && bits == 4), "variant");
-  if (variant >= 11) {
+  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11, "variant");
+  if (variant == 11) {
     TORCH_CHECK(N % 16 == 0, "tiled codes: rows padded to a multiple of 16");
     if (epi == 0) {
       TORCH_CHECK(y.dim() == 2 && y.size(1) <= N && y.size(1) > N - 16, "tiled codes: y columns vs padded rows");
@@ -625,8 +569,6 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const int F = (int)f, hr = (int)has_res, e = (int)epi;
   if (bits == 4 && variant == 4) dispatch_nt_epi<PrmtKernel>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 13) dispatch_nt_epi<TableKernel<4, 13>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 14) dispatch_nt_epi<TableKernel<4, 14>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 11) dispatch_nt_epi<TableKernel<4, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 7) dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
   else if (bits == 4 && variant == 5) dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
