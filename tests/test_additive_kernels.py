@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,25 +271,83 @@ def test_engine_projection_packed_and_kill_switch_gpu(monkeypatch):
     assert rel_err(proj.matmul(xs.half()), xs.double() @ W.T) < 2e-3
 
 
-def test_2x8_lane_maps_host(tmp_path):
-    """The 2x8 CUDA kernel's index math, emulated lane by lane on the CPU (tests/cuda/*.cu, via nvcc)."""
-    import shutil
-    import subprocess
-    from pathlib import Path
+_CUDA_SRC = Path(__file__).resolve().parents[1] / "trapetum" / "kernels" / "cuda"
+_HOST_CHECK = Path(__file__).parent / "cuda" / "additive_2x8_host_check.cu"
 
+
+def _nvcc():
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
     if nvcc is None:
         pytest.skip("needs nvcc")
-    src = Path(__file__).parent / "cuda" / "additive_2x8_host_check.cu"
+    return nvcc
+
+
+def _build_host_check(exe, kernel_src=None):
+    """tests/cuda/additive_2x8_host_check.cu as host C++ (the 2x8 kernels run on the CPU), against the
+    kernel source or an altered copy of it."""
+    cmd = [_nvcc(), "-x", "c++", "-std=c++17", "-O2", "-I", str(_CUDA_SRC), "-o", str(exe), str(_HOST_CHECK)]
+    if kernel_src is not None:
+        cmd.insert(-1, f'-DTRAPETUM_AQLM_CU="{kernel_src}"')
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def host_check(tmp_path_factory):
+    exe = tmp_path_factory.mktemp("host_check") / "check"
+    r = _build_host_check(exe)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return exe
+
+
+def test_2x8_lane_maps_host(host_check):
+    """The 2x8 CUDA kernels on the CPU (tests/cuda/additive_2x8_host_check.cu): lane maps (banks of every
+    table store, lookup and ring read), then the kernels themselves, one coroutine per thread, with late
+    cp.async landings, against float64, packed == canonical bitwise, grid-independent bits."""
+    r = subprocess.run([str(host_check)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("all ok"), r.stdout[-3000:]
+
+
+def test_pack_2x8_matches_kernel_lane_map(host_check):
+    """pack_2x8's byte permutation of a 16-row unit is the kernel's packed_pos."""
+    r = subprocess.run([str(host_check), "--packed-pos"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout[-2000:]
+    assert [int(v) for v in r.stdout.split()] == ag._packed_pos().tolist()
+
+
+# (name, text in additive_gemv.cu, replacement): each altered kernel must fail the host check
+_MUTATIONS = [
+    ("half_swap by row octet halves: canonical LDS.64 ring reads conflict",
+     "return ((r >> 1) ^ (r >> 2)) & 1; }", "return (r >> 2) & 1; }"),
+    ("tab_col XOR of the old map: lookup bank conflicts", "(p ^ (4 * (j >> 1)))", "(p ^ (8 * (j >> 1)))"),
+    ("build stores without the half swap: build bank conflicts", "h = (t >> 1) ^ second;", "h = second;"),
+    ("packed layout without the odd-chunk exchange", "return 512 * ((rr >> 3) ^ ((b >> 4) & 1))", "return 512 * (rr >> 3)"),
+    ("transpose-reduce selects in the packed layout too", "const bool swap = !kPacked && odd;", "const bool swap = odd;"),
+    ("waits for one group too few", "cp_async_wait<kRing - 1>();  // this unit's group has landed",
+     "cp_async_wait<kRing>();"),
+    ("steady loop does not alternate its ring entries", "        entry ^= ring_toggle;\n", "\n"),
+    ("steady loop refills canonical rows past N", "const int lim = kPacked ? gb : min(gb, P.N / kUnitRows);",
+     "const int lim = gb;"),
+    ("partials not padded to whole units", "t.floats += (long long)nslices * kUnitRows * P.groups;",
+     "t.floats += (long long)nslices * P.N;"),
+]
+
+
+@pytest.mark.parametrize("name,old,new", _MUTATIONS, ids=[m[0].split(":")[0] for m in _MUTATIONS])
+def test_2x8_host_check_catches_mutation(tmp_path, name, old, new):
+    src = (_CUDA_SRC / "additive_gemv.cu").read_text()
+    assert src.count(old) == 1, f"mutation '{name}': its text is no longer in additive_gemv.cu once"
+    mutant = tmp_path / "additive_gemv.cu"
+    mutant.write_text(src.replace(old, new))
     exe = tmp_path / "check"
-    subprocess.run([nvcc, "-O2", "-std=c++17", "-arch=sm_90", "-o", str(exe), str(src)], check=True,
-                   capture_output=True, timeout=300)
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "all ok" in r.stdout, r.stdout[-2000:]
+    r = _build_host_check(exe, mutant)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
+    caught = r.returncode != 0 and ("FAIL" in r.stdout or r.returncode < 0)  # a FAIL line, or it crashed
+    assert caught, f"mutation '{name}' not caught:\n{r.stdout[-2000:]}"
 
 
 # ----------------------------------------------------------------------------- packed 2x8 (one launch, several parts)
-@pytest.mark.parametrize("n,g", [(1, 8), (13, 40), (64, 32), (9, 33), (100, 96)])
+@pytest.mark.parametrize("n,g", [(1, 8), (13, 40), (64, 32), (9, 33), (100, 96), (16, 32), (17, 64)])
 def test_pack_2x8_round_trip(n, g):
     """The kernel's "slices" layout holds every code byte once, zeros elsewhere, and unpacks exactly."""
     gen = torch.Generator().manual_seed(n * 1000 + g)
@@ -295,11 +356,42 @@ def test_pack_2x8_round_trip(n, g):
     for layout in ag.LAYOUTS_2X8:
         buf = ag.pack_2x8(codes, layout)
         assert torch.equal(ag.unpack_2x8(buf, n, g, layout), codes)
-        nbytes = -(-g // 32) * (-(-n // 8) * 8) * 64 if layout == "slices" else n * g * 2
+        nbytes = -(-g // 32) * (-(-n // 16) * 16) * 64 if layout == "slices" else n * g * 2
         assert buf.dtype == torch.uint8 and buf.numel() == nbytes
-    packed = ag.pack_2x8(codes, "slices").view(-(-g // 32), -(-n // 8) * 8, 64)
-    assert torch.equal(packed[0, 0, : min(64, 2 * g)], codes[0].reshape(-1)[:64].view(torch.uint8))
-    assert int(packed.sum()) == int(codes.view(torch.uint8).long().sum())  # padding is zero
+    # slice 0, unit 0, in canonical row order through the permutation: row 0's first 64 code bytes
+    packed = ag.pack_2x8(codes, "slices").view(-(-g // 32), -(-n // 16), 1024)
+    unit = packed[0, 0, ag._packed_pos()].view(16, 64)
+    assert torch.equal(unit[0, : min(64, 2 * g)], codes[0].reshape(-1)[:64].view(torch.uint8))
+    assert int(packed.long().sum()) == int(codes.view(torch.uint8).long().sum())  # padding is zero
+
+
+def test_packed_pos_is_the_lane_layout():
+    """Lane (r, j) copies bytes 16 lane .. + 15 of slot e: chunk j of row 8 (e ^ (j & 1)) + r, halves
+    swapped for rows 2..5 (independent of the host check: the layout the kernel's lanes assume)."""
+    pos = ag._packed_pos().view(16, 64)
+    assert sorted(pos.reshape(-1).tolist()) == list(range(1024))
+    for rr in range(16):
+        for b in range(64):
+            e, within = divmod(int(pos[rr, b]), 512)
+            lane, byte = divmod(within, 16)
+            r, j = lane >> 2, lane & 3
+            assert (rr, b // 16) == (8 * (e ^ (j & 1)) + r, j)
+            assert byte == (b % 16) ^ (8 if r in (2, 3, 4, 5) else 0)
+
+
+def test_2x8_workspace_and_meta():
+    """Partial sums are padded to 16-row units; packed parts say so in the launcher meta (column 4)."""
+    gen = torch.Generator().manual_seed(4)
+    parts = [_weights(n, 40, 2, 8, gen) + (None,) for n in (17, 16, 1)]
+    assert ag._need(20001, 8, 2, 256) == 20016  # one slice of 20,001 rows (the Triton tables take 4,096)
+    for layout, flag in (("slices", 1), ("rows", 0)):
+        p = ag.Packed2x8(parts, layout=layout)
+        assert p.meta.shape == (3, 5) and p.meta[:, 4].tolist() == [flag] * 3
+        assert p.need == 2 * (32 + 16 + 16)
+        if layout == "slices":
+            assert p.meta[:, 2].tolist() == [64] * 3 and p.meta[:, 3].tolist() == [2048, 1024, 1024]
+        else:
+            assert p.meta[:, 2].tolist() == [80] * 3 and p.meta[:, 3].tolist() == [64] * 3
 
 
 def test_packed_2x8_bad_parts():

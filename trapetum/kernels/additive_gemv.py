@@ -219,14 +219,19 @@ class AdditiveWorkspace:
 
 def workspace_need(codes: torch.Tensor, codebooks: torch.Tensor, rows: int = 1) -> int:
     """fp32 scratch floats a GEMV over ``rows`` activation rows needs: 2x8 CUDA partial sums
-    (ceil(G/32) * N) or Triton lookup tables (rows * G * M * 256); 1x16 needs none."""
+    (ceil(G/32) * N rounded up to 16 rows) or Triton lookup tables (rows * G * M * 256); 1x16 needs none."""
     return _need(*codes.shape, codebooks.shape[1], rows)
 
 
 def _need(N: int, G: int, M: int, K: int, rows: int = 1) -> int:
     if K != 256:
         return 0
-    return max(-(-G // _SLICE) * N, rows * G * M * 256)
+    return max(-(-G // _SLICE) * _pad_rows(N), rows * G * M * 256)
+
+
+def _pad_rows(N: int) -> int:
+    """Rows of a 2x8 CUDA part padded to whole units (the kernel's partial sums and packed codes)."""
+    return -(-N // _UNIT_ROWS) * _UNIT_ROWS
 
 
 _SHARED_WS: dict[str, AdditiveWorkspace] = {}
@@ -257,6 +262,7 @@ def _workspace(x, codes, codebooks, rows, workspace):
 
 # ----------------------------------------------------------------------------- CUDA extension
 _SLICE = 32  # input groups per 2x8 slice (kSlice in the .cu)
+_UNIT_ROWS = 16  # rows per 2x8 unit of work (kUnitRows in the .cu)
 CUDA_MAX_ROWS_2X8 = 4  # more activation rows: Triton (the CUDA kernel runs once per row)
 _EXT = None  # the compiled extension once built
 _EXT_ERR: str | None = None  # why it could not be built
@@ -277,7 +283,7 @@ def _build():
 
     from . import cuda_ext
 
-    return load_inline(name="trapetum_aqlm_gemv_v2", cpp_sources=_CPP_DECLS,
+    return load_inline(name="trapetum_aqlm_gemv_v3", cpp_sources=_CPP_DECLS,
                        cuda_sources=cuda_ext.cuda_source([_CU_PATH.name]),
                        functions=["aqlm_gemv_2x8", "aqlm_gemv_1x16"], extra_cuda_cflags=["-O3", "-lineinfo"],
                        extra_include_paths=[str(_CU_PATH.parent)], verbose=False)
@@ -340,9 +346,10 @@ def _cuda_refusal(x2, codes, codebooks, scales, bias, residual, y) -> str | None
 
 
 def _canonical_meta(codes: torch.Tensor) -> torch.Tensor:
-    """Launcher meta of one 2x8 part read in the canonical layout: (rows, offset, row stride, slice stride)."""
+    """Launcher meta of one 2x8 part read in the canonical layout: (rows, offset, row stride, slice stride,
+    packed = 0)."""
     N, G, _ = codes.shape
-    return torch.tensor([[N, 0, 2 * G, 2 * _SLICE]], dtype=torch.int64)
+    return torch.tensor([[N, 0, 2 * G, 2 * _SLICE, 0]], dtype=torch.int64)
 
 
 def _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws) -> None:
@@ -371,18 +378,36 @@ def layout_2x8() -> str:
     return v
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_pos(device: str = "cpu") -> torch.Tensor:
+    """Where the "slices" layout stores byte b (0..63) of row rr (0..15) of a 16-row unit, in the unit's
+    1,024 bytes: index rr * 64 + b. The kernel's ``packed_pos`` (cuda/additive_gemv.cu, checked against
+    this by tests/test_additive_kernels.py): odd 16-byte chunks of rows r and r + 8 trade places, and
+    rows r % 8 in 2..5 store each chunk with its two 8-byte halves swapped."""
+    rr = torch.arange(16).view(16, 1)
+    b = torch.arange(64).view(1, 64)
+    r = rr & 7
+    half_swap = ((r >> 1) ^ (r >> 2)) & 1
+    pos = 512 * ((rr >> 3) ^ ((b >> 4) & 1)) + 64 * r + 16 * (b >> 4) + ((b & 15) ^ (8 * half_swap))
+    return pos.reshape(-1).to(device)
+
+
 def pack_2x8(codes: torch.Tensor, layout: str = "slices") -> torch.Tensor:
     """2x8 codes int8 [N, G, 2] in the CUDA kernel's layout, as a flat uint8 buffer. "slices":
-    [ceil(G/32)][N padded to 8][64 bytes], zeros past G and N (filled one slice at a time: no
-    full-size temporary); "rows": the canonical bytes (a view when contiguous)."""
+    [ceil(G/32)][N padded to 16][64 bytes], zeros past G and N, each 16-row unit's 1,024 bytes permuted
+    by ``_packed_pos`` (filled one slice at a time: no full-size temporary); "rows": the canonical bytes
+    (a view when contiguous)."""
     N, G, _ = codes.shape
     if layout == "rows":
         return codes.contiguous().view(torch.uint8).reshape(-1)
-    nslices, npad = -(-G // _SLICE), -(-N // 8) * 8
-    out = torch.zeros(nslices, npad, 2 * _SLICE, dtype=torch.uint8, device=codes.device)
+    nslices, npad = -(-G // _SLICE), _pad_rows(N)
+    out = torch.empty(nslices, npad // _UNIT_ROWS, _UNIT_ROWS * 2 * _SLICE, dtype=torch.uint8, device=codes.device)
+    pos = _packed_pos(str(codes.device))
     for s in range(nslices):
         g0, g1 = s * _SLICE, min(G, (s + 1) * _SLICE)
-        out[s, :N, : 2 * (g1 - g0)] = codes[:, g0:g1].reshape(N, -1).view(torch.uint8)
+        rows = torch.zeros(npad, 2 * _SLICE, dtype=torch.uint8, device=codes.device)
+        rows[:N, : 2 * (g1 - g0)] = codes[:, g0:g1].reshape(N, -1).view(torch.uint8)
+        out[s].index_copy_(1, pos, rows.view(npad // _UNIT_ROWS, -1))  # out[s][:, pos[i]] = rows[:, i]
     return out.reshape(-1)
 
 
@@ -390,8 +415,9 @@ def unpack_2x8(buf: torch.Tensor, N: int, G: int, layout: str = "slices") -> tor
     """Inverse of ``pack_2x8``: int8 [N, G, 2] (a view for "rows", a copy for "slices")."""
     if layout == "rows":
         return buf.view(torch.int8).view(N, G, 2)
-    nslices, npad = -(-G // _SLICE), -(-N // 8) * 8
-    v = buf.view(nslices, npad, 2 * _SLICE).transpose(0, 1)[:N].reshape(N, -1)[:, : 2 * G]
+    nslices, npad = -(-G // _SLICE), _pad_rows(N)
+    v = buf.view(nslices, npad // _UNIT_ROWS, -1)[:, :, _packed_pos(str(buf.device))]  # canonical row order
+    v = v.reshape(nslices, npad, 2 * _SLICE).transpose(0, 1)[:N].reshape(N, -1)[:, : 2 * G]
     return v.view(torch.int8).reshape(N, G, 2)
 
 
@@ -400,9 +426,10 @@ class Packed2x8:
 
     parts: (codes int8 [N, G, 2], codebooks fp16 [2, 256, 1, 8], scales [N, 1, 1, 1], bias [N] or None),
     all with the same G (G % 8 == 0) on one CUDA device. layout "slices": part q's codes become
-    [ceil(G/32) slices][N padded to 8][64 bytes] (zeros past G and N), so that the (slice, octet) units a
-    block takes are one contiguous stream; "rows": the canonical codes as they are (no copy). Each
-    part keeps its own buffer; outputs, scales and bias are the parts' rows concatenated."""
+    [ceil(G/32) slices][N padded to 16][64 bytes] (zeros past G and N, each 16-row unit permuted for
+    the kernel's lanes: ``pack_2x8``), so that the (slice, 16-row) units a block takes are one
+    contiguous stream; "rows": the canonical codes as they are (no copy). Each part keeps its own
+    buffer; outputs, scales and bias are the parts' rows concatenated."""
 
     def __init__(self, parts, layout: str | None = None):
         layout = layout or layout_2x8()
@@ -430,12 +457,13 @@ class Packed2x8:
         if any(b is not None for _, _, _, b in parts):
             self.bias = torch.cat([b.reshape(-1) if b is not None else torch.zeros(c.shape[0], device=dev)
                                    for c, _, _, b in parts]).to(torch.float16).contiguous()
-        self.need = self.nslices * sum(self.rows)  # fp32 partial sums
+        self.need = self.nslices * sum(_pad_rows(n) for n in self.rows)  # fp32 partial sums
 
     def _meta(self, N: int) -> list[int]:
+        """Launcher meta of one part: (rows, byte offset, row stride, slice stride, packed)."""
         if self.layout == "slices":
-            return [N, 0, 2 * _SLICE, 2 * _SLICE * (-(-N // 8) * 8)]
-        return [N, 0, 2 * self.G, 2 * _SLICE]
+            return [N, 0, 2 * _SLICE, 2 * _SLICE * _pad_rows(N), 1]
+        return [N, 0, 2 * self.G, 2 * _SLICE, 0]
 
     def canonical_codes(self, i: int) -> torch.Tensor:
         """Part i's codes in the canonical layout int8 [N, G, 2] (a view for "rows", a copy for "slices")."""

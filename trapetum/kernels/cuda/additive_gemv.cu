@@ -7,42 +7,57 @@
 // fixed order, no atomics in any sum: bitwise reproducible, CUDA-graph capturable.
 //
 // ---- 2x8 (M = 2 codebooks of 256 entries): shared-memory lookup tables, conflict-free lookups
-// Work = (slice of 32 input groups) x (octet of 8 rows). A block takes a contiguous range of
-// (slice, octet) units (slice-major, so a range covers one or two slices), builds the slice's table
+// Work = (slice of 32 input groups) x (16 rows): a unit, 1 KB of codes. A block takes a contiguous
+// range of units (slice-major, so a range covers one or two slices), builds the slice's table
 //     lut[k][col] = x_g . C_m[k]   (fp32, 256 entries x 64 columns, one column per (group, codebook))
 // in shared memory (64 KB) with mma.sync m16n8k8 (x is A, the codebooks are B), then streams codes:
-// a warp's unit is 8 rows x 64 code bytes (16 B per lane: lane = 4 * row + chunk, chunk = 8 groups x
-// 2 codebooks), copied by cp.async into a per-warp shared-memory ring (12 units in flight per warp)
-// and read back by each lane (its own 16 bytes). Each lane turns a code byte into a table address with one PRMT
-// ((code << 8) | 4 * column), loads the entry (LDS [R + UR]: the table base folds in) and adds it.
-// Bank-conflict freedom: the column of byte p of chunk j is tab_col(j, p) = 16 j + (p ^ 8 (j >> 1)),
+// lane (r, j) = 4 r + j of a warp takes 16-byte chunk j (8 groups x 2 codebooks) of rows r and r + 8
+// of its unit, copied by cp.async into a per-warp shared-memory ring (6 units in flight per warp, two
+// 512-byte slots each) and read back by the lane that copied it. Each lane turns a code byte into a
+// table address with one PRMT ((code << 8) | 4 * column), loads the entry (LDS [R + UR]: the table base
+// folds in) and adds it: per code PRMT + LDS + FADD.
+// Bank-conflict freedom: the column of byte p of chunk j is tab_col(j, p) = 16 j + (p ^ 4 (j >> 1)),
 // so the bank (= column mod 32, whatever the code) is fixed by (chunk, byte); at step s lane (r, j)
-// takes byte 4 ((s >> 2) ^ (r >> 2)) + ((s + r) & 3) (a per-lane rotation: runtime PRMT selector, and
-// rows 4..7 swap their code words pairwise), which gives the 32 lanes 32 distinct banks at every
-// step (tests/cuda/additive_2x8_host_check.cu runs these lane maps on the CPU and checks it). With
-// random codes and one shared table instead, a warp's LDS costs ~3.2-3.5 wavefronts.
-// Partial sums per (slice, row) go to a workspace; a second, small kernel adds each row's partials in
-// a fixed order and applies scale, bias and residual (deterministic; no atomics, no fences). (The first
-// version let the block finishing an octet's last slice add its partials: the blocks that finished last
-// did most of those sums one row per thread, a tail of ~10-30 us at the big shapes.)
-// Codes: the kernel reads any (row stride, slice stride) layout; the engine packs them once into the
-// "slices" layout ([slice][row][64 B]) so that each block streams one contiguous range. One launch can
-// cover up to 4 projections sharing x (q/k/v, gate/up), each with its own codebooks.
+// takes byte 4 ((s >> 2) ^ 2 half_swap(r)) + ((s + r) & 3) (a per-lane rotation: runtime PRMT selector;
+// rows 2..5 hold their chunk's 8-byte halves swapped), which gives the 32 lanes 32 distinct banks at
+// every step (tests/cuda/additive_2x8_host_check.cu checks every lane and step, and runs the kernels
+// on the CPU). With random codes and one shared table instead, a warp's LDS costs ~3.2-3.5 wavefronts.
+// The row sums: after its 16 lookups per chunk a lane holds chunk sums of rows r and r + 8; a
+// transpose-reduce (one SHFL: even lanes keep row r and send row r + 8, odd lanes the reverse) and a
+// butterfly (one SHFL) leave row r in lane j = 0 and row r + 8 in lane j = 1, summed in the same
+// fixed order (v(0) + v(1)) + (v(2) + v(3)) for every row and layout.
+// Partial sums per (slice, row) go to a workspace (rows padded to units, stored unconditionally); a
+// second, small kernel adds each row's partials in a fixed order and applies scale, bias and residual
+// (deterministic; no atomics, no fences). (The first version let the block finishing an octet's last
+// slice add its partials: the blocks that finished last did most of those sums one row per thread, a
+// tail of ~10-30 us at the big shapes.)
+// Codes: two kernel instances. kPacked: the engine's "slices" layout, packed once at load (pack_2x8):
+// [slice][row padded to 16][64 B], so that each block streams one contiguous range, with each unit's
+// bytes permuted (packed_pos) so that a lane's 16 bytes per slot are already in the order its lookups
+// and the transpose-reduce want: one LDS.128 per slot, no select, no predicate, constant strides.
+// Canonical: any (row stride, slice stride) layout read as stored (two LDS.64 per slot, 2 FSEL, rows
+// past N and chunks past G not copied). One launch can cover up to 4 projections sharing x (q/k/v,
+// gate/up), each with its own codebooks. Main loop: a steady state of 3 units per iteration whose
+// refills lie inside the segment (ring, code and partial offsets are immediates, the trip count is
+// warp-uniform: no divergence checks around the shuffles), then the segment's last units with
+// checked refills.
 //
-// Budget per 8 weights (one group, two codes), per SM:
-//   DRAM: 2 code bytes (0.25 B/weight; cuBLAS fp16 reads 2 B/weight: 8x fewer bytes).
-//   L1/shared wavefronts: 2 lookups x 1/32 + 2 code bytes x 8 lines / 512 B = 0.094 (0.0117 per
-//     weight). At 4 TB/s an SM must take 16.8 code bytes/cycle: 0.79 wavefronts/cycle (of 1).
-//   Issue: per code PRMT + LDS + FADD, plus per 16 codes ~30 (LDG, 4 SEL, 2 SHFL, partial store,
-//     loop; SASS of sm_90: 48 + ~30 per chunk): ~5 per code, 2.6 of 4 warp-instructions/cycle per
-//     SM at 4 TB/s.
+// Budget per unit (1,024 codes = 8,192 weights, 1 KB of codes), per SM:
+//   DRAM: 1 KB (0.25 B/weight; cuBLAS fp16 reads 2 B/weight: 8x fewer bytes). At 4 TB/s an SM must
+//     take 16.8 code bytes/cycle: a unit per ~61 cycles.
+//   Shared-memory wavefronts: 32 lookups (1 each) + 2 LDS.128 ring reads (4 each) + 1 KB of cp.async
+//     writes (8) = 48: 0.79 wavefronts/cycle (of 1) at 4 TB/s.
+//   Issue (SASS, nvcc 13.0, sm_90, NOTES-additive.md): the packed steady loop takes 332 instructions
+//     per 3 units, 110.7 per unit (96 of them PRMT + LDS + FADD lookups; the rest: 2 LDS.128, 2 SHFL,
+//     2 FADD, 1 STG, 2 LDGSTS + 2 cp.async group instructions, ~5 addresses/loop): 1.8 of 4
+//     warp-instructions/cycle at 4 TB/s (the previous loop: 182 per 16 rows, 3.0). Canonical: 120.
+//     127-128 registers, 2 blocks (16 warps) per SM.
 //   Table build per slice: 128 mma, 64 KB of conflict-free STS (512 wavefronts), 128 x 32-bit B
 //     loads: ~0.5 us, amortised over the block's rows (a block covers >= ~500 rows of a slice at
 //     the benchmark shapes).
-//   So the main loop should run near DRAM speed; expected 8192x28672: 58.7 MB of codes, ~17 us at
-//   3.5 TB/s + ~2-3 us build/launch/reduction tail (cuBLAS fp16: ~110 us).
-//   Measured (H200, session 3, NOTES-additive.md): 30.0 us, main kernel ~26.5 us at 48% of DRAM peak,
-//   bound by LDS latency with 16 warps per SM (issue active 63%).
+//   Expected 8192x28672: 58.7 MB of codes, ~17 us at 3.5 TB/s + ~2-3 us build/launch/reduction
+//   (cuBLAS fp16: ~110 us). Measured (H200, NOTES-additive.md) before the session-5 loop: 28.4 us,
+//   main kernel bound by LDS latency and issue with 16 warps per SM (issue active 63%).
 //
 // ---- 1x16 (one codebook of 65,536 entries = 1 MiB, stays in L2/L1): gathers
 // A warp owns 4 rows and a share of the input groups (lane l takes group 32 c + l of chunk c, so
@@ -58,7 +73,11 @@
 #include <stdint.h>
 
 // Dynamic shared memory: the 2x8 lookup table (named at file scope so its address is a constant).
+// TRAPETUM_AQLM_EMU: tests/cuda/additive_2x8_host_check.cu runs the 2x8 kernels on the CPU, one
+// coroutine per thread, with its own versions of this array and of the device helpers below.
+#ifndef TRAPETUM_AQLM_EMU
 extern __shared__ __align__(16) uint32_t trapetum_aqlm_smem[];
+#endif
 
 namespace trapetum_aqlm {
 
@@ -71,25 +90,54 @@ constexpr int kSlice = 32;                   // input groups per slice
 constexpr int kSliceBytes = 2 * kSlice;      // code bytes of one row in one slice
 constexpr int kCols = 2 * kSlice;            // table columns: one per (group, codebook)
 constexpr int kTabBytes = 256 * kCols * 4;   // 64 KB
-// Code chunks in flight per warp: a shared-memory ring filled by cp.async (no registers held), 12 x 512 B
-// per warp = 48 KB per block, 96 KB per SM (2 blocks): enough bytes in flight for DRAM bandwidth. (Held
-// in registers, 5 chunks per warp = 40 KB per SM was the most that fit: the kernel stalled on them.)
-constexpr int kStage = 12;
-constexpr int kRingBytes = kWarps * kStage * 512;
+// A unit of work = 16 rows of one slice (1 KB of codes), one loop step of a warp: lane (r, j) = lane
+// 4 r + j (r = 0..7, j = 0..3) takes 16-byte chunk j (groups 8j..8j+7) of rows r and r + 8, each
+// copied by cp.async into one of the unit's two 512-byte ring slots (lane l's bytes at 16 l of a slot)
+// and read back by the lane that copied it.
+constexpr int kUnitRows = 16;
+constexpr int kUnitBytes = kUnitRows * kSliceBytes;
+// Units in flight per warp: a shared-memory ring filled by cp.async (no registers held), 6 x 1 KB per
+// warp = 48 KB per block, 96 KB per SM (2 blocks): enough bytes in flight for DRAM bandwidth. (Held in
+// registers, 5 x 512 B per warp = 40 KB per SM was the most that fit: the kernel stalled on them.)
+constexpr int kRing = 6;
+constexpr int kRingBytes = kWarps * kRing * kUnitBytes;
 constexpr int kSmemBytes = kTabBytes + kRingBytes;  // 112 KB: two blocks per SM
 constexpr int kTiles = 2 * 256 / 8;          // mma n-tiles per slice (8 (codebook, entry) columns each)
 
 // Column of code byte p (0..15) of chunk j (0..3); chunk j = groups 8j..8j+7, byte p = 2 (g - 8j) + m.
-__host__ __device__ constexpr int tab_col(int j, int p) { return 16 * j + (p ^ (8 * (j >> 1))); }
+__host__ __device__ constexpr int tab_col(int j, int p) { return 16 * j + (p ^ (4 * (j >> 1))); }
 __host__ __device__ constexpr int tab_col_of(int gl, int m) { return tab_col(gl >> 3, 2 * (gl & 7) + m); }
-// Code byte that lane (row r, chunk j) looks up at step s (0..15).
-__host__ __device__ constexpr int step_byte(int r, int s) { return 4 * ((s >> 2) ^ (r >> 2)) + ((s + r) & 3); }
+// Lanes of rows r = 2..5 hold their chunks with the two 8-byte halves swapped (words 2, 3, 0, 1).
+// Why: rows r and r + 4 look up the same byte of a word at every step, so they must differ here (bank
+// freedom, below); rows r and r + 2 differ too, so that the canonical layout's two LDS.64 per slot
+// (ring_half) give each half-warp (rows 0..3 or 4..7) 16 distinct 8-byte bank pairs.
+__host__ __device__ constexpr int half_swap(int r) { return ((r >> 1) ^ (r >> 2)) & 1; }
+// Byte offset, in lane l's 16 bytes of a ring slot, of the 8 bytes that are its words 2h, 2h + 1 (h = 0, 1)
+// when the slot holds the chunk as stored in the canonical layout.
+__host__ __device__ constexpr int ring_half(int lane, int h) { return 8 * (h ^ half_swap(lane >> 2)); }
+// Code byte that lane (row r, chunk j) looks up at step s (0..15): byte (s + r) & 3 of its word s >> 2,
+// which holds chunk word (s >> 2) ^ 2 half_swap(r).
+__host__ __device__ constexpr int step_byte(int r, int s) {
+  return 4 * ((s >> 2) ^ (2 * half_swap(r))) + ((s + r) & 3);
+}
+// Bank freedom of a lookup step (the host check tests every step): the bank of a lookup is tab_col mod
+// 32 = 16 (j & 1) + (p ^ 4 (j >> 1)), whatever the code. Lanes j and j + 2 share a 16-bank half and
+// differ by the XOR with 4, so the 8 rows must give 8 distinct (p >> 3, p & 3), p = 4 word + byte:
+// rows r and r + 4 (the same byte (s + r) & 3) take words that differ in bit 1 (half_swap).
 // PRMT operand of step s, used as both the selector and the second source: selector (low 16 bits)
 // = result byte 0 <- this word's byte 2 (4 * column < 256), byte 1 <- code byte (s + r) & 3 of the
-// (row-swapped) word s >> 2, bytes 2, 3 <- this word's byte 3 (0). Result: (code << 8) | 4 * column.
+// lane's word s >> 2, bytes 2, 3 <- this word's byte 3 (0). Result: (code << 8) | 4 * column.
 __host__ __device__ constexpr uint32_t step_word(int lane, int s) {
   return 0x7706u | (uint32_t((s + (lane >> 2)) & 3) << 4) |
          (4u * uint32_t(tab_col(lane & 3, step_byte(lane >> 2, s))) << 16);
+}
+// The packed ("slices") layout of a unit: byte b (0..63) of unit row rr (0..15) is stored at byte
+// packed_pos(rr, b) of the unit's 1 KB, which is what lane (r, j) copies into ring slot e as 16 bytes:
+//   slot e = (rr >> 3) ^ (j & 1): odd chunks of rows r and r + 8 trade places, so that odd lanes find
+//     row r + 8 in slot 0 and row r in slot 1 (the transpose-reduce of unit_sums needs no select);
+//   within the chunk, halves swapped for rows 2..5 (half_swap): one LDS.128 gives the lane's words.
+__host__ __device__ constexpr int packed_pos(int rr, int b) {
+  return 512 * ((rr >> 3) ^ ((b >> 4) & 1)) + 64 * (rr & 7) + 16 * (b >> 4) + ((b & 15) ^ (8 * half_swap(rr & 7)));
 }
 // Table build, mma n-tile q: B column c (0..7) holds codebook bcol_m(c), entry bcol_k(q, c).
 __host__ __device__ constexpr int bcol_m(int c) { return (c >> 1) & 1; }
@@ -102,14 +150,20 @@ __host__ __device__ constexpr int build_word(int q, int mt, int lane, int e, int
 }
 // ----------------------------------------------------------------------------- 2x8 work layout
 // One launch computes up to kMaxParts projections that share the input x (q, k, v; gate, up), each
-// with its own codebooks, rows and code layout. Part q's units are (slice, octet) pairs numbered
+// with its own codebooks, rows and code layout. Part q's units are (slice, 16-row group) pairs numbered
 // slice-major from units0; a byte of row r, slice s sits at codes + s * slice_stride + r * row_stride:
-//   "slices" layout (the kernel's, packed once at load): [slice][row (padded to 8)][64 bytes],
-//     row_stride = 64, slice_stride = 64 * 8 * octets: a block's unit range is one contiguous stream;
-//   canonical layout [row][group][2]: row_stride = 2 G, slice_stride = 64 (64-byte pieces, 2 G apart).
-// Partial sums of part q: partial[partial0 + slice * N + row] (added by aqlm_2x8_reduce_kernel);
-// outputs, scales, bias and residual: index row0 + row.
+//   "slices" layout (the kernel's, packed once at load; kernel instance kPacked = true): [slice][row
+//     (padded to 16)][64 bytes] with each unit's bytes permuted by packed_pos; row_stride = 64,
+//     slice_stride = 64 * 16 * groups: a block's unit range is one contiguous stream; the padding rows
+//     and the bytes past G are zeros, read like the others;
+//   canonical layout [row][group][2] (kPacked = false): row_stride = 2 G, slice_stride = 64 (64-byte
+//     pieces, 2 G apart), read as stored: rows past N and chunks past G are not copied.
+// All parts of a launch share one layout (the launcher checks it).
+// Partial sums of part q: partial[partial0 + slice * 16 groups + row] (rows padded to whole units, so
+// that the main loop stores every row of its units unconditionally; the padding rows are never read;
+// added by aqlm_2x8_reduce_kernel); outputs, scales, bias and residual: index row0 + row.
 constexpr int kMaxParts = 4;
+constexpr int kMetaCols = 5;  // launcher meta per part: N, byte offset, row stride, slice stride, packed (0/1)
 struct Part2x8 {
   const uint8_t* codes;
   const void* cb;          // fp16 [2, 256, 8]
@@ -117,7 +171,7 @@ struct Part2x8 {
   long long slice_stride;  // bytes
   long long units0;        // first unit of this part
   long long partial0;      // first partial float of this part
-  int N, row0, octets;
+  int N, row0, groups;     // groups: units per slice, ceil(N / 16)
 };
 
 // The part that owns unit u (parts are few: a select chain, no dynamic indexing of the parameter).
@@ -128,21 +182,22 @@ __host__ __device__ inline Part2x8 part_of(const Part2x8 (&parts)[kMaxParts], in
     if (q < nparts && u >= parts[q].units0) P = parts[q];
   return P;
 }
-// Units [u, u1) of part P: the next segment (one slice of one part, octets [oa, ob)).
-__host__ __device__ inline void next_segment(const Part2x8& P, long long u, long long u1, int* slice, int* oa, int* ob) {
+// Units [u, u1) of part P: the next segment (one slice of one part, row groups [ga, gb)).
+__host__ __device__ inline void next_segment(const Part2x8& P, long long u, long long u1, int* slice, int* ga,
+                                             int* gb) {
   const long long lu = u - P.units0;
-  *slice = int(lu / P.octets);
-  *oa = int(lu - (long long)(*slice) * P.octets);
-  const long long end = P.units0 + (long long)(*slice) * P.octets + P.octets;
-  *ob = int((u1 < end ? u1 : end) - P.units0 - (long long)(*slice) * P.octets);
+  *slice = int(lu / P.groups);
+  *ga = int(lu - (long long)(*slice) * P.groups);
+  const long long end = P.units0 + (long long)(*slice) * P.groups + P.groups;
+  *gb = int((u1 < end ? u1 : end) - P.units0 - (long long)(*slice) * P.groups);
 }
 
 // Totals of a launch's parts (filled by fill_parts).
 struct PartTotals {
   long long units = 0, rows = 0, floats = 0;
 };
-// Host: part q from meta row (rows N, byte offset into codes[q], row stride, slice stride); unused slots
-// never own a unit.
+// Host: part q from meta row (rows N, byte offset into codes[q], row stride, slice stride, layout; the
+// layout column is the launcher's business); unused slots never own a unit.
 inline PartTotals fill_parts(Part2x8 (&parts)[kMaxParts], int nparts, const long long* meta,
                              const uint8_t* const* codes, const void* cb, int nslices) {
   PartTotals t;
@@ -153,17 +208,17 @@ inline PartTotals fill_parts(Part2x8 (&parts)[kMaxParts], int nparts, const long
       P.units0 = (long long)1 << 62;
       continue;
     }
-    P.N = (int)meta[4 * q];
-    P.codes = codes[q] + meta[4 * q + 1];
-    P.row_stride = meta[4 * q + 2];
-    P.slice_stride = meta[4 * q + 3];
+    P.N = (int)meta[kMetaCols * q];
+    P.codes = codes[q] + meta[kMetaCols * q + 1];
+    P.row_stride = meta[kMetaCols * q + 2];
+    P.slice_stride = meta[kMetaCols * q + 3];
     P.cb = static_cast<const uint16_t*>(cb) + (size_t)q * 2 * 256 * 8;
     P.units0 = t.units;
     P.partial0 = t.floats;
     P.row0 = (int)t.rows;
-    P.octets = (P.N + 7) / 8;
-    t.units += (long long)nslices * P.octets;
-    t.floats += (long long)nslices * P.N;
+    P.groups = (P.N + kUnitRows - 1) / kUnitRows;
+    t.units += (long long)nslices * P.groups;
+    t.floats += (long long)nslices * kUnitRows * P.groups;
     t.rows += P.N;
   }
   return t;
@@ -181,17 +236,24 @@ __host__ __device__ inline Part2x8 part_of_row(const Part2x8 (&parts)[kMaxParts]
   return P;
 }
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(TRAPETUM_AQLM_EMU)
+#ifndef TRAPETUM_AQLM_EMU
 // ----------------------------------------------------------------------------- device helpers
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
   return pol;
 }
-// 16 bytes global -> shared, asynchronous, L2 only, evict-first; src_bytes 0 writes zeros (nothing read).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes, uint64_t pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
-               :: "r"(dst), "l"(src), "r"(src_bytes), "l"(pol) : "memory");
+// 16 bytes global -> shared, asynchronous, L2 only, evict-first.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint64_t pol) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(src), "l"(pol) : "memory");
+}
+// The same if ok (one predicated LDGSTS; nothing is written to the slot otherwise).
+__device__ __forceinline__ void cp_async16_if(uint32_t dst, const void* src, bool ok, uint64_t pol) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n"
+               " @p cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n}\n"
+               :: "r"(dst), "l"(src), "l"(pol), "r"((int)ok) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -199,6 +261,11 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
 }
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
@@ -219,6 +286,7 @@ __device__ __forceinline__ void mma16808(float* c, uint32_t a0, uint32_t a1, uin
       "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a0), "r"(a1), "r"(b0));
 }
+#endif  // !TRAPETUM_AQLM_EMU
 
 // Epilogue of one output row: y = acc * scale (+ bias) (+ residual), rounded once to fp16. The
 // inputs are loaded first (Epi::load) so that their latency overlaps the accumulation.
@@ -244,7 +312,7 @@ struct Params2x8 {
   const half* bias;       // [rows] or unused
   const half* res;        // [rows] or unused
   half* y;                // [rows]
-  float* partial;         // per part [nslices, N]
+  float* partial;         // per part [nslices, 16 groups] (rows padded to whole units)
   Part2x8 part[kMaxParts];
   int nparts, G, nslices, has_bias, has_res;
   long long units;        // all parts
@@ -284,84 +352,149 @@ __device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, in
   }
 }
 
-// Per-segment state of one lane: where its code chunks and row partials live.
-struct Lane2x8 {
-  const uint8_t* codes;  // chunk j of row r of octet 0 of this slice (octet o: + 8 o row_stride)
-  float* partial;        // this part's partial[slice][0]
-  long long octet_stride;
-  int N;
-  bool chunk_ok;         // the chunk lies inside the G groups
-};
+// ---- main loop. A warp takes the units g = ga + warp + i kWarps (i = 0, 1, ..) of a segment (rows
+// 16 g .. 16 g + 15 of the slice); unit i lives in ring entry i mod kRing (two 512-byte slots). One loop
+// step takes one unit (32 independent lookups per lane), then refills its entry with unit i + kRing
+// (one cp.async commit group per unit, kRing groups in flight).
+constexpr int kSteady = 3;  // steps per iteration of the steady-state loop: ring offsets are immediates
+static_assert(kRing % kSteady == 0, "the steady loop's iterations must tile the ring");
 
-// Start copying the 16 code bytes of lane (r, j) for octet o into its ring slot (zeros for an octet
-// past ob, a row past N or a chunk past G); one commit group per call.
-__device__ __forceinline__ void copy_chunk(uint32_t slot, const Lane2x8& l, int o, int ob, int r, uint64_t pol) {
-  const bool ok = o < ob && 8 * o + r < l.N && l.chunk_ok;
-  cp_async16(slot, ok ? l.codes + o * l.octet_stride : l.codes, ok ? 16u : 0u, pol);
-  cp_async_commit();
+// Steps from unit g (a warp's next unit) whose refills (g + kRing kWarps, then every kWarps) lie below lim.
+__host__ __device__ constexpr int steady_steps(int g, int lim) {
+  return lim - g - kRing * kWarps > 0 ? (lim - g - kRing * kWarps + kWarps - 1) / kWarps : 0;
 }
 
-// The row partial of one chunk (16 lookups), summed over the 4 lanes of the row in a fixed order.
-__device__ __forceinline__ float lookup_chunk(uint4 c, uint32_t tab, const uint32_t (&sw)[16], bool swap) {
-  const uint32_t w[4] = {swap ? c.y : c.x, swap ? c.x : c.y, swap ? c.w : c.z, swap ? c.z : c.w};
+// The lane's 4 code words in a ring slot: word k = chunk word k ^ 2 half_swap(r). Packed layout: one
+// LDS.128 at a0 (stored that way); canonical: words 0, 1 from a0 = slot + ring_half(lane, 0) and 2, 3
+// from a1 = slot + ring_half(lane, 1) (two LDS.64, each half-warp's 16 lanes on 16 distinct bank pairs).
+template <bool kPacked>
+__device__ __forceinline__ void slot_words(uint32_t a0, uint32_t a1, uint32_t (&w)[4]) {
+  if (kPacked) {
+    const uint4 c = lds128(a0);
+    w[0] = c.x, w[1] = c.y, w[2] = c.z, w[3] = c.w;
+  } else {
+    const uint2 lo = lds64(a0), hi = lds64(a1);
+    w[0] = lo.x, w[1] = lo.y, w[2] = hi.x, w[3] = hi.y;
+  }
+}
+
+// This lane's sum of the 16 lookups of one chunk: 4 interleaved chains, then (a0 + a1) + (a2 + a3).
+__device__ __forceinline__ float lane_sum(const uint32_t (&w)[4], uint32_t tab, const uint32_t (&sw)[16]) {
   float acc[4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) acc[s] = lds_f32(tab + prmt(w[0], sw[s], sw[s]));
 #pragma unroll
   for (int s = 4; s < 16; ++s) acc[s & 3] += lds_f32(tab + prmt(w[s >> 2], sw[s], sw[s]));
-  float v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  v += __shfl_xor_sync(0xffffffffu, v, 2);
-  return v;
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
+// Row sums of one unit (ring slots at a0/a1 and a0/a1 + 512), transpose-reduced over the 4 lanes j of
+// each row pair (r, r + 8): even lanes keep their row-r chunk sum and send the row-(r + 8) one to lane
+// j ^ 1, odd lanes the other way round (one SHFL and one FADD for both rows), then a butterfly over
+// j ^ 2. Lane j = 0 ends with row r's sum, lane j = 1 with row r + 8's (j = 2, 3: copies), both added as
+// (v(0) + v(1)) + (v(2) + v(3)) over the chunks j (fp32 addition is commutative). Packed layout: odd
+// lanes find row r + 8 in slot 0 (packed_pos), so every lane keeps slot 0's sum; canonical: odd lanes
+// select (2 FSEL).
+template <bool kPacked>
+__device__ __forceinline__ float unit_sums(uint32_t a0, uint32_t a1, uint32_t tab, const uint32_t (&sw)[16],
+                                           bool odd) {
+  uint32_t w0[4], w1[4];
+  slot_words<kPacked>(a0, a1, w0);
+  slot_words<kPacked>(a0 + 512, a1 + 512, w1);
+  const float v0 = lane_sum(w0, tab, sw), v1 = lane_sum(w1, tab, sw);
+  const bool swap = !kPacked && odd;
+  float h = (swap ? v1 : v0) + __shfl_xor_sync(0xffffffffu, swap ? v0 : v1, 1);
+  h += __shfl_xor_sync(0xffffffffu, h, 2);
+  return h;
+}
+
+template <bool kPacked>
 __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p) {
   trapetum_pdl::allow_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = lane >> 2, j = lane & 3;
   const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
-  const uint32_t ring = tab + kTabBytes + (warp * kStage) * 512 + lane * 16;
+  const uint32_t ring = tab + kTabBytes + warp * (kRing * kUnitBytes) + lane * 16;  // entry 0, slot 0
+  const uint32_t half0 = kPacked ? 0u : ring_half(lane, 0), half1 = kPacked ? 0u : ring_half(lane, 1);
+  const uint32_t ring_toggle = ring ^ (ring + kSteady * kUnitBytes);  // the steady loop's two entry bases
   const uint64_t pol = evict_first_policy();
   uint32_t sw[16];
 #pragma unroll
   for (int s = 0; s < 16; ++s) sw[s] = step_word(lane, s);
+  const bool odd = j & 1, stores = j < 2;
   const long long u1 = (long long)(blockIdx.x + 1) * p.units / gridDim.x;
   for (long long u = (long long)blockIdx.x * p.units / gridDim.x; u < u1;) {
     const Part2x8 P = part_of(p.part, p.nparts, u);
-    int slice, oa, ob;
-    next_segment(P, u, u1, &slice, &oa, &ob);
-    u += ob - oa;
-    const Lane2x8 l = {P.codes + slice * P.slice_stride + r * P.row_stride + 16 * j,
-                       p.partial + P.partial0 + (size_t)slice * P.N, 8 * P.row_stride, P.N,
-                       slice * kSlice + 8 * j < p.G};
-    // ring slots of this lane: ring + d * 512 (each lane reads back only the 16 bytes it copied)
+    int slice, ga, gb;
+    next_segment(P, u, u1, &slice, &ga, &gb);
+    u += gb - ga;
+    // This lane copies, for unit g, the 16 bytes at src + g gstride into slot 0 and those at
+    // src + g gstride + hstride into slot 1: packed, its bytes of the unit's 1 KB (packed_pos); canonical,
+    // chunk j of rows 16 g + r and 16 g + 8 + r, except rows past N and chunks past G (the slot keeps
+    // older codes: past G they look up table columns of x = 0, past N they give a padding row's sum).
+    const long long gstride = kPacked ? kUnitBytes : kUnitRows * P.row_stride;
+    const long long hstride = kPacked ? 512 : 8 * P.row_stride;
+    const uint8_t* const src = P.codes + slice * P.slice_stride + r * P.row_stride + 16 * j;
+    const bool chunk_ok = kPacked || slice * kSlice + 8 * j < p.G;
+    const int rows = kPacked ? kUnitRows * P.groups : P.N;
+    // the partial this lane stores for unit g: dst[16 g] (row r for j = 0, row r + 8 for j = 1)
+    float* const dst = p.partial + P.partial0 + (size_t)slice * kUnitRows * P.groups + r + 8 * (j & 1);
+    int g = ga + warp;
 #pragma unroll
-    for (int d = 0; d < kStage; ++d) copy_chunk(ring + d * 512, l, oa + warp + d * kWarps, ob, r, pol);
+    for (int d = 0; d < kRing; ++d) {
+      const int gd = g + d * kWarps;
+      const uint8_t* sd = src + gd * gstride;
+      cp_async16_if(ring + d * kUnitBytes, sd, gd < gb && 16 * gd + r < rows && chunk_ok, pol);
+      cp_async16_if(ring + d * kUnitBytes + 512, sd + hstride, gd < gb && 16 * gd + 8 + r < rows && chunk_ok,
+                    pol);
+      cp_async_commit();
+    }
     __syncthreads();  // the previous segment's lookups are done: the table may be overwritten
     // the ring copies above read codes only (PDL: they may overlap the previous kernel); the table
     // needs x, and the partial sums may still be read by the previous GEMV's reduction until it ends
     trapetum_pdl::wait_inputs();
     build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
-    int d = 0;
-    int o = oa + warp;
-    // two units per step: their 32 lookups and two shuffle trees are independent, which doubles the
-    // loads in flight per warp (one unit per step left the kernel LDS-latency-bound at 16 warps per SM)
-    for (; o + kWarps < ob; o += 2 * kWarps) {
-      cp_async_wait<kStage - 2>();  // the two oldest groups (these slots) have landed
-      const int d1 = d + 1 == kStage ? 0 : d + 1;
-      const uint4 c0 = lds128(ring + d * 512), c1 = lds128(ring + d1 * 512);
-      const float v0 = lookup_chunk(c0, tab, sw, r >= 4);
-      const float v1 = lookup_chunk(c1, tab, sw, r >= 4);
-      if (j == 0 && 8 * o + r < P.N) l.partial[8 * o + r] = v0;
-      if (j == 0 && 8 * (o + kWarps) + r < P.N) l.partial[8 * (o + kWarps) + r] = v1;
-      copy_chunk(ring + d * 512, l, o + kStage * kWarps, ob, r, pol);  // c0, c1 were consumed above
-      copy_chunk(ring + d1 * 512, l, o + (kStage + 1) * kWarps, ob, r, pol);
-      d = d1 + 1 == kStage ? 0 : d1 + 1;
+    uint32_t entry = ring;
+    // steady state: every refill lies inside the segment (canonical: and inside the whole units of N
+    // rows), kSteady steps per iteration, no predicates (packed), ring / code / partial offsets immediate.
+    // Trip counts go through redux.sync (every lane holds the same value): ptxas then knows the loops are
+    // warp-uniform and drops its divergence checks (BRA.DIV + WARPSYNC paths) around the shuffles.
+    {
+      const int lim = kPacked ? gb : min(gb, P.N / kUnitRows);
+      const int iters = (int)__reduce_max_sync(0xffffffffu, (unsigned)(steady_steps(g, lim) / kSteady));
+      const uint8_t* s = src + (g + kRing * kWarps) * gstride;
+      float* t = dst + kUnitRows * g;
+#pragma unroll 1
+      for (int it = iters; it > 0; --it) {
+#pragma unroll
+        for (int k = 0; k < kSteady; ++k) {
+          cp_async_wait<kRing - 1>();  // this unit's group has landed
+          const uint32_t e = entry + k * kUnitBytes;
+          const float h = unit_sums<kPacked>(e + half0, e + half1, tab, sw, odd);
+          if (stores) t[k * kWarps * kUnitRows] = h;
+          const uint8_t* sk = s + k * kWarps * gstride;  // refill: the entry's words were read above
+          cp_async16_if(e, sk, chunk_ok, pol);
+          cp_async16_if(e + 512, sk + hstride, chunk_ok, pol);
+          cp_async_commit();
+        }
+        entry ^= ring_toggle;
+        s += kSteady * kWarps * gstride;
+        t += kSteady * kWarps * kUnitRows;
+      }
+      g += iters * kSteady * kWarps;
     }
-    if (o < ob) {  // an odd unit left
-      cp_async_wait<kStage - 1>();
-      const float v = lookup_chunk(lds128(ring + d * 512), tab, sw, r >= 4);
-      if (j == 0 && 8 * o + r < P.N) l.partial[8 * o + r] = v;
+    // the rest of the segment: refills checked one by one
+    const int left = (int)__reduce_max_sync(0xffffffffu, (unsigned)(max(0, gb - g + kWarps - 1) / kWarps));
+    for (int n = left; n > 0; --n, g += kWarps) {
+      cp_async_wait<kRing - 1>();
+      const float h = unit_sums<kPacked>(entry + half0, entry + half1, tab, sw, odd);
+      if (stores) dst[kUnitRows * g] = h;
+      const int gc = g + kRing * kWarps;
+      const uint8_t* sc = src + gc * gstride;
+      cp_async16_if(entry, sc, gc < gb && 16 * gc + r < rows && chunk_ok, pol);
+      cp_async16_if(entry + 512, sc + hstride, gc < gb && 16 * gc + 8 + r < rows && chunk_ok, pol);
+      cp_async_commit();
+      entry = entry + kUnitBytes == ring + kRing * kUnitBytes ? ring : entry + kUnitBytes;
     }
     cp_async_wait<0>();
   }
@@ -380,7 +513,7 @@ __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2
   float acc = 0.f;
   if (ok) {
 #pragma unroll 16
-    for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * P.N);
+    for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * kUnitRows * P.groups);
   }
   part_sums[q][rl] = acc;
   __syncthreads();
@@ -390,6 +523,7 @@ __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2
   }
 }
 
+#ifndef TRAPETUM_AQLM_EMU
 // ----------------------------------------------------------------------------- 1x16 kernel
 constexpr int kRows16 = 4;  // rows per warp: one x load serves 4 gathers
 
@@ -489,8 +623,16 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
       Epi::load(p.scales, p.bias, p.res, row, p.has_bias, p.has_res).store(p.y, row, v, p.has_bias, p.has_res);
   }
 }
-#endif  // __CUDACC__
+#endif  // !TRAPETUM_AQLM_EMU
+#endif  // __CUDACC__ || TRAPETUM_AQLM_EMU
 }  // namespace trapetum_aqlm
+
+#ifdef TRAPETUM_SASS_ONLY
+// Both instances of the 2x8 kernel for `nvcc -cubin` + cuobjdump (NOTES-additive.md); the torch launcher
+// instantiates them otherwise.
+template __global__ void trapetum_aqlm::aqlm_2x8_kernel<true>(const trapetum_aqlm::Params2x8);
+template __global__ void trapetum_aqlm::aqlm_2x8_kernel<false>(const trapetum_aqlm::Params2x8);
+#endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
 #include <torch/extension.h>
@@ -507,13 +649,16 @@ static int sm_count(int dev) {
   return cached[dev];
 }
 
-// Resident 2x8 blocks per SM (shared memory and registers), after the one-time attribute setup.
+// Resident 2x8 blocks per SM (shared memory and registers) of one kernel instance, after its one-time
+// attribute setup.
+template <bool kPacked>
 static int max_blocks_2x8(int dev) {
   static int cached[kMaxDevices] = {0};
   if (cached[dev] == 0) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_2x8_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached[dev], aqlm_2x8_kernel, kThreads, kSmemBytes));
+    auto* kern = aqlm_2x8_kernel<kPacked>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cached[dev], kern, kThreads, kSmemBytes));
     TORCH_CHECK(cached[dev] > 0, "aqlm 2x8: kernel does not fit on an SM");
   }
   return cached[dev];
@@ -550,7 +695,9 @@ static void check_common(const torch::Tensor& x, const torch::Tensor& codes, con
 }
 }  // namespace trapetum_aqlm
 
-// meta: CPU int64 [P, 4], one row per part: (rows N, byte offset in codes[q], row stride, slice stride).
+// meta: CPU int64 [P, 5], one row per part: (rows N, byte offset in codes[q], row stride, slice stride,
+// packed): packed = 1 for the "slices" layout of pack_2x8 (row stride 64, slice stride 64 * 16 * groups,
+// bytes permuted by packed_pos), 0 for a layout read as stored; all parts of a launch share it.
 // codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias, res, y: [sum N].
 void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
                    torch::Tensor res, torch::Tensor y, torch::Tensor partial, torch::Tensor meta,
@@ -558,7 +705,8 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   using namespace trapetum_aqlm;
   TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 &&
-              meta.size(1) == 4 && meta.size(0) >= 1 && meta.size(0) <= kMaxParts, "meta: int64 [parts <= 4, 4] on the CPU");
+              meta.size(1) == kMetaCols && meta.size(0) >= 1 && meta.size(0) <= kMaxParts,
+              "meta: int64 [parts <= 4, 5] on the CPU");
   const int P = meta.size(0);
   const int64_t G = x.numel() / 8;
   TORCH_CHECK(x.numel() == G * 8 && G >= 1 && G % 8 == 0 && G < (1 << 24), "x: in_features must be a multiple of 64");
@@ -573,12 +721,22 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   TORCH_CHECK(aligned(x, 4) && aligned(cb, 4), "alignment");
   const int64_t* m = meta.data_ptr<int64_t>();
   const int nslices = (int)((G + kSlice - 1) / kSlice);
+  const bool packed = m[4] != 0;
   for (int q = 0; q < P; ++q) {
-    const int64_t N = m[4 * q], off = m[4 * q + 1], rs = m[4 * q + 2], ss = m[4 * q + 3];
+    const int64_t* mq = m + kMetaCols * q;
+    const int64_t N = mq[0], off = mq[1], rs = mq[2], ss = mq[3];
     TORCH_CHECK(N >= 1 && N < (1LL << 31) / 8, "meta: part rows");
     TORCH_CHECK(off >= 0 && off % 16 == 0 && rs > 0 && rs % 16 == 0 && ss > 0 && ss % 16 == 0, "meta: offsets and strides");
-    const int64_t last_chunk = std::min<int64_t>(3, (G - 1 - (int64_t)(nslices - 1) * kSlice) / 8);
-    const int64_t extent = off + (nslices - 1) * ss + (N - 1) * rs + 16 * last_chunk + 16;
+    TORCH_CHECK((mq[4] == 0 || mq[4] == 1) && (mq[4] != 0) == packed, "meta: all parts of a launch in one layout");
+    int64_t extent;
+    if (packed) {  // every row of every unit is read, padding included
+      const int64_t groups = (N + kUnitRows - 1) / kUnitRows;
+      TORCH_CHECK(rs == kSliceBytes && ss == (int64_t)kUnitBytes * groups, "meta: packed part ", q, " strides");
+      extent = off + nslices * ss;
+    } else {  // rows below N, chunks below G
+      const int64_t last_chunk = std::min<int64_t>(3, (G - 1 - (int64_t)(nslices - 1) * kSlice) / 8);
+      extent = off + (nslices - 1) * ss + (N - 1) * rs + 16 * last_chunk + 16;
+    }
     TORCH_CHECK(extent <= codes[q].numel(), "meta: part ", q, " reads past its codes buffer");
   }
   Params2x8 p;
@@ -593,7 +751,8 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   const c10::cuda::CUDAGuard guard(x.device());
   const int dev = x.get_device();
   TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
-  const int bps = std::max(1, std::min<int>((int)blocks_per_sm, max_blocks_2x8(dev)));
+  const int fit = packed ? max_blocks_2x8<true>(dev) : max_blocks_2x8<false>(dev);
+  const int bps = std::max(1, std::min<int>((int)blocks_per_sm, fit));
   p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
   p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
   p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
@@ -608,7 +767,8 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   p.units = tot.units;
   const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_kernel, (unsigned)grid, kThreads, kSmemBytes, stream, p));
+  C10_CUDA_CHECK(trapetum_pdl::launch(packed ? aqlm_2x8_kernel<true> : aqlm_2x8_kernel<false>, (unsigned)grid, kThreads,
+                                      kSmemBytes, stream, p));
   C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel, (unsigned)((rows + kReduceRows - 1) / kReduceRows),
                                       kThreads, 0, stream, p));
 }
