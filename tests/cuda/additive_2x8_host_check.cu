@@ -83,13 +83,14 @@ struct Range {
 };
 static std::vector<Range> readable;  // global buffers the kernels may read
 
-static void check_read(const void* p, size_t n, const char* what) {
+static bool check_read(const void* p, size_t n, const char* what) {
   const uint8_t* b = static_cast<const uint8_t*>(p);
   for (const Range& r : readable) {
     const uint8_t* rb = static_cast<const uint8_t*>(r.p);
-    if (b >= rb && b + n <= rb + r.n) return;
+    if (b >= rb && b + n <= rb + r.n) return true;
   }
   CHECK(false, "%s: global read of %zu bytes outside every buffer (thread %d block %u)", what, n, cur, block_idx.x);
+  return false;
 }
 static uint8_t* smem_at(uint32_t addr, uint32_t n, uint32_t align) {
   CHECK(addr % align == 0 && addr >= kSmemBase && addr - kSmemBase + n <= kSmemSize, "shared address %#x (%u bytes)",
@@ -254,9 +255,9 @@ inline void __syncthreads() { emu::wait_on(emu::kSync); }
 namespace trapetum_aqlm {  // the device helpers of the .cu, for the CPU
 inline uint64_t evict_first_policy() { return 0; }
 inline void cp_async16(uint32_t dst, const void* src, uint64_t) {
-  emu::check_read(src, 16, "cp.async");
   emu::garbage(emu::smem_at(dst, 16, 16), 16);  // in flight: the slot holds nothing usable until the wait
-  emu::threads[emu::cur].open.push_back({dst, static_cast<const uint8_t*>(src)});
+  if (emu::check_read(src, 16, "cp.async"))
+    emu::threads[emu::cur].open.push_back({dst, static_cast<const uint8_t*>(src)});
 }
 inline void cp_async16_if(uint32_t dst, const void* src, bool ok, uint64_t pol) {
   if (ok) cp_async16(dst, src, pol);

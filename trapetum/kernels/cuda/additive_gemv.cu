@@ -47,11 +47,12 @@
 //     take 16.8 code bytes/cycle: a unit per ~61 cycles.
 //   Shared-memory wavefronts: 32 lookups (1 each) + 2 LDS.128 ring reads (4 each) + 1 KB of cp.async
 //     writes (8) = 48: 0.79 wavefronts/cycle (of 1) at 4 TB/s.
-//   Issue (SASS, nvcc 13.0, sm_90, NOTES-additive.md): the packed steady loop takes 332 instructions
-//     per 3 units, 110.7 per unit (96 of them PRMT + LDS + FADD lookups; the rest: 2 LDS.128, 2 SHFL,
-//     2 FADD, 1 STG, 2 LDGSTS + 2 cp.async group instructions, ~5 addresses/loop): 1.8 of 4
-//     warp-instructions/cycle at 4 TB/s (the previous loop: 182 per 16 rows, 3.0). Canonical: 120.
-//     127-128 registers, 2 blocks (16 warps) per SM.
+//   Issue (SASS, nvcc 13.0, sm_90, NOTES-additive.md): the packed steady loop takes 331 instructions
+//     per 3 units, 110.3 per unit (94 of them the lookups' PRMT + LDS + FADD; the rest: 2 LDS.128,
+//     2 SHFL + 2 FADD, 1 STG, 2 LDGSTS + 2 cp.async group instructions, 1 dummy LDS ptxas puts before
+//     LDGSTS, ~4 addresses and loop): 1.8 of 4 warp-instructions/cycle at 4 TB/s (the previous loop:
+//     182 per 16 rows, 3.0). A segment's last units: 117 per unit. Canonical: 119 / 132. 126-128
+//     registers, no spills, 2 blocks (16 warps) per SM.
 //   Table build per slice: 128 mma, 64 KB of conflict-free STS (512 wavefronts), 128 x 32-bit B
 //     loads: ~0.5 us, amortised over the block's rows (a block covers >= ~500 rows of a slice at
 //     the benchmark shapes).
@@ -356,7 +357,7 @@ __device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, in
 // 16 g .. 16 g + 15 of the slice); unit i lives in ring entry i mod kRing (two 512-byte slots). One loop
 // step takes one unit (32 independent lookups per lane), then refills its entry with unit i + kRing
 // (one cp.async commit group per unit, kRing groups in flight).
-constexpr int kSteady = 3;  // steps per iteration of the steady-state loop: ring offsets are immediates
+constexpr int kSteady = 3;  // steps per loop iteration (half the ring: ring offsets are immediates)
 static_assert(kRing % kSteady == 0, "the steady loop's iterations must tile the ring");
 
 // Steps from unit g (a warp's next unit) whose refills (g + kRing kWarps, then every kWarps) lie below lim.
@@ -415,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
   const uint32_t tab = static_cast<uint32_t>(__cvta_generic_to_shared(trapetum_aqlm_smem));
   const uint32_t ring = tab + kTabBytes + warp * (kRing * kUnitBytes) + lane * 16;  // entry 0, slot 0
   const uint32_t half0 = kPacked ? 0u : ring_half(lane, 0), half1 = kPacked ? 0u : ring_half(lane, 1);
-  const uint32_t ring_toggle = ring ^ (ring + kSteady * kUnitBytes);  // the steady loop's two entry bases
+  const uint32_t ring_toggle = ring ^ (ring + kSteady * kUnitBytes);  // the loop's two entry bases
   const uint64_t pol = evict_first_policy();
   uint32_t sw[16];
 #pragma unroll
@@ -454,47 +455,49 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
     trapetum_pdl::wait_inputs();
     build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
+    // The loop, kSteady units per iteration: ring entries, refill sources and partials advance by
+    // constants, so their offsets within an iteration are immediates. Unit k of an iteration: ring entry
+    // entry + k, partial t[16 k kWarps], refill (unit g + (kRing + k) kWarps) from s + k kWarps gstride.
     uint32_t entry = ring;
-    // steady state: every refill lies inside the segment (canonical: and inside the whole units of N
-    // rows), kSteady steps per iteration, no predicates (packed), ring / code / partial offsets immediate.
+    const uint8_t* s = src + (g + kRing * kWarps) * gstride;
+    float* t = dst + kUnitRows * g;
+    const auto step = [&](int k, bool ok0, bool ok1) {
+      cp_async_wait<kRing - 1>();  // this unit's group has landed
+      const uint32_t e = entry + k * kUnitBytes;
+      const float h = unit_sums<kPacked>(e + half0, e + half1, tab, sw, odd);
+      if (stores) t[k * kWarps * kUnitRows] = h;
+      const uint8_t* sk = s + k * kWarps * gstride;  // refill: the entry's words were read above
+      cp_async16_if(e, sk, ok0, pol);
+      cp_async16_if(e + 512, sk + hstride, ok1, pol);
+      cp_async_commit();
+    };
+    const auto advance = [&] {
+      entry ^= ring_toggle;
+      s += kSteady * kWarps * gstride;
+      t += kSteady * kWarps * kUnitRows;
+      g += kSteady * kWarps;
+    };
     // Trip counts go through redux.sync (every lane holds the same value): ptxas then knows the loops are
     // warp-uniform and drops its divergence checks (BRA.DIV + WARPSYNC paths) around the shuffles.
-    {
-      const int lim = kPacked ? gb : min(gb, P.N / kUnitRows);
-      const int iters = (int)__reduce_max_sync(0xffffffffu, (unsigned)(steady_steps(g, lim) / kSteady));
-      const uint8_t* s = src + (g + kRing * kWarps) * gstride;
-      float* t = dst + kUnitRows * g;
+    // Steady state: every refill lies inside the segment (canonical: and inside the whole units of N
+    // rows): no predicates (packed).
+    const int lim = kPacked ? gb : min(gb, P.N / kUnitRows);
 #pragma unroll 1
-      for (int it = iters; it > 0; --it) {
+    for (int it = (int)__reduce_max_sync(0xffffffffu, (unsigned)(steady_steps(g, lim) / kSteady)); it > 0; --it) {
 #pragma unroll
-        for (int k = 0; k < kSteady; ++k) {
-          cp_async_wait<kRing - 1>();  // this unit's group has landed
-          const uint32_t e = entry + k * kUnitBytes;
-          const float h = unit_sums<kPacked>(e + half0, e + half1, tab, sw, odd);
-          if (stores) t[k * kWarps * kUnitRows] = h;
-          const uint8_t* sk = s + k * kWarps * gstride;  // refill: the entry's words were read above
-          cp_async16_if(e, sk, chunk_ok, pol);
-          cp_async16_if(e + 512, sk + hstride, chunk_ok, pol);
-          cp_async_commit();
-        }
-        entry ^= ring_toggle;
-        s += kSteady * kWarps * gstride;
-        t += kSteady * kWarps * kUnitRows;
-      }
-      g += iters * kSteady * kWarps;
+      for (int k = 0; k < kSteady; ++k) step(k, chunk_ok, chunk_ok);
+      advance();
     }
-    // the rest of the segment: refills checked one by one
-    const int left = (int)__reduce_max_sync(0xffffffffu, (unsigned)(max(0, gb - g + kWarps - 1) / kWarps));
-    for (int n = left; n > 0; --n, g += kWarps) {
-      cp_async_wait<kRing - 1>();
-      const float h = unit_sums<kPacked>(entry + half0, entry + half1, tab, sw, odd);
-      if (stores) dst[kUnitRows * g] = h;
-      const int gc = g + kRing * kWarps;
-      const uint8_t* sc = src + gc * gstride;
-      cp_async16_if(entry, sc, gc < gb && 16 * gc + r < rows && chunk_ok, pol);
-      cp_async16_if(entry + 512, sc + hstride, gc < gb && 16 * gc + 8 + r < rows && chunk_ok, pol);
-      cp_async_commit();
-      entry = entry + kUnitBytes == ring + kRing * kUnitBytes ? ring : entry + kUnitBytes;
+    // The segment's last units (at most kRing + kSteady): the same steps, refills checked one by one.
+#pragma unroll 1
+    for (int n = (int)__reduce_max_sync(0xffffffffu, (unsigned)(max(0, gb - g + kWarps - 1) / kWarps)); n > 0;) {
+#pragma unroll
+      for (int k = 0; k < kSteady && n > 0; ++k, --n) {
+        const int gc = g + (kRing + k) * kWarps;  // packed: every row of a unit is there
+        const bool ok = gc < gb && chunk_ok;
+        step(k, ok && (kPacked || 16 * gc + r < rows), ok && (kPacked || 16 * gc + 8 + r < rows));
+      }
+      advance();
     }
     cp_async_wait<0>();
   }
