@@ -282,19 +282,19 @@ def _nvcc():
     return nvcc
 
 
-def _build_host_check(exe, kernel_src=None):
-    """tests/cuda/additive_2x8_host_check.cu as host C++ (the 2x8 kernels run on the CPU), against the
-    kernel source or an altered copy of it."""
+def _host_check_cmd(exe, kernel_src=None):
+    """nvcc command building tests/cuda/additive_2x8_host_check.cu as host C++ (the 2x8 kernels run on the
+    CPU), against the kernel source or an altered copy of it."""
     cmd = [_nvcc(), "-x", "c++", "-std=c++17", "-O2", "-I", str(_CUDA_SRC), "-o", str(exe), str(_HOST_CHECK)]
     if kernel_src is not None:
         cmd.insert(-1, f'-DTRAPETUM_AQLM_CU="{kernel_src}"')
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return cmd
 
 
 @pytest.fixture(scope="module")
 def host_check(tmp_path_factory):
     exe = tmp_path_factory.mktemp("host_check") / "check"
-    r = _build_host_check(exe)
+    r = subprocess.run(_host_check_cmd(exe), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return exe
 
@@ -338,18 +338,29 @@ _MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("name,old,new", _MUTATIONS, ids=[m[0].split(":")[0] for m in _MUTATIONS])
-def test_2x8_host_check_catches_mutation(tmp_path, name, old, new):
+@pytest.mark.skipif(ON_GPU, reason="host-only (CPU) check; it runs in the CPU test session, not on device time")
+def test_2x8_host_check_catches_mutations(tmp_path):
+    """Each altered kernel (built and run concurrently) must fail the host check."""
     src = (_CUDA_SRC / "additive_gemv.cu").read_text()
-    assert src.count(old) == 1, f"mutation '{name}': its text is no longer in additive_gemv.cu once"
-    mutant = tmp_path / "additive_gemv.cu"
-    mutant.write_text(src.replace(old, new))
-    exe = tmp_path / "check"
-    r = _build_host_check(exe, mutant)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
-    caught = r.returncode != 0 and ("FAIL" in r.stdout or r.returncode < 0)  # a FAIL line, or it crashed
-    assert caught, f"mutation '{name}' not caught:\n{r.stdout[-2000:]}"
+    builds = []
+    for i, (name, old, new) in enumerate(_MUTATIONS):
+        assert src.count(old) == 1, f"mutation '{name}': its text is no longer in additive_gemv.cu once"
+        d = tmp_path / f"m{i}"
+        d.mkdir()
+        (d / "additive_gemv.cu").write_text(src.replace(old, new))
+        cmd = _host_check_cmd(d / "check", d / "additive_gemv.cu")
+        builds.append((name, d, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    runs = []
+    for name, d, proc in builds:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"mutation '{name}' does not build:\n{err[-2000:]}"
+        runs.append((name, subprocess.Popen([str(d / "check"), "--quick"], stdout=subprocess.PIPE, text=True)))
+    missed = []
+    for name, proc in runs:
+        out, _ = proc.communicate(timeout=600)
+        if not (proc.returncode != 0 and ("FAIL" in out or proc.returncode < 0)):  # a FAIL line, or it crashed
+            missed.append(f"{name}:\n{out[-1000:]}")
+    assert not missed, "mutations not caught:\n" + "\n".join(missed)
 
 
 # ----------------------------------------------------------------------------- packed 2x8 (one launch, several parts)
