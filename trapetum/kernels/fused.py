@@ -7,6 +7,8 @@
                                             k and v written into the caches at positions pos..pos+T-1,
                                             in one launch. Partial rotary: rot_dim = 2 * cos.shape[1].
   act_mul(gate, up, act)                    act(gate) * up, act = "silu" | "gelu_tanh".
+The k rotation + append of one head is a @triton.jit helper (rope_append_kv) shared with the decode step's
+fused attention kernel (attention.decode_attention_fused), so both write the same bits into the cache.
 Cache layout: [Hkv, T_max, D] (as decode_attention). `pos` may be an int or a one-element int
 CUDA tensor (graph-capturable).
 """
@@ -95,6 +97,23 @@ if triton is not None:
             tl.store(y_ptr + row * stride_y + rn, (xv * r * (wv + offset)).to(tl.float16), mask=rn < N)
 
     @triton.jit
+    def rope_append_kv(k_row, v_row, kc_row, vc_row, c, s, HALF, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Rotate one head's k (k_row) into kc_row and copy its v (v_row) into vc_row; c, s: the position's
+        cos/sin [BLOCK_H] (masked lanes 1, 0). Shared with the fused attention kernel (attention.py), so
+        that both write the same bits into the cache."""
+        ri = tl.arange(0, BLOCK_H)
+        hm = ri < HALF
+        x1 = tl.load(k_row + ri, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(k_row + HALF + ri, mask=hm, other=0.0).to(tl.float32)
+        tl.store(kc_row + ri, (x1 * c - x2 * s).to(tl.float16), mask=hm)
+        tl.store(kc_row + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
+        rd = tl.arange(0, BLOCK_D)
+        pm = (rd >= 2 * HALF) & (rd < D)  # pass-through part of a partial rotary
+        tl.store(kc_row + rd, tl.load(k_row + rd, mask=pm, other=0.0), mask=pm)
+        vm = rd < D
+        tl.store(vc_row + rd, tl.load(v_row + rd, mask=vm, other=0.0), mask=vm)
+
+    @triton.jit
     def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, pos_val,
                         HQ, D, HALF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
                         skc_h, skc_t, svc_h, svc_t, POS_PTR: tl.constexpr,
@@ -118,18 +137,9 @@ if triton is not None:
             tl.store(base + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
         else:
             kh = h - HQ
-            kb = k_ptr + t * sk_t + kh * sk_h
-            ob = kc_ptr + kh * skc_h + p * skc_t
-            x1 = tl.load(kb + ri, mask=hm, other=0.0).to(tl.float32)
-            x2 = tl.load(kb + HALF + ri, mask=hm, other=0.0).to(tl.float32)
-            tl.store(ob + ri, (x1 * c - x2 * s).to(tl.float16), mask=hm)
-            tl.store(ob + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
-            rd = tl.arange(0, BLOCK_D)
-            pm = (rd >= 2 * HALF) & (rd < D)  # pass-through part of a partial rotary
-            tl.store(ob + rd, tl.load(kb + rd, mask=pm, other=0.0), mask=pm)
-            vm = rd < D
-            tl.store(vc_ptr + kh * svc_h + p * svc_t + rd,
-                     tl.load(v_ptr + t * sv_t + kh * sv_h + rd, mask=vm, other=0.0), mask=vm)
+            rope_append_kv(k_ptr + t * sk_t + kh * sk_h, v_ptr + t * sv_t + kh * sv_h,
+                           kc_ptr + kh * skc_h + p * skc_t, vc_ptr + kh * svc_h + p * svc_t,
+                           c, s, HALF, D, BLOCK_H, BLOCK_D)
 
     @triton.jit
     def _act_mul_kernel(g_ptr, u_ptr, y_ptr, N, sg, su, sy, ACT: tl.constexpr, BLOCK: tl.constexpr):
@@ -172,14 +182,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float 
     return y.view(x.shape)
 
 
-def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate q in place and k into k_cache[:, pos + t], copy v into v_cache[:, pos + t]; one launch.
-
-    q [T, Hq, D] or [Hq, D]; k, v [T, Hkv, D] or [Hkv, D] (views with a contiguous last dim are fine,
-    e.g. slices of a fused qkv output); caches [Hkv, T_max, D]; cos/sin fp32 [max_pos, rot/2].
-    Returns q.
-    """
+def check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin) -> tuple:
+    """Validate rope_kv_append's arguments (also those of attention.decode_attention_fused); return q, k, v
+    as [T, H, D] views. Raises ValueError naming the first bad argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or t.dim() not in (2, 3) or t.stride(-1) != 1:
             raise ValueError(f"{name}: expected float16 [T, H, D] or [H, D] with a contiguous last dim")
@@ -204,6 +209,20 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
             raise ValueError("pos: expected an int or a one-element int32/int64 tensor on q's device")
     elif not (0 <= int(pos) and int(pos) + T <= min(k_cache.shape[1], cos.shape[0])):
         raise ValueError(f"pos: {pos} + {T} tokens outside the cache ({k_cache.shape[1]}) or tables ({cos.shape[0]})")
+    return q3, k3, v3
+
+
+def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate q in place and k into k_cache[:, pos + t], copy v into v_cache[:, pos + t]; one launch.
+
+    q [T, Hq, D] or [Hq, D]; k, v [T, Hkv, D] or [Hkv, D] (views with a contiguous last dim are fine,
+    e.g. slices of a fused qkv output); caches [Hkv, T_max, D]; cos/sin fp32 [max_pos, rot/2].
+    Returns q.
+    """
+    q3, k3, v3 = check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin)
+    T, hq, d = q3.shape
+    hkv = k3.shape[1]
     half = cos.shape[1]
     if not _use_triton(q.device):
         p0 = int(pos)
