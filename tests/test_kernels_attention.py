@@ -1,4 +1,5 @@
-"""Split-KV decode attention vs float64 and vs the same-dtype torch computation."""
+"""Split-KV decode attention vs float64 and vs the same-dtype torch computation; the fused RoPE + KV append +
+attention kernel (decode_attention_fused) vs float64 and vs rope_kv_append + decode_attention."""
 from __future__ import annotations
 
 import random
@@ -6,7 +7,7 @@ import random
 import pytest
 import torch
 
-from kernels_conftest import DEVICE, ON_GPU, attention as at, rel_err, requires_cuda
+from kernels_conftest import DEVICE, ON_GPU, attention as at, fused as fu, rel_err, requires_cuda
 from shapes import ATTN_HEADS
 
 N_RANDOM = 45
@@ -200,12 +201,13 @@ def test_workspace_sizing():
     """attention_workspace sizes for the config decode_attention uses; without a group size (the
     engine's call) for the smallest chunk the chooser picks for any group size of Hq heads."""
     for hq, d, tmax in ((32, 128, 4096), (8, 256, 4096), (9, 64, 1000), (14, 80, 65)):
-        m, l, o = at.attention_workspace(hq, d, tmax, "cpu")
+        m, l, o, counters = at.attention_workspace(hq, d, tmax, "cpu")
         bd = max(16, 1 << (d - 1).bit_length())
         chunk = min(at.choose_config(d, g, tmax).chunk for g in range(1, hq + 1) if hq % g == 0)
         nch = -(-tmax // chunk)
         assert m.shape == l.shape == (hq, nch) and o.shape == (hq, nch, bd)
         assert m.dtype == l.dtype == o.dtype == torch.float32
+        assert counters.dtype == torch.int32 and counters.shape == (hq,) and not counters.any()
         for hkv in (hkv for hkv in range(1, hq + 1) if hq % hkv == 0):
             need = -(-tmax // at.choose_config(d, hq // hkv, tmax).chunk)
             assert at.attention_workspace(hq, d, tmax, "cpu", hkv=hkv)[0].shape[1] == need <= nch
@@ -247,3 +249,242 @@ def test_candidate_configs_real_heads_gpu(model):
                 assert rel_err(y, ref) < 2e-3, (cfg.name, window)
                 assert torch.equal(at.decode_attention(q, k, v, ln, scale=d ** -0.5, window=window, config=cfg,
                                                        split=True), y)
+
+
+# ----------------------------------------------------------------------------- fused RoPE + append + attention
+N_FUSED = 40
+
+
+def _fused_case(seed):
+    r = random.Random(3000 + seed)
+    hkv = r.choice([1, 2, 3, 4])
+    g = r.choice([1, 1, 2, 4, 7])
+    d = r.choice([64, 128, 256, 80, 96]) if ON_GPU else r.choice([64, 128, 256, 80, 16])
+    rot = r.choice([d, d, d // 2])
+    tmax = r.choice([1, 64, 65, 128, 257, 1025, 4096]) if ON_GPU else r.choice([1, 3, 64, 65, 97, 128, 130])
+    # new positions on and next to the chunk boundaries (lengths 64, 65, 128, 129), the first and the last
+    pos = min(tmax - 1, r.choice([0, 63, 64, 127, 128, tmax - 1, r.randrange(tmax)]))
+    window = r.choice([None, None, 1, 16, 64, 100])
+    softcap = r.choice([None, None, 30.0])
+    return hkv * g, hkv, d, rot, tmax, pos, window, softcap, r.random() < 0.5
+
+
+def _fused_inputs(hq, hkv, d, rot, tmax, gen):
+    """Un-roped q, k, v as views of one qkv vector (as the engine passes them), random caches (the slot of
+    the new position holds stale values), RoPE tables."""
+    qkv = (torch.randn(hq + 2 * hkv, d, generator=gen) * 2).half().to(DEVICE)
+    kc = torch.randn(hkv, tmax, d, generator=gen).half().to(DEVICE)
+    vc = torch.randn(hkv, tmax, d, generator=gen).half().to(DEVICE)
+    cos, sin = fu.rope_tables(tmax, rot, theta=float(torch.randint(1000, 1000000, (1,), generator=gen)),
+                              device=DEVICE)
+    return qkv[:hq], qkv[hq:hq + hkv], qkv[hq + hkv:], kc, vc, cos, sin
+
+
+def _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw):
+    """float64: RoPE of q and k at pos, k and v appended, attention over pos + 1 positions."""
+    p = torch.tensor([pos])
+    qr = fu.rope_reference(q.cpu()[None], p, cos.cpu(), sin.cpu())[0]
+    kc64, vc64 = kc.cpu().double(), vc.cpu().double()
+    kc64[:, pos] = fu.rope_reference(k.cpu()[None], p, cos.cpu(), sin.cpu())[0]
+    vc64[:, pos] = v.cpu().double()
+    return at.decode_attention_reference(qr, kc64, vc64, pos + 1, **kw)
+
+
+def _unfused(q, k, v, kc, vc, pos, cos, sin, **kw):
+    """rope_kv_append + decode_attention (merge kernel) on copies: (output, k cache, v cache)."""
+    qr, kc2, vc2 = q.clone(), kc.clone(), vc.clone()
+    fu.rope_kv_append(qr, k, v, kc2, vc2, pos, cos, sin)
+    return at.decode_attention(qr, kc2, vc2, pos + 1, split=True, **kw), kc2, vc2
+
+
+def _assert_same_as_unfused(y, y_unfused):
+    # Under the interpreter both paths do the same fp32 operations in the same order (the inline merge runs
+    # the merge kernel's code over the same chunk steps), so the bits agree; compiled, the inline merge's
+    # column tiling may give tl.sum another reduction tree.
+    if ON_GPU:
+        assert rel_err(y, y_unfused) < 1e-3
+    else:
+        assert torch.equal(y, y_unfused)
+
+
+def _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw):
+    """decode_attention_fused twice (the second call must give the same bits); the counters must be back to 0."""
+    p = torch.tensor([pos], dtype=torch.int32, device=DEVICE) if as_tensor else pos
+    ws = at.attention_workspace(q.shape[0], q.shape[1], kc.shape[1], DEVICE, hkv=kc.shape[0], config=kw.get("config"))
+    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
+    assert not ws.counters.any()
+    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+    assert not ws.counters.any()
+    return y
+
+
+@pytest.mark.parametrize("seed", range(N_FUSED))
+def test_fused_attention_random_shapes(seed):
+    hq, hkv, d, rot, tmax, pos, window, softcap, as_tensor = _fused_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, rot, tmax, gen)
+    kw = dict(scale=d ** -0.5, window=window, softcap=softcap)
+    ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
+    y_unf, kc_unf, vc_unf = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
+    q0 = q.clone()
+    y = _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw)
+    # the caches hold exactly what rope_kv_append writes (and nothing else moved); q is rotated in registers only
+    assert torch.equal(kc.cpu(), kc_unf.cpu()) and torch.equal(vc.cpu(), vc_unf.cpu())
+    assert torch.equal(q, q0)
+    assert rel_err(y, ref) < 2e-3, rel_err(y, ref)
+    _assert_same_as_unfused(y, y_unf)
+
+
+@pytest.mark.parametrize("window", [None, 1, 64, 65])
+@pytest.mark.parametrize("pos", [0, 62, 63, 64, 65, 126, 127, 128, 191])
+def test_fused_attention_chunk_boundaries(pos, window):
+    """New positions at the ends of 64-position chunks (lengths 63..65, 127..129, 192), windows that start on,
+    before and after a chunk boundary; GQA 6/2 x 64, caches of 192 positions (3 chunks)."""
+    gen = torch.Generator().manual_seed(pos)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(6, 2, 64, 64, 192, gen)
+    kw = dict(scale=0.125, window=window)
+    ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
+    y_unf, kc_unf, _ = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
+    y = _run_fused(q, k, v, kc, vc, pos, cos, sin, True, **kw)
+    assert torch.equal(kc.cpu(), kc_unf.cpu())
+    assert rel_err(y, ref) < 2e-3
+    _assert_same_as_unfused(y, y_unf)
+
+
+def _split_configs():
+    """The candidate configs, one per distinct split kernel (merge_d and merge_warps only shape the merge
+    kernel), plus a merge of 2 chunks per step (a 7-chunk cache takes 4 steps)."""
+    seen = {}
+    for c in at.CANDIDATE_CONFIGS + (at.AttnConfig(chunk=64, block_n=64, merge_chunks=2),):
+        seen.setdefault((c.chunk, c.block_n, c.warps, c.stages, c.merge_chunks), c)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("cfg", _split_configs(), ids=lambda c: c.name)
+def test_fused_attention_configs(cfg):
+    """Every split kernel the sweep may time, fused: GQA with a window starting inside a chunk and a block (tensor
+    pos), MHA at D = 80 with softcap and partial rotary (int pos); inner-loop chunks, multi-step merges."""
+    gen = torch.Generator().manual_seed(13)
+    tmax = 7 * 64
+    for hq, hkv, d, rot, pos, window, softcap, as_tensor in ((3, 1, 64, 64, tmax - 37, 100, None, True),
+                                                              (2, 2, 80, 40, tmax - 1, None, 30.0, False)):
+        q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, rot, tmax, gen)
+        kw = dict(scale=d ** -0.5, window=window, softcap=softcap, config=cfg)
+        ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, scale=d ** -0.5, window=window, softcap=softcap)
+        y_unf, _, _ = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
+        y = _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw)
+        assert rel_err(y, ref) < 2e-3, (cfg.name, d, rel_err(y, ref))
+        _assert_same_as_unfused(y, y_unf)
+
+
+def test_inline_merge_in_column_slices(monkeypatch):
+    """With a small register budget the last program merges each head in several column slices
+    (BLOCK_DM < BLOCK_D): same result as the merge kernel."""
+    monkeypatch.setattr(at, "MERGE_REGS", 4)  # 4 * 32 * 4 warps / 16 chunks per step = 32 columns of 128
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(4, 2, 128, 128, 200, gen)
+    y_unf, _, _ = _unfused(q, k, v, kc, vc, 150, cos, sin, scale=0.1)
+    y = _run_fused(q, k, v, kc, vc, 150, cos, sin, True, scale=0.1)
+    assert rel_err(y, _fused_reference(q, k, v, kc, vc, 150, cos, sin, scale=0.1)) < 2e-3
+    _assert_same_as_unfused(y, y_unf)
+
+
+@pytest.mark.parametrize("inline_merge", [True, False])
+def test_rope_and_inline_merge_switch_independently(inline_merge):
+    """The split kernel's two switches one at a time: RoPE + append with the merge kernel (fused,
+    inline_merge=False), and the inline merge over an already roped q (decode_attention, inline_merge=True)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(8, 2, 64, 64, 150, gen)
+    pos = torch.tensor([140], device=DEVICE)
+    kw = dict(scale=0.125, window=100)
+    y_unf, kc_unf, _ = _unfused(q, k, v, kc, vc, 140, cos, sin, **kw)
+    ws = at.attention_workspace(8, 64, 150, DEVICE)
+    if inline_merge:
+        qr = q.clone()
+        fu.rope_kv_append(qr, k, v, kc, vc, pos, cos, sin)
+        y = at.decode_attention(qr, kc, vc, pos + 1, workspace=ws, inline_merge=True, **kw)
+    else:
+        y = at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, workspace=ws, inline_merge=False, **kw)
+    assert torch.equal(kc.cpu(), kc_unf.cpu()) and not ws.counters.any()
+    _assert_same_as_unfused(y, y_unf)
+
+
+def test_fused_attention_bad_arguments_raise():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(4, 2, 64, 64, 16, gen)
+    kw = dict(scale=0.1)
+    with pytest.raises(ValueError, match="pos"):
+        at.decode_attention_fused(q, k, v, kc, vc, 16, cos, sin, **kw)
+    with pytest.raises(ValueError, match="q"):
+        at.decode_attention_fused(q[None].expand(2, -1, -1), k[None].expand(2, -1, -1), v[None].expand(2, -1, -1),
+                                  kc, vc, 0, cos, sin, **kw)
+    with pytest.raises(ValueError, match="k_cache"):
+        at.decode_attention_fused(q, k, v, kc[:1], vc, 3, cos, sin, **kw)
+    with pytest.raises(ValueError, match="cos"):
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos.double(), sin, **kw)
+    with pytest.raises(ValueError, match="window"):
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, window=0, **kw)
+    ws = at.attention_workspace(4, 64, 16, DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws[:3], **kw)
+    with pytest.raises(ValueError, match="counters"):
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws._replace(counters=ws.counters[:1]), **kw)
+
+
+# ----------------------------------------------------------------------------- fused, GPU, full size
+@requires_cuda
+@pytest.mark.parametrize("model", list(ATTN_HEADS))
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 128, 1024, 4095, 4096])
+def test_fused_attention_real_heads_gpu(model, length, monkeypatch):
+    hq, hkv, d = ATTN_HEADS[model]
+    gen = torch.Generator().manual_seed(length)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 4096, gen)
+    pos = length - 1
+    kw = dict(scale=d ** -0.5)
+    ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
+    y_unf, kc_unf, vc_unf = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
+    p = torch.tensor([pos], dtype=torch.int32, device="cuda")
+    ws = at.attention_workspace(hq, d, 4096, "cuda")
+    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
+    assert torch.equal(kc, kc_unf) and torch.equal(vc, vc_unf)
+    assert rel_err(y, ref) < 2e-3 and rel_err(y, y_unf) < 1e-3
+    for _ in range(10):  # bitwise reproducible whichever program arrives last
+        assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+    assert not ws.counters.any()
+    monkeypatch.setenv("TRAPETUM_PDL", "0")  # programmatic dependent launch changes nothing
+    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+
+
+@requires_cuda
+@pytest.mark.parametrize("window", [None, 1000])
+def test_fused_attention_cuda_graph_gpu(window):
+    """Captured once, replayed with new positions (the engine's use): each replay gives the bits of an eager
+    call at that position, and leaves the counters at zero."""
+    hq, hkv, d = ATTN_HEADS["llama-3-8b"]
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 2048, gen)
+    pos = torch.tensor([100], dtype=torch.int32, device="cuda")
+    ws = at.attention_workspace(hq, d, 2048, "cuda")
+    out = torch.empty(hq, d, dtype=torch.float16, device="cuda")
+    kw = dict(scale=d ** -0.5, window=window)
+
+    def call():
+        at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, **kw)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for p in (0, 63, 64, 100, 1000, 2047):
+        pos.fill_(p)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not ws.counters.any(), p
+        replayed = out.clone()
+        assert torch.equal(replayed, at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, **kw)), p
+        ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, **kw)  # the slot p now holds the roped k
+        assert rel_err(replayed, ref) < 2e-3, p

@@ -20,14 +20,30 @@ KV reads, the larger part of the time at 4k positions), one program per (query h
 The knobs live in an AttnConfig; `choose_config(D, G, T_max)` picks one (`decode_attention(...,
 config=...)` forces one: scripts/attn_sweep.py times the CANDIDATE_CONFIGS that way), and
 `config_fits` is the static rule that keeps a config inside shared memory / registers for a head dim.
-No atomics: results are bitwise reproducible for a given config. TRAPETUM_ATTN=seq selects the
-sequential kernel (one program per kv head walking every chunk), kept as the reference path.
+TRAPETUM_ATTN=seq selects the sequential kernel (one program per kv head walking every chunk), kept as
+the reference path.
+
+The decode step's path, `decode_attention_fused`, does one token's whole attention in one launch of
+the same split kernel (two constexpr switches):
+  ROPE    each program rotates the G query heads itself (un-roped q straight from the qkv GEMV); the
+          program whose chunk holds the new position rotates k, writes k and v into the caches
+          (fused.rope_append_kv: the bits rope_kv_append writes) and only then, after a CTA barrier,
+          reads its chunk. Programs of other chunks cover older positions only, so no program reads
+          that slot before it is written.
+  MERGE   (inline merge) each program stores its partials, then adds 1 to its kv head's counter in
+          the workspace (atomic, acq_rel, gpu scope, after a CTA barrier: the release covers every
+          thread's stores); the program that arrives last merges the chunks of the G heads with the
+          merge kernel's code (same chunk steps, same fixed order: the same bits whichever program
+          arrives last), writes the output and sets the counter back to 0 for the next call / replay.
+Without MERGE the partials go to the merge kernel as before. Results are bitwise reproducible for a
+given config either way.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -39,6 +55,7 @@ except Exception:  # pragma: no cover
     tl = None
 
 from . import pdl  # programmatic dependent launch of the split and merge kernels
+from .fused import check_rope_kv, rope_kv_append
 
 
 CHUNK = 64  # positions per step of the sequential kernel (fixed: not an AttnConfig knob)
@@ -188,6 +205,7 @@ def decode_attention_torch(q, k_cache, v_cache, length, *, scale, window=None, s
 
 
 if triton is not None:
+    from .fused import rope_append_kv
 
     @triton.jit
     def _tanh(x):
@@ -202,6 +220,14 @@ if triton is not None:
             return len_val
 
     @triton.jit
+    def _span(L, window, HAS_WIN: tl.constexpr, CH: tl.constexpr):
+        # first visible position lo, and the chunks c0 .. c1-1 that hold visible positions
+        lo = 0
+        if HAS_WIN:
+            lo = tl.maximum(L - window, 0)
+        return lo, lo // CH, (L + CH - 1) // CH
+
+    @triton.jit
     def _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
         # the G query heads of kv head hk: q [BG, BD] fp16, their indices and mask
         rg = tl.arange(0, BLOCK_G)
@@ -210,6 +236,28 @@ if triton is not None:
         gmask = rg < G
         q = tl.load(q_ptr + hq[:, None] * stride_qh + rd[None, :], mask=gmask[:, None] & (rd[None, :] < D), other=0.0)
         return q, hq, gmask
+
+    @triton.jit
+    def _load_q_roped(q_ptr, hk, G, D, HALF, stride_qh, cos_row, sin_row,
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        # _load_q of un-roped q, rotated (HF rotate-half) with the cos/sin rows of the new position and
+        # rounded to fp16 as rope_kv_append rounds it: x1 c - x2 s = x1 c + (-x2) s exactly (first half),
+        # x2 c + x1 s (second half); columns past the rotary part pass through.
+        rg = tl.arange(0, BLOCK_G)
+        rd = tl.arange(0, BLOCK_D)
+        hq = hk * G + rg
+        gmask = rg < G
+        rows = q_ptr + hq[:, None] * stride_qh
+        first = rd < HALF
+        rot = rd < 2 * HALF
+        x = tl.load(rows + rd[None, :], mask=gmask[:, None] & (rd[None, :] < D), other=0.0).to(tl.float32)
+        xp = tl.load(rows + tl.where(first, rd + HALF, rd - HALF)[None, :], mask=gmask[:, None] & rot[None, :],
+                     other=0.0).to(tl.float32)  # the rotation partner of each column
+        ri = tl.where(first, rd, rd - HALF)
+        c = tl.load(cos_row + ri, mask=rot, other=1.0)
+        s = tl.load(sin_row + ri, mask=rot, other=0.0)
+        y = x * c[None, :] + tl.where(first[None, :], -xp, xp) * s[None, :]
+        return tl.where(rot[None, :], y, x).to(tl.float16), hq, gmask
 
     @triton.jit
     def _tile(q, k_base, v_base, p0, L, lo, stride_kt, stride_vt, scale, softcap, D,
@@ -233,65 +281,38 @@ if triton is not None:
         return m, l, o
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, len_val, m_ptr, l_ptr, o_ptr,
-                           G, D, NCH, stride_qh, stride_kh, stride_kt, stride_vh, stride_vt,
-                           scale, softcap, window,
-                           LEN_PTR: tl.constexpr, HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr,
-                           PDL: tl.constexpr):
-        # NCH: chunk stride of the workspace (>= the number of chunks of the cache)
-        pdl.pdl_enter(PDL)  # before the length, q and the new K/V: all written by the previous kernels
-        hk = tl.program_id(0)
-        c = tl.program_id(1)
-        L = _load_len(len_ptr, len_val, LEN_PTR)
-        lo = 0
-        if HAS_WIN:
-            lo = tl.maximum(L - window, 0)
-        if (c * CH < L) & (c * CH + CH > lo):
-            q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
-            rd = tl.arange(0, BLOCK_D)
-            k_base = k_ptr + hk * stride_kh
-            v_base = v_ptr + hk * stride_vh
-            if CH == BN:
-                m, l, o = _tile(q, k_base, v_base, c * CH, L, lo, stride_kt, stride_vt, scale, softcap, D,
-                                HAS_CAP, BLOCK_D, BN)
-            else:
-                # inner loop over the chunk's visible BN-blocks (every block holds a visible position)
-                m = tl.full([BLOCK_G], _NEG, tl.float32)
-                l = tl.zeros([BLOCK_G], tl.float32)
-                o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-                p_lo = tl.maximum(c * CH, (lo // BN) * BN)
-                p_hi = tl.minimum(c * CH + CH, L)
-                for p0 in range(p_lo, p_hi, BN):
-                    mt, lt, ot = _tile(q, k_base, v_base, p0, L, lo, stride_kt, stride_vt, scale, softcap, D,
-                                       HAS_CAP, BLOCK_D, BN)
-                    mn = tl.maximum(m, mt)
-                    a = tl.exp(m - mn)
-                    b = tl.exp(mt - mn)
-                    o = o * a[:, None] + ot * b[:, None]
-                    l = l * a + lt * b
-                    m = mn
-            tl.store(m_ptr + hq * NCH + c, m, mask=gmask)
-            tl.store(l_ptr + hq * NCH + c, l, mask=gmask)
-            tl.store(o_ptr + (hq[:, None] * NCH + c) * BLOCK_D + rd[None, :], o, mask=gmask[:, None])
+    def _chunk(q, k_base, v_base, c, L, lo, stride_kt, stride_vt, scale, softcap, D,
+               HAS_CAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
+               BN: tl.constexpr):
+        # (m, l, o) of the visible positions of chunk c: one tile, or an inner loop over the chunk's
+        # visible BN-blocks (every block holds a visible position)
+        if CH == BN:
+            m, l, o = _tile(q, k_base, v_base, c * CH, L, lo, stride_kt, stride_vt, scale, softcap, D,
+                            HAS_CAP, BLOCK_D, BN)
+        else:
+            m = tl.full([BLOCK_G], _NEG, tl.float32)
+            l = tl.zeros([BLOCK_G], tl.float32)
+            o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            p_lo = tl.maximum(c * CH, (lo // BN) * BN)
+            p_hi = tl.minimum(c * CH + CH, L)
+            for p0 in range(p_lo, p_hi, BN):
+                mt, lt, ot = _tile(q, k_base, v_base, p0, L, lo, stride_kt, stride_vt, scale, softcap, D,
+                                   HAS_CAP, BLOCK_D, BN)
+                mn = tl.maximum(m, mt)
+                a = tl.exp(m - mn)
+                b = tl.exp(mt - mn)
+                o = o * a[:, None] + ot * b[:, None]
+                l = l * a + lt * b
+                m = mn
+        return m, l, o
 
     @triton.jit
-    def _attn_merge_kernel(len_ptr, len_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, stride_oh, window,
-                           LEN_PTR: tl.constexpr, HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-        # One program per (query head, BLOCK_DM columns), one pass over the head's chunks, BLOCK_C
-        # chunks per step (steps aligned to BLOCK_C): the chunks of a step are loaded together (not
-        # one dependent load per chunk) and folded into the running (max, sum, out) by tl.max /
-        # tl.sum in a fixed order: bitwise reproducible.
-        pdl.pdl_enter(PDL)
-        hq = tl.program_id(0)
-        ds = tl.program_id(1)
-        L = _load_len(len_ptr, len_val, LEN_PTR)
-        c0 = 0
-        if HAS_WIN:
-            c0 = tl.maximum(L - window, 0) // CH
-        c1 = (L + CH - 1) // CH
-        rd = ds * BLOCK_DM + tl.arange(0, BLOCK_DM)
+    def _merge_cols(m_ptr, l_ptr, o_ptr, hq, rd, c0, c1, NCH, BLOCK_D: tl.constexpr, BLOCK_DM: tl.constexpr,
+                    BLOCK_C: tl.constexpr, CACHE: tl.constexpr):
+        # Columns rd (BLOCK_DM of them) of query head hq merged over chunks c0 .. c1-1 in one pass, BLOCK_C
+        # chunks per step (steps aligned to BLOCK_C): the chunks of a step are loaded together (not one
+        # dependent load per chunk) and folded into the running (max, sum, out) by tl.max / tl.sum in a
+        # fixed order: bitwise reproducible. Returns the normalized output, fp32 [BLOCK_DM].
         rc = tl.arange(0, BLOCK_C)
         mx = tl.max(tl.full([BLOCK_C], _NEG, tl.float32), 0)
         ls = tl.sum(tl.zeros([BLOCK_C], tl.float32), 0)
@@ -299,16 +320,94 @@ if triton is not None:
         for cb in range((c0 // BLOCK_C) * BLOCK_C, c1, BLOCK_C):
             idx = cb + rc
             cm = (idx >= c0) & (idx < c1)
-            mc = tl.load(m_ptr + hq * NCH + idx, mask=cm, other=_NEG)
-            lc = tl.load(l_ptr + hq * NCH + idx, mask=cm, other=0.0)
-            oc = tl.load(o_ptr + (hq * NCH + idx)[:, None] * BLOCK_D + rd[None, :], mask=cm[:, None], other=0.0)
+            mc = tl.load(m_ptr + hq * NCH + idx, mask=cm, other=_NEG, cache_modifier=CACHE)
+            lc = tl.load(l_ptr + hq * NCH + idx, mask=cm, other=0.0, cache_modifier=CACHE)
+            oc = tl.load(o_ptr + (hq * NCH + idx)[:, None] * BLOCK_D + rd[None, :], mask=cm[:, None], other=0.0,
+                         cache_modifier=CACHE)
             mn = tl.maximum(mx, tl.max(mc, 0))
             a = tl.exp(mx - mn)
             w = tl.where(cm, tl.exp(mc - mn), 0.0)
             ls = ls * a + tl.sum(lc * w, 0)
             acc = acc * a + tl.sum(oc * w[:, None], 0)
             mx = mn
-        out = acc / ls
+        return acc / ls
+
+    @triton.jit
+    def _merge_group(m_ptr, l_ptr, o_ptr, out_ptr, hk, G, D, c0, c1, NCH, stride_oh,
+                     BLOCK_D: tl.constexpr, BLOCK_DM: tl.constexpr, BLOCK_C: tl.constexpr):
+        # the inline merge: the G query heads of kv head hk, BLOCK_DM columns at a time. The partials were
+        # written by other programs (SMs): read through L2 (.cg), after the acquire of the counter.
+        for g in range(G):
+            hq = hk * G + g
+            for d0 in tl.static_range(0, BLOCK_D, BLOCK_DM):
+                rd = d0 + tl.arange(0, BLOCK_DM)
+                out = _merge_cols(m_ptr, l_ptr, o_ptr, hq, rd, c0, c1, NCH, BLOCK_D, BLOCK_DM, BLOCK_C, ".cg")
+                tl.store(out_ptr + hq * stride_oh + rd, out.to(tl.float16), mask=rd < D)
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, kn_ptr, vn_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, t_ptr, t_val,
+                           m_ptr, l_ptr, o_ptr, cnt_ptr, out_ptr,
+                           G, D, HALF, NCH, stride_qh, stride_knh, stride_vnh,
+                           stride_kh, stride_kt, stride_vh, stride_vt, stride_oh,
+                           scale, softcap, window,
+                           T_PTR: tl.constexpr, ROPE: tl.constexpr, MERGE: tl.constexpr,
+                           HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
+                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                           CH: tl.constexpr, BN: tl.constexpr, BLOCK_DM: tl.constexpr, BLOCK_C: tl.constexpr,
+                           PDL: tl.constexpr):
+        # One program per (kv head, chunk). t (t_ptr / t_val) is the attention length, or with ROPE the
+        # new token's position (length t + 1). ROPE: q, kn, vn are the new token's un-roped q, k and its v
+        # (kn, vn unused otherwise); MERGE: merge inline (cnt_ptr, out_ptr unused otherwise); see the module
+        # docstring. NCH: chunk stride of the workspace (>= the number of chunks of the cache).
+        pdl.pdl_enter(PDL)  # before t, q and the new K/V: all written by the previous kernels
+        hk = tl.program_id(0)
+        c = tl.program_id(1)
+        t = _load_len(t_ptr, t_val, T_PTR)
+        L = t + 1 if ROPE else t
+        lo, c0, c1 = _span(L, window, HAS_WIN, CH)
+        if (c >= c0) & (c < c1):
+            k_base = kc_ptr + hk * stride_kh
+            v_base = vc_ptr + hk * stride_vh
+            if ROPE:
+                if c == t // CH:  # the chunk of the new position: append it before reading the chunk
+                    ri = tl.arange(0, BLOCK_H)
+                    cs = tl.load(cos_ptr + t * HALF + ri, mask=ri < HALF, other=1.0)
+                    sn = tl.load(sin_ptr + t * HALF + ri, mask=ri < HALF, other=0.0)
+                    rope_append_kv(kn_ptr + hk * stride_knh, vn_ptr + hk * stride_vnh, k_base + t * stride_kt,
+                                   v_base + t * stride_vt, cs, sn, HALF, D, BLOCK_H, BLOCK_D)
+                    tl.debug_barrier()  # the slot's stores before any thread of this program loads it
+                q, hq, gmask = _load_q_roped(q_ptr, hk, G, D, HALF, stride_qh, cos_ptr + t * HALF,
+                                             sin_ptr + t * HALF, BLOCK_G, BLOCK_D)
+            else:
+                q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
+            m, l, o = _chunk(q, k_base, v_base, c, L, lo, stride_kt, stride_vt, scale, softcap, D,
+                             HAS_CAP, BLOCK_G, BLOCK_D, CH, BN)
+            rd = tl.arange(0, BLOCK_D)
+            tl.store(m_ptr + hq * NCH + c, m, mask=gmask)
+            tl.store(l_ptr + hq * NCH + c, l, mask=gmask)
+            tl.store(o_ptr + (hq[:, None] * NCH + c) * BLOCK_D + rd[None, :], o, mask=gmask[:, None])
+            if MERGE:
+                tl.debug_barrier()  # every thread's partials stored before the release below
+                arrived = tl.atomic_add(cnt_ptr + hk, 1, sem="acq_rel", scope="gpu")
+                if arrived == c1 - c0 - 1:  # the last of the head's chunks: all partials are visible
+                    _merge_group(m_ptr, l_ptr, o_ptr, out_ptr, hk, G, D, c0, c1, NCH, stride_oh,
+                                 BLOCK_D, BLOCK_DM, BLOCK_C)
+                    tl.store(cnt_ptr + hk, 0)  # ready for the next call (graph replay)
+
+    @triton.jit
+    def _attn_merge_kernel(t_ptr, t_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, stride_oh, window,
+                           T_PTR: tl.constexpr, T_IS_POS: tl.constexpr, HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        # One program per (query head, BLOCK_DM columns). t: the attention length, or (T_IS_POS: after a
+        # split kernel with ROPE) the new token's position.
+        pdl.pdl_enter(PDL)
+        hq = tl.program_id(0)
+        ds = tl.program_id(1)
+        t = _load_len(t_ptr, t_val, T_PTR)
+        L = t + 1 if T_IS_POS else t
+        _, c0, c1 = _span(L, window, HAS_WIN, CH)
+        rd = ds * BLOCK_DM + tl.arange(0, BLOCK_DM)
+        out = _merge_cols(m_ptr, l_ptr, o_ptr, hq, rd, c0, c1, NCH, BLOCK_D, BLOCK_DM, BLOCK_C, "")
         tl.store(out_ptr + hq * stride_oh + rd, out.to(tl.float16), mask=rd < D)
 
     @triton.jit
@@ -319,15 +418,13 @@ if triton is not None:
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
         hk = tl.program_id(0)
         L = _load_len(len_ptr, len_val, LEN_PTR)
-        lo = 0
-        if HAS_WIN:
-            lo = tl.maximum(L - window, 0)
+        lo, c0, c1 = _span(L, window, HAS_WIN, CH)
         q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
         rd = tl.arange(0, BLOCK_D)
         mx = tl.full([BLOCK_G], _NEG, tl.float32)
         ls = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for c in range(lo // CH, (L + CH - 1) // CH):
+        for c in range(c0, c1):
             m, l, o = _tile(q, k_ptr + hk * stride_kh, v_ptr + hk * stride_vh, c * CH, L, lo,
                             stride_kt, stride_vt, scale, softcap, D, HAS_CAP, BLOCK_D, CH)
             mn = tl.maximum(mx, m)
@@ -339,6 +436,33 @@ if triton is not None:
         out = acc / ls[:, None]
         tl.store(out_ptr + hq[:, None] * stride_oh + rd[None, :], out.to(tl.float16),
                  mask=gmask[:, None] & (rd[None, :] < D))
+
+
+def _use_triton(device) -> bool:
+    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+class AttnWorkspace(NamedTuple):
+    """Scratch of the split-KV kernels (from ``attention_workspace``; allocate once, outside graph capture).
+
+    m, l      fp32 [Hq, NCH]            per (query head, chunk) max and sum of the chunk's softmax
+    o         fp32 [Hq, NCH, BLOCK_D]   its unnormalized output
+    counters  int32 [Hq] (>= Hkv used)  the inline merge's arrivals per kv head: zero between calls
+    """
+    m: torch.Tensor
+    l: torch.Tensor
+    o: torch.Tensor
+    counters: torch.Tensor
+
+
+# The inline merge folds BLOCK_C chunks x BLOCK_DM columns per step, one L2 round trip each: the last
+# program of a kv head runs G * BLOCK_D / BLOCK_DM steps one after the other. BLOCK_DM is chosen so that a
+# step's partials take this many fp32 registers per thread. Compiled for sm_90 (Triton 3.9; 64x128 tiles,
+# 4 warps, 64 chunks): the split kernel alone takes 80 registers (6 blocks per SM); with the inline merge at
+# 64: 128 (4 blocks, 16 warps per SM: still several times the K/V bytes in flight an SM needs at full
+# bandwidth; 1 step per 128-column head), at 32: 96 (5 blocks, 2 steps), at 16: 86 (4 steps).
+# Not measured on the GPU: scripts/gpu_attn_fused.py times 16 / 32 / 64.
+MERGE_REGS = 64
 
 
 def _check(q, k_cache, v_cache, length, scale, window, softcap):
@@ -375,80 +499,152 @@ def _check(q, k_cache, v_cache, length, scale, window, softcap):
         raise ValueError(f"softcap: expected a positive float or None, got {softcap!r}")
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length, *,
-                     scale: float, window: int | None = None, softcap: float | None = None,
-                     out: torch.Tensor | None = None, workspace: tuple | None = None,
-                     split: bool | None = None, config: AttnConfig | None = None) -> torch.Tensor:
-    """Attention of one query token over the first `length` cache positions. Returns fp16 [Hq, D].
-
-    split=None follows TRAPETUM_ATTN (``seq`` -> sequential kernel, else split-KV).
-    workspace: optional (m, l, o) fp32 buffers from ``attention_workspace`` so that a captured
-    decode step allocates nothing (sized for the config used: at least the config's chunk count).
-    config: force a split-KV AttnConfig (benchmarks, tests); None -> choose_config(D, G, T_max).
-    A config that breaks the static rule (config_fits) raises ValueError.
-    """
-    _check(q, k_cache, v_cache, length, scale, window, softcap)
+def _check_out_config(q, g, out, config):
+    """The output buffer (allocated if None) after checking it and a forced config."""
     hq, d = q.shape
-    hkv, tmax, _ = k_cache.shape
-    g = hq // hkv
     if out is None:
         out = torch.empty(hq, d, dtype=torch.float16, device=q.device)
     elif out.shape != (hq, d) or out.dtype != torch.float16 or out.stride(1) != 1:
         raise ValueError(f"out: expected float16 [{hq}, {d}] with a contiguous last dim")
     if config is not None and not config_fits(config, d, g):
         raise ValueError(f"config: {config} breaks the resource rule for D={d}, G={g}")
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1" or triton is None:
+    return out
+
+
+def _check_workspace(ws, hq, hkv, nch, block_d, cfg, inline_merge):
+    if not (isinstance(ws, tuple) and len(ws) == 4):
+        raise ValueError("workspace: expected the AttnWorkspace of attention_workspace()")
+    m, l, o, counters = ws
+    if (m.shape[0] != hq or m.shape[1] < nch or l.shape != m.shape or o.shape != (*m.shape, block_d)
+            or not (m.is_contiguous() and l.is_contiguous() and o.is_contiguous())):
+        raise ValueError(f"workspace: shapes {tuple(m.shape)}, {tuple(l.shape)}, {tuple(o.shape)} too small "
+                         f"for {cfg.name} ([{hq}, >={nch}], [{hq}, >={nch}, {block_d}] contiguous)")
+    if inline_merge and (counters.dtype != torch.int32 or counters.numel() < hkv or not counters.is_contiguous()):
+        raise ValueError(f"workspace: counters must be int32 [>={hkv}] contiguous (zeros)")
+
+
+def _merge_block_c(cfg: AttnConfig, nch: int) -> int:
+    """Chunks per merge step: the config's merge_chunks, capped at the chunk count (at least 16)."""
+    return min(cfg.merge_chunks, max(16, 1 << (nch - 1).bit_length()))
+
+
+def _launch_split(q, rope, k_cache, v_cache, t, *, scale, window, softcap, out, workspace, config, inline_merge):
+    """Launch the split kernel (and the merge kernel unless inline_merge). t: the attention length, or with
+    rope = (k, v, cos, sin) of the new token the position it is appended at (length t + 1)."""
+    hq, d = q.shape
+    hkv, tmax, _ = k_cache.shape
+    g = hq // hkv
+    cfg = config if config is not None else choose_config(d, g, tmax)
+    nch = -(-tmax // cfg.chunk)
+    BLOCK_D = _block_d(d)
+    ws = workspace if workspace is not None else attention_workspace(hq, d, tmax, q.device, config=cfg)
+    _check_workspace(ws, hq, hkv, nch, BLOCK_D, cfg, inline_merge)
+    bc = _merge_block_c(cfg, nch)
+    k, v, cos, sin = rope if rope is not None else (q, q, ws.m, ws.m)  # unused pointers without rope
+    half = cos.shape[1] if rope is not None else 1
+    is_t = isinstance(t, torch.Tensor)
+    t_ptr, t_val = (t, 0) if is_t else (out, int(t))  # dummy pointer when unused
+    common = dict(HAS_WIN=window is not None, BLOCK_D=BLOCK_D, CH=cfg.chunk, BLOCK_C=bc, **pdl.launch_kwargs(q.device))
+    win = int(window) if window is not None else 0
+    _attn_split_kernel[(hkv, nch)](q, k, v, k_cache, v_cache, cos, sin, t_ptr, t_val,
+                                   ws.m, ws.l, ws.o, ws.counters, out, g, d, half, ws.m.shape[1],
+                                   q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                   v_cache.stride(0), v_cache.stride(1), out.stride(0),
+                                   float(scale), float(softcap) if softcap is not None else 1.0, win,
+                                   T_PTR=is_t, ROPE=rope is not None, MERGE=inline_merge,
+                                   HAS_CAP=softcap is not None, BLOCK_G=_block_g(g),
+                                   BLOCK_H=triton.next_power_of_2(half), BN=cfg.block_n,
+                                   BLOCK_DM=min(BLOCK_D, MERGE_REGS * 32 * cfg.warps // bc),
+                                   num_warps=cfg.warps, num_stages=cfg.stages, **common)
+    if not inline_merge:
+        bdm = min(cfg.merge_d, BLOCK_D) if cfg.merge_d else BLOCK_D
+        _attn_merge_kernel[(hq, BLOCK_D // bdm)](t_ptr, t_val, ws.m, ws.l, ws.o, out, d, ws.m.shape[1],
+                                                 out.stride(0), win, T_PTR=is_t, T_IS_POS=rope is not None,
+                                                 BLOCK_DM=bdm, num_warps=cfg.merge_warps, **common)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length, *,
+                     scale: float, window: int | None = None, softcap: float | None = None,
+                     out: torch.Tensor | None = None, workspace: AttnWorkspace | None = None,
+                     split: bool | None = None, config: AttnConfig | None = None,
+                     inline_merge: bool = False) -> torch.Tensor:
+    """Attention of one query token over the first `length` cache positions. Returns fp16 [Hq, D].
+
+    split=None follows TRAPETUM_ATTN (``seq`` -> sequential kernel, else split-KV).
+    workspace: an ``attention_workspace`` so that a captured decode step allocates nothing (sized for
+    the config used: at least the config's chunk count).
+    config: force a split-KV AttnConfig (benchmarks, tests); None -> choose_config(D, G, T_max).
+    A config that breaks the static rule (config_fits) raises ValueError.
+    inline_merge: merge in the split kernel (the last program of each kv head; module docstring)
+    instead of the merge kernel.
+    """
+    _check(q, k_cache, v_cache, length, scale, window, softcap)
+    g = q.shape[0] // k_cache.shape[0]
+    out = _check_out_config(q, g, out, config)
+    if not _use_triton(q.device):
         r = decode_attention_torch(q, k_cache, v_cache, length, scale=scale, window=window,
                                    softcap=softcap, dtype=torch.float32)
         return out.copy_(r)
-    len_ptr = length if isinstance(length, torch.Tensor) else out  # dummy pointer when unused
-    len_val = 0 if isinstance(length, torch.Tensor) else int(length)
-    BLOCK_D = _block_d(d)
-    common = dict(LEN_PTR=isinstance(length, torch.Tensor), HAS_WIN=window is not None)
     if split is None:
         split = os.environ.get("TRAPETUM_ATTN", "split") != "seq"
-    win = int(window) if window is not None else 0
-    cap = float(softcap) if softcap is not None else 1.0
-    if not split:
-        _attn_seq_kernel[(hkv,)](q, k_cache, v_cache, len_ptr, len_val, out, g, d,
-                                 q.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                 v_cache.stride(0), v_cache.stride(1), out.stride(0),
-                                 float(scale), cap, win, HAS_CAP=softcap is not None,
-                                 BLOCK_G=_block_g(g), BLOCK_D=BLOCK_D, CH=CHUNK, num_warps=4, num_stages=SEQ_STAGES,
-                                 **common)
+    if split:
+        _launch_split(q, None, k_cache, v_cache, length, scale=scale, window=window, softcap=softcap, out=out,
+                      workspace=workspace, config=config, inline_merge=inline_merge)
         return out
-    cfg = config if config is not None else choose_config(d, g, tmax)
-    nch = -(-tmax // cfg.chunk)
-    if workspace is None:
-        workspace = attention_workspace(hq, d, tmax, q.device, config=cfg)
-    m, l, o = workspace
-    if (m.shape[0] != hq or m.shape[1] < nch or l.shape != m.shape or o.shape != (*m.shape, BLOCK_D)
-            or not (m.is_contiguous() and l.is_contiguous() and o.is_contiguous())):
-        raise ValueError(f"workspace: shapes {tuple(m.shape)}, {tuple(l.shape)}, {tuple(o.shape)} too small "
-                         f"for {cfg.name} ([{hq}, >={nch}], [{hq}, >={nch}, {BLOCK_D}] contiguous)")
-    ws_nch = m.shape[1]
-    _attn_split_kernel[(hkv, nch)](q, k_cache, v_cache, len_ptr, len_val, m, l, o, g, d, ws_nch,
-                                   q.stride(0), k_cache.stride(0), k_cache.stride(1),
-                                   v_cache.stride(0), v_cache.stride(1), float(scale), cap, win,
-                                   HAS_CAP=softcap is not None, BLOCK_G=_block_g(g),
-                                   BLOCK_D=BLOCK_D, CH=cfg.chunk, BN=cfg.block_n,
-                                   num_warps=cfg.warps, num_stages=cfg.stages, **common, **pdl.launch_kwargs(q.device))
-    bdm = min(cfg.merge_d, BLOCK_D) if cfg.merge_d else BLOCK_D
-    bc = min(cfg.merge_chunks, max(16, 1 << (nch - 1).bit_length()))
-    _attn_merge_kernel[(hq, BLOCK_D // bdm)](len_ptr, len_val, m, l, o, out, d, ws_nch, out.stride(0), win,
-                                             BLOCK_D=BLOCK_D, BLOCK_DM=bdm, CH=cfg.chunk, BLOCK_C=bc,
-                                             num_warps=cfg.merge_warps, **common, **pdl.launch_kwargs(q.device))
+    len_ptr = length if isinstance(length, torch.Tensor) else out  # dummy pointer when unused
+    len_val = 0 if isinstance(length, torch.Tensor) else int(length)
+    _attn_seq_kernel[(k_cache.shape[0],)](q, k_cache, v_cache, len_ptr, len_val, out, g, q.shape[1],
+                                          q.stride(0), k_cache.stride(0), k_cache.stride(1),
+                                          v_cache.stride(0), v_cache.stride(1), out.stride(0),
+                                          float(scale), float(softcap) if softcap is not None else 1.0,
+                                          int(window) if window is not None else 0,
+                                          LEN_PTR=isinstance(length, torch.Tensor), HAS_WIN=window is not None,
+                                          HAS_CAP=softcap is not None, BLOCK_G=_block_g(g),
+                                          BLOCK_D=_block_d(q.shape[1]), CH=CHUNK, num_warps=4, num_stages=SEQ_STAGES)
+    return out
+
+
+def decode_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor, *, scale: float,
+                           window: int | None = None, softcap: float | None = None,
+                           out: torch.Tensor | None = None, workspace: AttnWorkspace | None = None,
+                           config: AttnConfig | None = None, inline_merge: bool = True) -> torch.Tensor:
+    """One new token's RoPE, KV-cache append and attention in one launch. Returns fp16 [Hq, D].
+
+    The same as ``rope_kv_append(q, k, v, k_cache, v_cache, pos, cos, sin)`` followed by
+    ``decode_attention(q, k_cache, v_cache, pos + 1, ...)`` (the same bits in the caches; q itself is
+    not modified: each program rotates it in registers). q [Hq, D], k, v [Hkv, D] un-roped, views with
+    a contiguous last dim (slices of the qkv GEMV output); caches [Hkv, T_max, D]; cos/sin fp32
+    [max_pos, rot/2]; pos an int or a one-element int tensor (graph-capturable); the rest as
+    decode_attention. The workspace's counters must be zero (attention_workspace makes them so, and every
+    call leaves them so). inline_merge=False keeps the merge kernel (two launches; for measurements).
+    """
+    q3, k3, v3 = check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin)
+    if q3.shape[0] != 1:
+        raise ValueError(f"q: expected one token [Hq, D], got {tuple(q.shape)}")
+    q, k, v = q3[0], k3[0], v3[0]
+    _check(q, k_cache, v_cache, pos if isinstance(pos, torch.Tensor) else int(pos) + 1, scale, window, softcap)
+    out = _check_out_config(q, q.shape[0] // k.shape[0], out, config)
+    if not _use_triton(q.device):
+        qr = q.clone()
+        rope_kv_append(qr, k, v, k_cache, v_cache, pos, cos, sin)
+        r = decode_attention_torch(qr, k_cache, v_cache, int(pos) + 1, scale=scale, window=window,
+                                   softcap=softcap, dtype=torch.float32)
+        return out.copy_(r)
+    _launch_split(q, (k, v, cos.contiguous(), sin.contiguous()), k_cache, v_cache, pos, scale=scale,
+                  window=window, softcap=softcap, out=out, workspace=workspace, config=config,
+                  inline_merge=inline_merge)
     return out
 
 
 def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None = None,
-                        config: AttnConfig | None = None) -> tuple:
-    """Scratch buffers (m, l, o) for split-KV decode attention (allocate once, outside graph capture).
+                        config: AttnConfig | None = None) -> AttnWorkspace:
+    """Scratch buffers for split-KV decode attention (allocate once, outside graph capture).
 
     Sized for `config`, else for choose_config(d, hq // hkv, t_max); without hkv, for the largest
     chunk count the chooser picks for any group size of hq heads (so that the engine's call,
     which passes no group size, fits whatever decode_attention chooses).
-    Shapes: m, l fp32 [hq, nch]; o fp32 [hq, nch, BLOCK_D].
+    Shapes: m, l fp32 [hq, nch]; o fp32 [hq, nch, BLOCK_D]; counters int32 [hq], zeros.
     """
     if config is not None:
         chunk = config.chunk
@@ -458,6 +654,7 @@ def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None 
         chunk = min(choose_config(d, g, t_max).chunk for g in _divisors(hq))
     nch = -(-t_max // chunk)
     bd = _block_d(d)
-    return (torch.empty(hq, nch, dtype=torch.float32, device=device),
-            torch.empty(hq, nch, dtype=torch.float32, device=device),
-            torch.empty(hq, nch, bd, dtype=torch.float32, device=device))
+    return AttnWorkspace(torch.empty(hq, nch, dtype=torch.float32, device=device),
+                         torch.empty(hq, nch, dtype=torch.float32, device=device),
+                         torch.empty(hq, nch, bd, dtype=torch.float32, device=device),
+                         torch.zeros(hq, dtype=torch.int32, device=device))
