@@ -91,6 +91,57 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+def test_engine_fused_attention_under_triton_interpreter(tmp_path):
+    """The decode step's fused RoPE + KV append + attention kernel (interpreted; also with the merge kernel,
+    TRAPETUM_ATTN=merge-kernel) against the three-launch path (TRAPETUM_ATTN=unfused): the same logits and KV
+    caches bit for bit, steps crossing the sliding window and a 64-position chunk boundary (Gemma-2: GQA,
+    softcap, alternating sliding layers), counters back at zero."""
+    pytest.importorskip("triton")
+    code = f"""
+import collections, os, torch, trapetum
+import trapetum.runtime.engine as E
+from tests.tiny_models import build
+build("gemma2", {str(tmp_path)!r})
+m = trapetum.load({str(tmp_path)!r})
+calls = collections.Counter()  # which attention entry point each mode's steps called
+def spy(name, f):
+    def call(*a, **kw):
+        calls[name, kw.get("inline_merge")] += 1
+        return f(*a, **kw)
+    return call
+E.decode_attention_fused = spy("fused", E.decode_attention_fused)
+E.decode_attention = spy("split", E.decode_attention)
+expect = {{"split": ("fused", True), "merge-kernel": ("fused", False), "unfused": ("split", None)}}
+ids = [(7 * i) % 290 + 5 for i in range(66)]
+runs = []
+for mode, entry in expect.items():
+    os.environ["TRAPETUM_ATTN"] = mode
+    calls.clear()
+    eng = E.GpuEngine(m.decoder, 72)
+    eng.prefill(ids[:62])
+    steps = []
+    for t in range(62, 66):
+        eng.set_position(ids[t], t)
+        eng.step(greedy=False)
+        steps.append(eng.logits.clone())
+    assert set(calls) == {{entry}}, (mode, calls)
+    assert not eng.ws.counters.any()
+    runs.append((steps, eng.k_cache.clone(), eng.v_cache.clone()))
+a, ka, va = runs[-1]
+for b, kb, vb in runs[:-1]:
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+ref = m.logits(ids)
+e = max(float((x - ref[62 + i]).norm() / ref[62 + i].norm()) for i, x in enumerate(a))
+assert e < 3e-3, e
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("family", ["llama3", "gemma2"])
 def test_engine_runs_quantized_cbk(tmp_path, family):
     """A .cbk from the quantizer (4-bit projections, 8-bit head) through the engine's codebook path."""

@@ -147,3 +147,49 @@ def test_engine_keeps_no_reference_to_its_decoder(tmp_path):
     assert probe() is None
     assert torch.cuda.memory_allocated() < before
     assert eng.prefill(list(range(5, 21))).isfinite().all()
+
+
+@pytest.mark.parametrize("mode", ["split", "merge-kernel"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_attention_agrees_with_unfused(pairs, family, mode, monkeypatch):
+    """The default decode step (RoPE + KV append + attention + merge in one kernel; or with the merge kernel,
+    TRAPETUM_ATTN=merge-kernel) against the three-launch path (TRAPETUM_ATTN=unfused), graph replays past a
+    64-position chunk boundary: the first step's layer-0 k and v in the cache bit for bit (fused.rope_append_kv
+    writes both paths' caches; later layers see the attention outputs, equal up to fp32 reduction order),
+    logits within that noise, the same greedy tokens, the counters back at zero."""
+    import trapetum.runtime.engine as E
+    _, gpu = pairs[family]
+    ids = list(range(3, 63))
+    calls = []  # which attention entry point each mode's steps called (at graph capture)
+
+    def spy(name):
+        f = getattr(E, name)
+
+        def call(*a, **kw):
+            calls.append((name, kw.get("inline_merge")))
+            return f(*a, **kw)
+        monkeypatch.setattr(E, name, call)
+
+    spy("decode_attention_fused")
+    spy("decode_attention")
+    expect = {"split": ("decode_attention_fused", True), "merge-kernel": ("decode_attention_fused", False),
+              "unfused": ("decode_attention", None)}
+    runs = []
+    for m in (mode, "unfused"):
+        monkeypatch.setenv("TRAPETUM_ATTN", m)
+        calls.clear()
+        eng = GpuEngine(gpu.decoder, 96)
+        eng.prefill(ids)
+        logits, first_kv = [], None
+        for t in range(len(ids), len(ids) + 6):
+            eng.set_position(t % 250 + 3, t)
+            eng.step(greedy=False)
+            logits.append(eng.logits.clone())
+            if first_kv is None:
+                first_kv = (eng.k_cache[0, :, t].clone(), eng.v_cache[0, :, t].clone())
+        assert set(calls) == {expect[m]} and not eng.ws.counters.any()
+        runs.append((logits, first_kv, list(eng.tokens(ids, GenerationSettings(max_new_tokens=16), 90))))
+    (la, kva, ta), (lb, kvb, tb) = runs
+    assert torch.equal(kva[0], kvb[0]) and torch.equal(kva[1], kvb[1])
+    assert all(rel(a, b) < 1e-3 for a, b in zip(la, lb))
+    assert ta == tb

@@ -2,14 +2,23 @@
 
 Data path of one decode step (all buffers static, positions in device tensors):
     x = embed[token] (* scale)
-    per layer: h = rmsnorm(x); qkv = Wqkv h (+b); [q/k norm]; rope + KV append;
-               a = split-KV attention; x = Wo a + x; h = rmsnorm(x); g = act(Wg h) * (Wu h); x = Wd g + x
+    per layer: h = rmsnorm(x); qkv = Wqkv h (+b); [q/k norm];
+               a = RoPE + KV append + split-KV attention (one kernel); x = Wo a + x; h = rmsnorm(x);
+               g = act(Wg h) * (Wu h); x = Wd g + x
     logits = Whead rmsnorm(x) (softcap); greedy: token = argmax(logits); pos += 1
 Prefill dequantizes each projection and multiplies on tensor cores (cuBLAS), attention by SDPA.
 
 Kill switches (read when the engine is built): TRAPETUM_GRAPH=0 (eager steps), TRAPETUM_FUSE=0
 (separate q/k/v and gate/up GEMVs, separate residual adds), TRAPETUM_TC=0 (no tensor-core GEMV,
-inside the kernels), TRAPETUM_ATTN=seq (sequential attention kernel, inside the kernels).
+inside the kernels). Read at each step's launches, i.e. when a graph is captured (clear engine.graphs after
+changing it): TRAPETUM_ATTN=unfused (RoPE + KV append, split-KV attention and its merge as three launches,
+the path before decode_attention_fused), =seq (the same with the sequential attention kernel),
+=merge-kernel (RoPE + append fused, the separate merge kernel: two launches; the inline merge runs
+G * D / BLOCK_DM dependent steps in one program, which may cost more than a launch for large GQA groups at
+long context: kernels/attention.py, NOTES-engine.md).
+Layers with q/k norm (Gemma-3) keep their two per-head RMSNorm launches before the fused kernel: folding
+them in would change how the norm's sum of squares is reduced, so the cache would no longer hold the bits
+the unfused path writes.
 Opt-in: TRAPETUM_PREFILL=precise (or precise_prefill=True): the prompt pass at fp32-reference accuracy
 for evaluation (fp32 activations, hi/lo-split fp16 GEMMs with fp32 outputs, fp32 attention; ~2-3x the
 GEMM work; runtime/precise.py). TRAPETUM_PREFILL=default (or unset) is the fast path; other values
@@ -24,7 +33,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import attention_workspace, decode_attention
+from ..kernels.attention import attention_workspace, decode_attention, decode_attention_fused
 from ..kernels.fused import rmsnorm, rope_kv_append, rope_tables
 from ..models.decoder import Decoder
 from .precise import PrecisePrefill, precise_enabled
@@ -163,12 +172,7 @@ class GpuEngine:
             if L.q_norm is not None:
                 rmsnorm(q, L.q_norm, eps, offset=off, out=q)
                 rmsnorm(k, L.k_norm, eps, offset=off, out=k)
-            cos, sin = self.rope_local if L.sliding else self.rope
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            rope_kv_append(q, k, v, kc, vc, self.pos, cos, sin)
-            decode_attention(q, kc, vc, self.length, scale=cfg.scale,
-                             window=cfg.sliding_window if L.sliding else None, softcap=cfg.attn_softcap,
-                             out=self.attn, workspace=self.ws)
+            self._attention(li, L, q, k, v)
             a = self.attn.view(-1)
             if L.post_attn is not None:
                 L.o.gemv(a, self.t)
@@ -201,6 +205,22 @@ class GpuEngine:
             torch.argmax(self.logits, dim=0, keepdim=True, out=self.token)
         self.pos.add_(1)
         self.length.add_(1)
+
+    def _attention(self, li: int, L: LayerW, q, k, v) -> None:
+        """self.attn = attention of the new token (un-roped q, k, v) at self.pos, its k and v appended to layer
+        li's cache: one fused launch (two with TRAPETUM_ATTN=merge-kernel), or rope_kv_append + decode_attention
+        (TRAPETUM_ATTN=unfused / seq)."""
+        cfg = self.cfg
+        cos, sin = self.rope_local if L.sliding else self.rope
+        kc, vc = self.k_cache[li], self.v_cache[li]
+        kw = dict(scale=cfg.scale, window=cfg.sliding_window if L.sliding else None, softcap=cfg.attn_softcap,
+                  out=self.attn, workspace=self.ws)
+        mode = os.environ.get("TRAPETUM_ATTN", "split")
+        if mode in ("unfused", "seq"):  # decode_attention reads "seq" itself
+            rope_kv_append(q, k, v, kc, vc, self.pos, cos, sin)
+            decode_attention(q, kc, vc, self.length, **kw)
+        else:
+            decode_attention_fused(q, k, v, kc, vc, self.pos, cos, sin, inline_merge=mode != "merge-kernel", **kw)
 
     def step(self, greedy: bool = True) -> None:
         """Run one decode step (graph replay when enabled). Reads self.token/self.pos."""
