@@ -4,13 +4,19 @@
 
 Shapes (cache T_max = 4096, length as a device tensor, as the engine runs it): MHA 32/32x128 and
 GQA 32/8x128 at 1024 and 4096 positions, 8/4x256 (Gemma-2-2B), 4/1x256 and 9/3x64 (SmolLM2) at 4096.
-Per shape and config: the output is checked against the float64 reference (rel. error < 2e-3, and a
-second call bitwise equal) before timing; configs that break the static rule (config_fits) are
-skipped. Timing: >= 20 calls captured in one CUDA graph, each call on another of several cache
+Two figures per config: "us" is decode_attention (split kernel + merge kernel over a roped q, as before
+the fused kernel), "fused us" is decode_attention_fused, what the engine's decode step runs (RoPE of the
+new token, its KV append, split kernel with the inline merge: one launch; it ignores merge_d and
+merge_warps, so configs differing only there are timed once). The caches hold the new token's roped k/v
+before timing (rope_kv_append), so both read the same K/V and the fused calls rewrite the same bits.
+Per shape and config: each output is checked against the float64 reference (rel. error < 2e-3, and a
+second call bitwise equal; the fused one also leaves its counters at 0) before timing; configs that break
+the static rule (config_fits) are skipped. Timing: >= 20 calls captured in one CUDA graph, each call on another of several cache
 copies (2-64 copies, >= 256 MB of K/V read between two reads of one copy where 64 copies allow it:
 5x the H200's 50 MB L2, so K/V come from HBM); median over
-timed replays of replay time / calls. GB/s = K+V bytes of `length` positions / time. The row
-"seq" is the sequential kernel (TRAPETUM_ATTN=seq) for reference; "*" marks what choose_config picks.
+timed replays of replay time / calls (PDL off: each launch's full cost). GB/s = K+V bytes of `length`
+positions / time (of "us"). The row "seq" is the sequential kernel (TRAPETUM_ATTN=seq) for reference;
+"*" marks what choose_config picks.
 Prints a table per shape and a summary; writes DIR/attn_sweep.json and DIR/attn_sweep.md with --out.
 Exit status 1 if any config gave a wrong result or failed to compile.
 --cpu-smoke runs this script's checks on the CPU under the Triton interpreter (small cache, a few
@@ -36,6 +42,7 @@ import torch
 
 from trapetum.eval.bench_kernels import graph_time_calls  # noqa: E402
 from trapetum.kernels import attention as at
+from trapetum.kernels import fused as fu
 
 T_MAX = 4096
 ROTATE_BYTES = 256 * 2**20
@@ -57,6 +64,43 @@ def rel_err(y, ref):
     return ((y - ref).norm() / ref.norm()).item()
 
 
+def _check(y, y2, ref):
+    """'ok', or why the output (y, and y2 from a second call) is not accepted."""
+    err = rel_err(y, ref)
+    if not err < TOL:
+        return "WRONG", err
+    return ("ok" if torch.equal(y, y2) else "NOT REPRODUCIBLE"), err
+
+
+def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
+    """Check and time decode_attention_fused with cfg into row["fused_*"] (reusing the figures of a config
+    with the same split kernel)."""
+    key = (cfg.chunk, cfg.block_n, cfg.warps, cfg.stages, cfg.merge_chunks)
+    if key in fused_seen:
+        row.update(fused_seen[key])
+        return
+    qn, kn, vn, ks, vs, outs, pos, cos, sin, ref, ws = inputs
+    n_copies = len(ks)
+    res = {}
+    kw = dict(scale=qn[0].shape[1] ** -0.5, workspace=ws, config=cfg)
+    try:
+        y = at.decode_attention_fused(qn[0], kn[0], vn[0], ks[0], vs[0], pos, cos, sin, out=outs[0], **kw).clone()
+        y2 = at.decode_attention_fused(qn[0], kn[0], vn[0], ks[0], vs[0], pos, cos, sin, out=outs[0], **kw)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        res["fused_status"], res["fused_rel_err"] = _check(y, y2, ref)
+        if ws.counters.any():
+            res["fused_status"] = "COUNTERS NOT RESET"
+    except Exception as e:  # a compile / launch failure is a result too
+        res["fused_status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    if res["fused_status"] == "ok" and dev == "cuda":
+        calls = [(lambda i=i % n_copies: at.decode_attention_fused(qn[i], kn[i], vn[i], ks[i], vs[i], pos, cos, sin,
+                                                                   out=outs[i], **kw)) for i in range(n_calls)]
+        res["fused_us"] = graph_time_calls(calls, replays=replays, warmup=2)
+    fused_seen[key] = res
+    row.update(res)
+
+
 def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX):
     g = hq // hkv
     scale = d ** -0.5
@@ -64,14 +108,21 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
     n_copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes))) if dev == "cuda" else 1
     n_calls = max(20, n_copies)
     gen = torch.Generator(device=dev).manual_seed(length * 7 + d)
-    qs = [torch.randn(hq, d, device=dev, generator=gen).half() * 2 for _ in range(n_copies)]
+    # the new token (un-roped q, k, v) and caches that already hold its roped k / v at length - 1
+    qn = [torch.randn(hq, d, device=dev, generator=gen).half() * 2 for _ in range(n_copies)]
+    kn = [torch.randn(hkv, d, device=dev, generator=gen).half() for _ in range(n_copies)]
+    vn = [torch.randn(hkv, d, device=dev, generator=gen).half() for _ in range(n_copies)]
     ks = [torch.randn(hkv, t_max, d, device=dev, generator=gen).half() for _ in range(n_copies)]
     vs = [torch.randn(hkv, t_max, d, device=dev, generator=gen).half() for _ in range(n_copies)]
+    cos, sin = fu.rope_tables(t_max, d, device=dev)
+    pos = torch.tensor([length - 1], dtype=torch.int32, device=dev)
+    qs = [fu.rope_kv_append(qn[i].clone(), kn[i], vn[i], ks[i], vs[i], pos, cos, sin) for i in range(n_copies)]
     outs = [torch.empty(hq, d, device=dev, dtype=torch.float16) for _ in range(n_copies)]
     ln = torch.tensor([length], dtype=torch.int32, device=dev)
     ref = at.decode_attention_reference(qs[0], ks[0], vs[0], length, scale=scale)
     chosen = at.choose_config(d, g, t_max)
     rows = []
+    fused_seen = {}
     for cfg in [None] + configs:  # None: the sequential kernel
         label = "seq" if cfg is None else cfg.name
         row = {"config": label, "params": None if cfg is None else dataclasses.asdict(cfg),
@@ -81,6 +132,9 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
             row["status"] = "skipped (resource rule)"
             continue
         ws = at.attention_workspace(hq, d, t_max, dev, config=cfg or chosen)
+        if cfg is not None:
+            inputs = (qn, kn, vn, ks, vs, outs, pos, cos, sin, ref, ws)
+            _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev)
         kw = dict(scale=scale, workspace=ws, split=cfg is not None, config=cfg)
         try:
             y = at.decode_attention(qs[0], ks[0], vs[0], ln, out=outs[0], **kw).clone()
@@ -90,9 +144,8 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
         except Exception as e:  # a compile / launch failure is a result too
             row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
             continue
-        row["rel_err"] = rel_err(y, ref)
-        if not row["rel_err"] < TOL or not torch.equal(y, y2):
-            row["status"] = "WRONG" if not row["rel_err"] < TOL else "NOT REPRODUCIBLE"
+        row["status"], row["rel_err"] = _check(y, y2, ref)
+        if row["status"] != "ok":
             continue
         if dev != "cuda":
             row["status"] = "ok (not timed)"
@@ -103,34 +156,44 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
         row["GBps"] = kv_bytes / row["us"] / 1e3
     timed = [r for r in rows if "us" in r and r["config"] != "seq"]
     best = min(timed, key=lambda r: r["us"]) if timed else None
+    timed_f = [r for r in rows if "fused_us" in r]
+    best_f = min(timed_f, key=lambda r: r["fused_us"]) if timed_f else None
     return {"shape": name, "hq": hq, "hkv": hkv, "d": d, "length": length, "t_max": t_max,
             "kv_bytes": kv_bytes, "cache_copies": n_copies, "calls_per_graph": n_calls,
-            "chosen": chosen.name, "best": best and best["config"], "rows": rows}
+            "chosen": chosen.name, "best": best and best["config"], "best_fused": best_f and best_f["config"],
+            "rows": rows}
 
 
 def shape_table(res):
     lines = [(f"### {res['shape']}  (K+V {res['kv_bytes'] / 1e6:.1f} MB read; {res['cache_copies']} cache copies, "
-              f"{res['calls_per_graph']} calls per graph)"), "| config | us | GB/s | rel err | status |",
-             "|---|---|---|---|---|"]
+              f"{res['calls_per_graph']} calls per graph)"),
+             "| config | us | GB/s | rel err | status | fused us | fused rel err | fused status |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        mark = (" *" if r["chosen"] else "") + (" (best)" if r["config"] == res["best"] else "")
+        mark = (" *" if r["chosen"] else "") + (" (best)" if r["config"] == res["best"] else "") + \
+            (" (best fused)" if r["config"] == res["best_fused"] else "")
         us = f"{r['us']:.2f}" if "us" in r else "-"
         gb = f"{r['GBps']:,.0f}" if "GBps" in r else "-"
         er = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
-        lines.append(f"| {r['config']}{mark} | {us} | {gb} | {er} | {r['status']} |")
+        fus = f"{r['fused_us']:.2f}" if "fused_us" in r else "-"
+        fer = f"{r['fused_rel_err']:.1e}" if "fused_rel_err" in r else "-"
+        lines.append(f"| {r['config']}{mark} | {us} | {gb} | {er} | {r['status']} | {fus} | {fer} | "
+                     f"{r.get('fused_status', '-')} |")
     return "\n".join(lines)
 
 
 def summary_table(results):
-    lines = ["| shape | legacy us | chosen (*) us | best config | best us | best GB/s |", "|---|---|---|---|---|---|"]
+    lines = ["| shape | legacy us | chosen (*) us | best config | best us | best GB/s | chosen (*) fused us | "
+             "best fused config | best fused us |", "|---|---|---|---|---|---|---|---|---|"]
     legacy = at.LEGACY_CONFIG.name
     for res in results:
         by = {r["config"]: r for r in res["rows"]}
-        def f(n, by=by):
-            return f"{by[n]['us']:.2f}" if n in by and "us" in by[n] else "-"
+        def f(n, key="us", by=by):
+            return f"{by[n][key]:.2f}" if n in by and key in by[n] else "-"
         b = by.get(res["best"]) or {}
         lines.append(f"| {res['shape']} | {f(legacy)} | {f(res['chosen'])} | {res['best']} | "
-                     f"{b.get('us', float('nan')):.2f} | {b.get('GBps', float('nan')):,.0f} |")
+                     f"{b.get('us', float('nan')):.2f} | {b.get('GBps', float('nan')):,.0f} | "
+                     f"{f(res['chosen'], 'fused_us')} | {res['best_fused']} | {f(res['best_fused'], 'fused_us')} |")
     return "\n".join(lines)
 
 
@@ -176,10 +239,10 @@ def main() -> int:
     summary = summary_table(results)
     print(f"## Summary (T_max {t_max}, * = choose_config)")
     print(summary)
-    bad = [(res["shape"], r["config"], r["status"]) for res in results for r in res["rows"]
-           if r["status"] in ("WRONG", "NOT REPRODUCIBLE")]
-    errors = [(res["shape"], r["config"], r["status"]) for res in results for r in res["rows"]
-              if r["status"].startswith("error")]
+    statuses = [(res["shape"], r["config"], r[k]) for res in results for r in res["rows"]
+                for k in ("status", "fused_status") if k in r]
+    bad = [s for s in statuses if s[2] in ("WRONG", "NOT REPRODUCIBLE", "COUNTERS NOT RESET")]
+    errors = [s for s in statuses if s[2].startswith("error")]
     for b in bad + errors:
         print("FAILED:" if b in bad else "ERROR:", *b)
     print(f"total {time.time() - t0:.1f} s")
