@@ -467,6 +467,40 @@ def test_packed_2x8_parts_gpu(seed, layout):
 
 
 @requires_cuda
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["slices", "rows"])
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_2x8_gate_up_gpu(seed, layout, act):
+    """act(gate) * up in the reduction kernel: the same as act_mul on the pair's fp16 outputs (one fp16
+    rounding apart at most), float64 agreement, bitwise repeatable; bad pairings are refused."""
+    from trapetum.kernels.fused import act_mul, act_mul_reference
+    r = random.Random(seed)
+    g, n = r.choice([8, 64, 512, 1024]), r.choice([1, 17, 256, 1000, 11008])
+    gen = torch.Generator().manual_seed(seed)
+    parts = [_weights(n, g, 2, 8, gen) + ((torch.randn(n, generator=gen).half().cuda() if seed % 2 else None),)
+             for _ in range(2)]
+    x = torch.randn(g * 8, generator=gen).half().cuda()
+    packed = ag.Packed2x8(parts, layout=layout)
+    both = torch.empty(2 * n, dtype=torch.float16, device="cuda")
+    packed.gemv(x, both)
+    want = act_mul(both[:n], both[n:], act)
+    out = torch.full((n,), float("nan"), dtype=torch.float16, device="cuda")
+    packed.gemv_gate_up(x, out, act)
+    assert (out.float() - want.float()).abs().max() <= 2e-3 * want.float().abs().max() + 1e-6, (n, g, act)
+    ref = act_mul_reference(*(ag.additive_gemv_reference(x, *p).view(-1).half() for p in parts), act)
+    assert rel_err(out, ref) < TOL[torch.float16]
+    first = out.clone()
+    for _ in range(3):
+        packed.gemv_gate_up(x, out, act)
+        assert torch.equal(out, first)
+    with pytest.raises(ValueError, match="act"):
+        packed.gemv_gate_up(x, out, "relu")
+    uneven = ag.Packed2x8([parts[0], _weights(n + 16, g, 2, 8, gen) + (None,)], layout=layout)
+    with pytest.raises(ValueError, match="equal rows"):
+        uneven.gemv_gate_up(x, out, act)
+
+
+@requires_cuda
 def test_packed_2x8_graph_and_bps_gpu(monkeypatch):
     gen = torch.Generator().manual_seed(11)
     parts = [_weights(n, 1024, 2, 8, gen) + (None,) for n in (8192, 1024, 1024)]

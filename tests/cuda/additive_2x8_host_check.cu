@@ -450,6 +450,7 @@ static Problem make_problem(std::vector<int> Ns, int G, unsigned seed) {
     rows += N;
   }
   pr.has_bias = rng() & 1, pr.has_res = rng() & 1;
+  if (Ns.size() == 2 && Ns[0] == Ns[1]) pr.has_res = 0;  // a gate/up pair: launch() also runs the act reductions
   for (int i = 0; i < rows; ++i) {
     pr.scales.push_back(h16(0.01f + 0.05f * std::abs(nd(rng))));
     pr.bias.push_back(h16(nd(rng)));
@@ -535,6 +536,24 @@ static Result launch(const Problem& pr, bool packed, int grid) {
     CHECK(y[i] == 0xBEEF && y[kGuard + tot.rows + i] == 0xBEEF, "y guard overwritten");
   }
   res.y.assign(y.begin() + kGuard, y.begin() + kGuard + tot.rows);
+  // a gate/up pair: the reduction with act = 1, 2 writes act(gate) * up of the fp16 rows just checked
+  if (P == 2 && pr.Ns[0] == pr.Ns[1] && !pr.has_res) {
+    const int n = pr.Ns[0];
+    for (int act = 1; act <= 2; ++act) {
+      std::vector<uint16_t> y2(n + 2 * kGuard, 0xBEEF);
+      p.y = reinterpret_cast<half*>(y2.data() + kGuard);
+      p.act = act;
+      const int ablocks = (n + kReduceRows - 1) / kReduceRows;
+      for (int b = 0; b < ablocks; ++b)
+        emu::run_block(kThreads, make_uint3(b, 0, 0), make_uint3(ablocks, 1, 1), [&] { aqlm_2x8_reduce_kernel(p); });
+      for (int i = 0; i < kGuard; ++i) CHECK(y2[i] == 0xBEEF && y2[kGuard + n + i] == 0xBEEF, "act %d: y guard", act);
+      for (int f = 0; f < n; ++f) {
+        const float want = trapetum_act::apply(act, f16(res.y[f])) * f16(res.y[n + f]);
+        CHECK(y2[kGuard + f] == h16(want), "act %d row %d: not act(gate) * up of the fp16 rows", act, f);
+      }
+    }
+    p.act = 0;
+  }
   // the reduction's order, on the host: quarter q adds slices q, q + 4, ..; then (s0 + s1) + (s2 + s3)
   for (long long grow = 0; grow < tot.rows; ++grow) {
     const Part2x8 Pr = part_of_row(p.part, P, grow);
@@ -621,8 +640,9 @@ int main(int argc, char** argv) {
   unsigned seed = 1;
   for (int i = 0; i < (quick ? 3 : 12); ++i) run_case({cases[i][0]}, cases[i][1], cases[i][2], seed++);
   // several parts in one launch (q/k/v, gate/up): unequal rows, segments crossing part boundaries
-  const std::vector<std::vector<int>> multi = {{13, 5, 29}, {64, 16, 16}, {100, 100}, {1, 2, 3, 4}, {1257, 9, 700}};
-  const int grids[] = {7, 1, 264, 3, 2};
+  const std::vector<std::vector<int>> multi = {{13, 5, 29}, {64, 16, 16}, {100, 100}, {1, 2, 3, 4}, {1257, 9, 700},
+                                                {17, 17}};
+  const int grids[] = {7, 1, 264, 3, 2, 5};
   for (size_t i = 0; i < (quick ? 1 : multi.size()); ++i) run_case(multi[i], 40 + 64 * (int)i, grids[i], seed++);
   printf(fails ? "FAILED (%d)\n" : "all ok\n", fails);
   return fails != 0;

@@ -263,6 +263,7 @@ def _workspace(x, codes, codebooks, rows, workspace):
 # ----------------------------------------------------------------------------- CUDA extension
 _SLICE = 32  # input groups per 2x8 slice (kSlice in the .cu)
 _UNIT_ROWS = 16  # rows per 2x8 unit of work (kUnitRows in the .cu)
+_ACTS = {"silu": 1, "gelu_tanh": 2}  # the 2x8 launcher's gate/up activations (act.cuh)
 CUDA_MAX_ROWS_2X8 = 4  # more activation rows: Triton (the CUDA kernel runs once per row)
 _EXT = None  # the compiled extension once built
 _EXT_ERR: str | None = None  # why it could not be built
@@ -270,7 +271,7 @@ _CU_PATH = Path(__file__).with_name("cuda") / "additive_gemv.cu"
 _CPP_DECLS = (
     "void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, "
     "torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor partial, "
-    "torch::Tensor meta, int64_t has_bias, int64_t has_res, int64_t blocks_per_sm);\n"
+    "torch::Tensor meta, int64_t has_bias, int64_t has_res, int64_t blocks_per_sm, int64_t act);\n"
     "void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, "
     "torch::Tensor bias, torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2);")
 
@@ -361,7 +362,7 @@ def _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws) -> None:
         r = res[t] if res is not None else y[t]
         if codebooks.shape[1] == 256:
             _EXT.aqlm_gemv_2x8(x2[t], [codes], codebooks, scales, b, r, y[t], ws.scratch, meta, hb, hr,
-                               _blocks_per_sm())
+                               _blocks_per_sm(), 0)
         else:
             _EXT.aqlm_gemv_1x16(x2[t], codes, codebooks, scales, b, r, y[t], hb, hr, -1)
 
@@ -484,7 +485,33 @@ class Packed2x8:
         _EXT.aqlm_gemv_2x8(x.reshape(-1), self.codes, self.codebooks, self.scales,
                            self.bias if self.bias is not None else y, residual.view(-1) if residual is not None else y,
                            y, ws.scratch, self.meta, int(self.bias is not None), int(residual is not None),
-                           _blocks_per_sm())
+                           _blocks_per_sm(), 0)
+        return out
+
+    def fuses_gate_up(self) -> bool:
+        """True if the parts are a gate/up pair that ``gemv_gate_up`` can run (two parts of equal rows)."""
+        return len(self.rows) == 2 and self.rows[0] == self.rows[1]
+
+    def gemv_gate_up(self, x: torch.Tensor, out: torch.Tensor, act: str, *,
+                     workspace: AdditiveWorkspace | None = None) -> torch.Tensor:
+        """out [N] = act(gate) * up for the parts (gate, up), in the launch's reduction kernel: the gate and
+        up rows are rounded to fp16 first, as ``fused.act_mul`` on ``gemv``'s output sees them."""
+        if _load_ext() is None:
+            raise RuntimeError(f"Packed2x8.gemv_gate_up: the CUDA extension is unavailable ({_EXT_ERR})")
+        if not self.fuses_gate_up():
+            raise ValueError(f"gemv_gate_up: needs two parts of equal rows, got {self.rows}")
+        if act not in _ACTS:
+            raise ValueError(f"act: must be one of {tuple(_ACTS)}, got {act!r}")
+        n = self.rows[0]
+        if x.numel() != 8 * self.G or out.numel() != n:
+            raise ValueError(f"x/out: expected {8 * self.G} inputs and {n} outputs")
+        ws = workspace if workspace is not None else shared_workspace(x.device, self.need)
+        if not ws.fits(self.need):
+            raise ValueError(f"workspace: too small, need {self.need} floats")
+        y = out.view(-1)
+        _EXT.aqlm_gemv_2x8(x.reshape(-1), self.codes, self.codebooks, self.scales,
+                           self.bias if self.bias is not None else y, y, y, ws.scratch, self.meta,
+                           int(self.bias is not None), 0, _blocks_per_sm(), _ACTS[act])
         return out
 
     def nbytes(self) -> int:

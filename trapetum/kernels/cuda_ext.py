@@ -3,7 +3,8 @@ under ~/.cache/torch_extensions, rebuilt when a source changes).
 
 Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on
 tensor cores, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16
-path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPETUM_PDL=0 turns it off).
+path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPETUM_PDL=0 turns it off);
+``act.cuh`` holds the gated activations of the fused gate/up epilogues.
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
 False without CUDA, below compute capability 8.0, or with TRAPETUM_TC=0; callers then fall back to
 Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``).
@@ -18,7 +19,7 @@ import torch
 
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
-HEADERS = ("pdl.cuh",)  # included by the sources (programmatic dependent launch)
+HEADERS = ("pdl.cuh", "act.cuh")  # included by the sources (programmatic dependent launch, epilogue activations)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant);

@@ -164,6 +164,14 @@ class AdditiveProj:
                                   None if residual is None else residual[lo:hi], out=out[lo:hi], workspace=self.ws)
         return out
 
+    def fuses_gate_up(self, device) -> bool:
+        """True if ``gemv_gate_up`` runs here (a packed 2x8 gate/up pair on the CUDA kernel)."""
+        return self.packed is not None and self.packed.fuses_gate_up() and self.ag.cuda_available(device)
+
+    def gemv_gate_up(self, x, out, act: str):
+        """out [F] = act(gate(x)) * up(x) in one GEMV launch pair (the activation in its reduction)."""
+        return self.packed.gemv_gate_up(x, out, act, workspace=self.ws)
+
     def _codes(self, i: int, keep: bool = False) -> torch.Tensor:
         """Part i's canonical codes (unpacked from the packed copy when that is all there is; kept when
         ``keep``, i.e. for the kill-switch path that runs every step)."""
@@ -270,6 +278,8 @@ class GateUp:
             return cg.codebook_gemv_gate_up(x, codes, p.codebook, p.bits, self.f, self.act, out=out, tiled=tiled)
         if isinstance(self.joint, DenseProj) and self.joint.bias is None:
             return dense_gemv_gate_up(x, self.joint.w, self.f, self.act, out=out, scratch=scratch)
+        if isinstance(self.joint, AdditiveProj) and self.joint.fuses_gate_up(x.device):
+            return self.joint.gemv_gate_up(x, out, self.act)
         g, u = scratch[: self.f], scratch[self.f: 2 * self.f]
         if self.separate is not None:
             self.separate[0].gemv(x, g)

@@ -70,6 +70,7 @@
 // at 4.3 TB/s. Measured (ncu, H200): the L2 is the limit first - each 16-byte gather costs a 32-byte
 // L2 sector (L1 hit rate 16%), 85% of L2 peak at ~0.56-0.78x cuBLAS.
 #include "pdl.cuh"
+#include "act.cuh"
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -317,6 +318,9 @@ struct Params2x8 {
   Part2x8 part[kMaxParts];
   int nparts, G, nslices, has_bias, has_res;
   long long units;        // all parts
+  // 0: y[row] = each row's epilogue. 1 (SiLU) / 2 (GELU-tanh): a gate/up pair (2 parts of N rows):
+  // y[f] = act(gate[f]) * up[f] for f < N, gate and up rounded to fp16 first (as the unfused path does)
+  int act = 0;
 };
 
 // lut[k][col] for the 32 groups of `slice` (groups >= G get x = 0, hence zero entries).
@@ -503,25 +507,48 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
   }
 }
 
+// Thread quarter q's share of one row's partial sums: slices q, q + 4, q + 8, .. in order.
+__device__ __forceinline__ float quarter_sum(const Params2x8& p, const Part2x8& P, int row, int q) {
+  const float* src = p.partial + P.partial0 + row;
+  float acc = 0.f;
+#pragma unroll 16
+  for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * kUnitRows * P.groups);
+  return acc;
+}
+
 __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2x8 p) {
-  __shared__ float part_sums[4][kReduceRows];
+  __shared__ float part_sums[2][4][kReduceRows];
   trapetum_pdl::allow_dependents();
   trapetum_pdl::wait_inputs();  // the partial sums of aqlm_2x8_kernel
   const int rl = threadIdx.x % kReduceRows, q = threadIdx.x / kReduceRows;
   const long long grow = (long long)blockIdx.x * kReduceRows + rl;
+  if (p.act) {  // gate/up pair: row f of part 0 (gate) and row f of part 1 (up)
+    const int f = (int)grow;
+    const bool ok = f < p.part[0].N;
+    part_sums[0][q][rl] = ok ? quarter_sum(p, p.part[0], f, q) : 0.f;
+    part_sums[1][q][rl] = ok ? quarter_sum(p, p.part[1], f, q) : 0.f;
+    __syncthreads();
+    if (q == 0 && ok) {
+      float gu[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = f + i * p.part[0].N;
+        float v = ((part_sums[i][0][rl] + part_sums[i][1][rl]) + (part_sums[i][2][rl] + part_sums[i][3][rl])) *
+                  __half2float(p.scales[row]);
+        if (p.has_bias) v += __half2float(p.bias[row]);
+        gu[i] = __half2float(__float2half_rn(v));
+      }
+      p.y[f] = __float2half_rn(trapetum_act::apply(p.act, gu[0]) * gu[1]);
+    }
+    return;
+  }
   const Part2x8 P = part_of_row(p.part, p.nparts, grow);
   const int row = int(grow - P.row0);
   const bool ok = row < P.N;
-  const float* src = p.partial + P.partial0 + row;
-  float acc = 0.f;
-  if (ok) {
-#pragma unroll 16
-    for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * kUnitRows * P.groups);
-  }
-  part_sums[q][rl] = acc;
+  part_sums[0][q][rl] = ok ? quarter_sum(p, P, row, q) : 0.f;
   __syncthreads();
   if (q == 0 && ok) {
-    const float v = (part_sums[0][rl] + part_sums[1][rl]) + (part_sums[2][rl] + part_sums[3][rl]);
+    const float v = (part_sums[0][0][rl] + part_sums[0][1][rl]) + (part_sums[0][2][rl] + part_sums[0][3][rl]);
     Epi::load(p.scales, p.bias, p.res, (int)grow, p.has_bias, p.has_res).store(p.y, (int)grow, v, p.has_bias, p.has_res);
   }
 }
@@ -701,10 +728,11 @@ static void check_common(const torch::Tensor& x, const torch::Tensor& codes, con
 // meta: CPU int64 [P, 5], one row per part: (rows N, byte offset in codes[q], row stride, slice stride,
 // packed): packed = 1 for the "slices" layout of pack_2x8 (row stride 64, slice stride 64 * 16 * groups,
 // bytes permuted by packed_pos), 0 for a layout read as stored; all parts of a launch share it.
-// codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias, res, y: [sum N].
+// codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias, res: [sum N]; y: [sum N], or
+// with act = 1 (SiLU) / 2 (GELU-tanh) and two parts of N rows (gate, up, no residual): y [N] = act(gate) * up.
 void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
                    torch::Tensor res, torch::Tensor y, torch::Tensor partial, torch::Tensor meta,
-                   int64_t has_bias, int64_t has_res, int64_t blocks_per_sm) {
+                   int64_t has_bias, int64_t has_res, int64_t blocks_per_sm, int64_t act) {
   using namespace trapetum_aqlm;
   TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 &&
@@ -747,7 +775,9 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   const int64_t rows = tot.rows, floats = tot.floats;
   TORCH_CHECK(rows < (1LL << 31), "too many rows");
   TORCH_CHECK(half_vec(scales, rows), "scales: fp16 [rows of all parts]");
-  TORCH_CHECK(y.device() == x.device() && half_vec(y, rows), "y: contiguous fp16 [rows]");
+  TORCH_CHECK(act >= 0 && act <= 2, "act: 0 (none), 1 (silu) or 2 (gelu_tanh)");
+  TORCH_CHECK(!act || (P == 2 && m[0] == m[kMetaCols] && !has_res), "act: a gate/up pair of equal parts, no residual");
+  TORCH_CHECK(y.device() == x.device() && half_vec(y, act ? rows / 2 : rows), "y: contiguous fp16 [rows] ([rows / 2] with act)");
   TORCH_CHECK(!has_bias || half_vec(bias, rows), "bias: fp16 [rows]");
   TORCH_CHECK(!has_res || half_vec(res, rows), "residual: fp16 [rows]");
   TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() && partial.numel() >= floats, "partial");
@@ -768,11 +798,13 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   p.has_bias = (int)has_bias;
   p.has_res = (int)has_res;
   p.units = tot.units;
+  p.act = (int)act;
   const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   C10_CUDA_CHECK(trapetum_pdl::launch(packed ? aqlm_2x8_kernel<true> : aqlm_2x8_kernel<false>, (unsigned)grid, kThreads,
                                       kSmemBytes, stream, p));
-  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel, (unsigned)((rows + kReduceRows - 1) / kReduceRows),
+  const int64_t out_rows = act ? rows / 2 : rows;
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel, (unsigned)((out_rows + kReduceRows - 1) / kReduceRows),
                                       kThreads, 0, stream, p));
 }
 

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
+#include "act.cuh"
 
 // Dynamic shared memory, named at file scope so PTX can take its address as a constant
 // (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
@@ -58,14 +59,6 @@ __device__ __forceinline__ uint32_t lds(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
-}
-
-__device__ __forceinline__ float act_silu(float g) { return g / (1.0f + __expf(-g)); }
-__device__ __forceinline__ float act_gelu_tanh(float g) {
-  float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  u = fminf(fmaxf(u, -15.0f), 15.0f);
-  float t = 1.0f - 2.0f / (__expf(2.0f * u) + 1.0f);
-  return 0.5f * g * (1.0f + t);
 }
 
 template <int BITS>
@@ -235,7 +228,7 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
       }
       const int o = blockIdx.x * 8 + rr;
       if (o < F && m < M) {
-        const float a = (EPI == 1) ? act_silu(sg) : act_gelu_tanh(sg);
+        const float a = trapetum_act::apply(EPI, sg);
         y[(size_t)m * F + o] = __float2half(a * su);
       }
     }

@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
+#include "act.cuh"
 
 namespace trapetum_dense {
 
@@ -40,14 +41,6 @@ __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
-}
-
-__device__ __forceinline__ float act_silu(float g) { return g / (1.0f + __expf(-g)); }
-__device__ __forceinline__ float act_gelu_tanh(float g) {
-  float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
-  u = fminf(fmaxf(u, -15.0f), 15.0f);
-  const float t = 1.0f - 2.0f / (__expf(2.0f * u) + 1.0f);
-  return 0.5f * g * (1.0f + t);
 }
 
 // EPI 0: warp rows o0 .. o0+ROWS-1 -> y[o] (+ residual). EPI 1 (SiLU) / 2 (GELU-tanh): ROWS = 2,
@@ -107,7 +100,7 @@ dense_gemv_kernel(const half* __restrict__ x, const half* __restrict__ W, const 
       if (o < N) y[o] = __float2half(has_res ? acc[r] + trapetum_pdl::ld_input_half(res + o) : acc[r]);
     }
   } else {
-    const float a = EPI == 1 ? act_silu(acc[0]) : act_gelu_tanh(acc[0]);
+    const float a = trapetum_act::apply(EPI, acc[0]);
     y[o0] = __float2half(a * acc[1]);
   }
 }
