@@ -22,19 +22,23 @@ if [ "$PART" = a ]; then
     echo "e2e 7b v$v rc=$? ($(since))"
   done
 elif [ "$PART" = b ]; then
-  timeout "$(budget 120 420)" python3 -m pytest -q -p no:cacheprovider tests/test_additive_kernels.py tests/test_kernels_attention.py \
-    tests/test_pdl.py -x > "$L/pytest_b.log" 2>&1; echo "2x8 + attention tests: $(tail -1 "$L/pytest_b.log") ($(since))"
+  timeout "$(budget 120 440)" python3 -m pytest -q -p no:cacheprovider tests/test_additive_kernels.py tests/test_kernels_attention.py \
+    tests/test_pdl.py > "$L/pytest_b.log" 2>&1; echo "2x8 + attention tests: $(tail -1 "$L/pytest_b.log") ($(since))"
   timeout "$(budget 60 380)" python3 -m trapetum.kernels.additive_gemv --backends cuda --json "$L/additive.json" \
     > "$L/additive.log" 2>&1; echo "additive bench rc=$? ($(since))"
-  timeout "$(budget 60 340)" python3 scripts/gpu_attn_fused.py --out "$L/attn" > "$L/attn.log" 2>&1
+  timeout "$(budget 60 360)" python3 scripts/gpu_attn_fused.py --out "$L/attn" > "$L/attn.log" 2>&1
   echo "attention check rc=$? ($(since))"
-  timeout "$(budget 80 260)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats fp16,cb4 --bins 0,3968 \
+  timeout "$(budget 80 300)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats fp16,cb4 --bins 0,3968 \
     --out "$L/e2e7" > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
+  TRAPETUM_ATTN=unfused timeout "$(budget 50 260)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats cb4 \
+    --bins 0,3968 --out "$L/e2e7_unfused" > "$L/e2e7_unfused.log" 2>&1; echo "e2e 7b unfused rc=$? ($(since))"
   timeout "$(budget 50 210)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
     --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
-  timeout "$(budget 50 160)" python3 -m trapetum.eval.bench_e2e --models llama3-8b --formats cb4 --bins 0 \
+  TRAPETUM_ATTN=merge-kernel timeout "$(budget 50 180)" python3 -m trapetum.eval.bench_e2e --models llama2-70b \
+    --formats aqlm-2x8 --bins 0 --out "$L/e2e70_mk" > "$L/e2e70_mk.log" 2>&1; echo "e2e 70b merge-kernel rc=$? ($(since))"
+  timeout "$(budget 50 130)" python3 -m trapetum.eval.bench_e2e --models llama3-8b --formats cb4 --bins 0 \
     --out "$L/e2e8" > "$L/e2e8.log" 2>&1; echo "e2e 8b rc=$? ($(since))"
-  timeout "$(budget 70 90)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
+  timeout "$(budget 70 60)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
     --layers 2 > "$L/quant2.log" 2>&1; echo "quantizer 2 layers rc=$? ($(since))"
   timeout "$(budget 300 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gemv.py \
     tests/test_kernels_fused.py tests/test_dense_gemv.py tests/test_precise_prefill.py > "$L/pytest_rest.log" 2>&1
