@@ -92,8 +92,8 @@ print("ok")
 
 
 def test_engine_fused_attention_under_triton_interpreter(tmp_path):
-    """The decode step's fused RoPE + KV append + attention kernel (interpreted; also with the merge kernel,
-    TRAPETUM_ATTN=merge-kernel) against the three-launch path (TRAPETUM_ATTN=unfused): the same logits and KV
+    """The decode step's fused RoPE + KV append + attention kernel and merge kernel (interpreted; also the
+    one-launch inline merge, TRAPETUM_ATTN=inline-merge) against the three-launch path (TRAPETUM_ATTN=unfused): the same logits and KV
     caches bit for bit, steps crossing the sliding window and a 64-position chunk boundary (Gemma-2: GQA,
     softcap, alternating sliding layers), counters back at zero."""
     pytest.importorskip("triton")
@@ -111,7 +111,7 @@ def spy(name, f):
     return call
 E.decode_attention_fused = spy("fused", E.decode_attention_fused)
 E.decode_attention = spy("split", E.decode_attention)
-expect = {{"split": ("fused", True), "merge-kernel": ("fused", False), "unfused": ("split", None)}}
+expect = {{"split": ("fused", False), "inline-merge": ("fused", True), "unfused": ("split", None)}}
 ids = [(7 * i) % 290 + 5 for i in range(66)]
 runs = []
 for mode, entry in expect.items():

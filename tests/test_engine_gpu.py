@@ -149,11 +149,11 @@ def test_engine_keeps_no_reference_to_its_decoder(tmp_path):
     assert eng.prefill(list(range(5, 21))).isfinite().all()
 
 
-@pytest.mark.parametrize("mode", ["split", "merge-kernel"])
+@pytest.mark.parametrize("mode", ["split", "inline-merge"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fused_attention_agrees_with_unfused(pairs, family, mode, monkeypatch):
-    """The default decode step (RoPE + KV append + attention + merge in one kernel; or with the merge kernel,
-    TRAPETUM_ATTN=merge-kernel) against the three-launch path (TRAPETUM_ATTN=unfused), graph replays past a
+    """The default decode step (RoPE + KV append inside the split kernel, then the merge kernel; or all in one
+    kernel, TRAPETUM_ATTN=inline-merge) against the three-launch path (TRAPETUM_ATTN=unfused), graph replays past a
     64-position chunk boundary: the first step's layer-0 k and v in the cache bit for bit (fused.rope_append_kv
     writes both paths' caches; later layers see the attention outputs, equal up to fp32 reduction order),
     logits within that noise, the same greedy tokens, the counters back at zero."""
@@ -172,7 +172,7 @@ def test_fused_attention_agrees_with_unfused(pairs, family, mode, monkeypatch):
 
     spy("decode_attention_fused")
     spy("decode_attention")
-    expect = {"split": ("decode_attention_fused", True), "merge-kernel": ("decode_attention_fused", False),
+    expect = {"split": ("decode_attention_fused", False), "inline-merge": ("decode_attention_fused", True),
               "unfused": ("decode_attention", None)}
     runs = []
     for m in (mode, "unfused"):

@@ -11,11 +11,12 @@ Prefill dequantizes each projection and multiplies on tensor cores (cuBLAS), att
 Kill switches (read when the engine is built): TRAPETUM_GRAPH=0 (eager steps), TRAPETUM_FUSE=0
 (separate q/k/v and gate/up GEMVs, separate residual adds), TRAPETUM_TC=0 (no tensor-core GEMV,
 inside the kernels). Read at each step's launches, i.e. when a graph is captured (clear engine.graphs after
-changing it): TRAPETUM_ATTN=unfused (RoPE + KV append, split-KV attention and its merge as three launches,
-the path before decode_attention_fused), =seq (the same with the sequential attention kernel),
-=merge-kernel (RoPE + append fused, the separate merge kernel: two launches; the inline merge runs
-G * D / BLOCK_DM dependent steps in one program, which may cost more than a launch for large GQA groups at
-long context: kernels/attention.py, NOTES-engine.md).
+changing it). By default RoPE + KV append run inside the split-KV attention kernel, then the merge kernel
+(two launches per layer). TRAPETUM_ATTN=unfused: RoPE + KV append, split-KV attention and its merge as
+three launches (the path before decode_attention_fused); =seq: the same with the sequential attention
+kernel; =inline-merge: one launch, the merge done by the last program of each kv head. The inline merge
+runs G * D / BLOCK_DM dependent steps in one program: on the H200 it lost to the merge kernel everywhere
+but MHA at short context (NOTES-engine.md, session 5), so it is opt-in.
 Layers with q/k norm (Gemma-3) keep their two per-head RMSNorm launches before the fused kernel: folding
 them in would change how the norm's sum of squares is reduced, so the cache would no longer hold the bits
 the unfused path writes.
@@ -208,8 +209,8 @@ class GpuEngine:
 
     def _attention(self, li: int, L: LayerW, q, k, v) -> None:
         """self.attn = attention of the new token (un-roped q, k, v) at self.pos, its k and v appended to layer
-        li's cache: one fused launch (two with TRAPETUM_ATTN=merge-kernel), or rope_kv_append + decode_attention
-        (TRAPETUM_ATTN=unfused / seq)."""
+        li's cache: the fused split kernel and the merge kernel (one launch with TRAPETUM_ATTN=inline-merge), or
+        rope_kv_append + decode_attention (TRAPETUM_ATTN=unfused / seq)."""
         cfg = self.cfg
         cos, sin = self.rope_local if L.sliding else self.rope
         kc, vc = self.k_cache[li], self.v_cache[li]
@@ -220,7 +221,7 @@ class GpuEngine:
             rope_kv_append(q, k, v, kc, vc, self.pos, cos, sin)
             decode_attention(q, kc, vc, self.length, **kw)
         else:
-            decode_attention_fused(q, k, v, kc, vc, self.pos, cos, sin, inline_merge=mode != "merge-kernel", **kw)
+            decode_attention_fused(q, k, v, kc, vc, self.pos, cos, sin, inline_merge=mode == "inline-merge", **kw)
 
     def step(self, greedy: bool = True) -> None:
         """Run one decode step (graph replay when enabled). Reads self.token/self.pos."""
