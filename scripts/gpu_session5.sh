@@ -5,7 +5,9 @@
 # PART=b: the 2x8 GEMV's shorter main loop and the fused RoPE + KV append + attention (merge folded in): their
 # GPU tests, the additive kernel table, the attention check (scripts/gpu_attn_fused.py), Llama-2-7B / Llama-3-8B /
 # Llama-2-70B 2x8 decode, two layers of the 2x8 quantizer on the Llama-2-7B shape, then the other GPU tests.
-# PART=c: the 2x8 quantizer on the whole Llama-2-7B shape (32 layers, file written and verified).
+# PART=c: the 2x8 quantizer on the whole Llama-2-7B shape (32 layers, file written and verified; not run: ~19 min).
+# PART=d: decode with the default attention (RoPE fused into the split kernel, merge kernel), the quantizer profile
+# at 65536-vector blocks with the two-stage selection, the attention / engine / 2x8 GPU tests.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session5.sh
 OUT=${OUT:-out/gpu-session5}
 PART=${PART:-a}
@@ -43,6 +45,18 @@ elif [ "$PART" = b ]; then
   timeout "$(budget 300 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gemv.py \
     tests/test_kernels_fused.py tests/test_dense_gemv.py tests/test_precise_prefill.py > "$L/pytest_rest.log" 2>&1
   echo "other GPU tests: $(tail -1 "$L/pytest_rest.log") ($(since))"
+elif [ "$PART" = d ]; then  # the default attention is now fused RoPE + split, then the merge kernel
+  timeout "$(budget 80 380)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats fp16,cb4 --bins 0,3968 \
+    --out "$L/e2e7" > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
+  timeout "$(budget 60 320)" python3 -m trapetum.eval.bench_e2e --models llama3-8b --formats fp16,cb4 --bins 0 \
+    --out "$L/e2e8" > "$L/e2e8.log" 2>&1; echo "e2e 8b rc=$? ($(since))"
+  timeout "$(budget 50 270)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8,aqlm-1x16 --bins 0 \
+    --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
+  timeout "$(budget 60 200)" python3 scripts/profile_quantizer.py --out "$L/qprof" --chunks 65536 > "$L/qprof.log" 2>&1
+  echo "quantizer profile rc=$? ($(since))"
+  timeout "$(budget 300 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_attention.py \
+    tests/test_additive_kernels.py -k "attention or engine or packed or gate_up" > "$L/pytest_d.log" 2>&1
+  echo "GPU tests: $(tail -1 "$L/pytest_d.log") ($(since))"
 elif [ "$PART" = c ]; then
   timeout "$(budget 560 0)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
     --out "$L/q" > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"
@@ -53,5 +67,6 @@ grep -h "FAILED\|Error" "$L"/pytest*.log 2>/dev/null | head -20
 grep "^|" "$L/additive.log" 2>/dev/null | head -20
 tail -12 "$L/attn.log" 2>/dev/null
 grep "\[bench\]\|^{" "$L"/quant*.log 2>/dev/null | tail -6
+tail -8 "$L/qprof.log" 2>/dev/null
 cat "$L/kernels/kernels.md" 2>/dev/null | grep "^|" | head -16
 for d in "$L"/e2e*/; do echo "-- $d"; grep "^|" "$d/results.md" 2>/dev/null | head -30; done
