@@ -47,55 +47,20 @@ def test_beats_scalar_2bit_and_improves():
     assert abs(r.history[-1] ** 0.5 - e_add) < 1e-4
 
 
-def _beam_search_single_topk(v, h, C, idx, beam, steps):
-    """Reference beam search: every candidate's full score in one [n, B + M*B*K] row and one top-k
-    (the quantizer selects per (codebook, parent) block first, then among the survivors)."""
-    N, M = idx.shape
-    _, K, d = C.shape
-    mult = torch.tensor([K ** (M - 1 - m) for m in range(M)])
-    cand = idx.unsqueeze(1)
-    for _ in range(steps):
-        B = cand.shape[1]
-        rec = sum(C[m][cand[..., m]] for m in range(M))
-        scores = [((v.unsqueeze(1) - rec) ** 2 * h.unsqueeze(1)).sum(-1)]
-        for m in range(M):
-            r = v.unsqueeze(1) - rec + C[m][cand[..., m]]  # [N, B, d]
-            diff = r.unsqueeze(2) - C[m].view(1, 1, K, d)  # [N, B, K, d]
-            scores.append((diff * diff * h.view(N, 1, 1, d)).sum(-1).reshape(N, B * K))
-        best_s, best_i = torch.cat(scores, 1).topk(min(2 * beam + 1, B + M * B * K), dim=1, largest=False)
-        is_parent = best_i < B
-        j = (best_i - B).clamp_min(0)
-        m_sel, parent, k_sel = j // (B * K), (j % (B * K)) // K, j % K
-        parent = torch.where(is_parent, best_i, parent)
-        best_t = torch.gather(cand, 1, parent.unsqueeze(-1).expand(N, parent.shape[1], M)).clone()
-        onehot = (torch.arange(M) == m_sel.unsqueeze(-1)) & ~is_parent.unsqueeze(-1)
-        best_t = torch.where(onehot, k_sel.unsqueeze(-1), best_t)
-        key = (best_t * mult).sum(-1)
-        dup = (key.unsqueeze(2) == key.unsqueeze(1)).tril(-1).any(2)
-        rank = torch.where(dup, torch.full_like(best_s, float("inf")), best_s)
-        keep = rank.topk(min(beam, rank.shape[1]), dim=1, largest=False).indices.sort(1).values
-        keep_ok = torch.gather(rank, 1, keep).isfinite()
-        cand = torch.gather(best_t, 1, keep.unsqueeze(-1).expand(N, keep.shape[1], M))
-        cand = torch.where(keep_ok.unsqueeze(-1), cand, cand[:, :1].expand_as(cand))
-    return cand[:, 0]
-
-
-@pytest.mark.parametrize("n,k,m,beam,chunk", [(3000, 256, 2, 4, 1024), (2000, 16, 2, 4, 8192), (1500, 64, 3, 2, 700),
-                                              (1000, 4, 2, 8, 256)])
-def test_beam_search_matches_single_topk_reference(n, k, m, beam, chunk):
-    """The two-stage selection (per-block top-k, the per-(row, parent) constant added to the survivors)
-    keeps the same candidates as one top-k over every full score, in any chunking."""
+@pytest.mark.parametrize("n,k,m,beam", [(3000, 256, 2, 4), (1500, 64, 3, 2), (1000, 4, 2, 8)])
+def test_beam_search_does_not_depend_on_the_chunk(n, k, m, beam):
+    """The block size only batches independent searches (the GPU default, 65536 vectors, differs from the
+    CPU's 8192): any chunking gives the same codes, never worse than the start."""
     from trapetum.quant.additive import _beam_search
     g = torch.Generator().manual_seed(n + k)
     v, h = torch.randn(n, 8, generator=g), torch.rand(n, 8, generator=g) + 0.1
     C = torch.randn(m, k, 8, generator=g) * 0.7
     idx = torch.randint(0, k, (n, m), generator=g)
-    got = _beam_search(v, h, C, idx, beam, 2, chunk)
-    want = _beam_search_single_topk(v, h, C, idx, beam, 2)
+    got = [_beam_search(v, h, C, idx, beam, 2, chunk) for chunk in (n, 700, 256)]
+    assert all(torch.equal(got[0], x) for x in got[1:])
     err = lambda i: ((v - sum(C[q][i[:, q]] for q in range(m))) ** 2 * h).sum(1)
-    assert torch.allclose(err(got), err(want), rtol=1e-5, atol=1e-6)
-    assert (got == want).all(1).float().mean() > 0.999  # codes differ only at exact score ties
-    assert (err(got) <= err(idx) + 1e-5).all()  # never worse than the start
+    assert (err(got[0]) <= err(idx) + 1e-5).all()
+    assert err(got[0]).sum() < 0.9 * err(idx).sum()  # and it searches: random starts improve
 
 
 def test_1x16_codes_and_nearest():

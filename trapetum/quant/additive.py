@@ -246,8 +246,8 @@ def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.T
     if M == 1:
         return _nearest(v, h, C[0], chunk).unsqueeze(1)
     out = torch.empty_like(idx)
-    # score of entry k of codebook m for residual r: [-2 h r, h] . [C_m[k], C_m[k]^2] (+ ||r||_h^2), one GEMM
-    CC = torch.cat([C.transpose(1, 2), (C * C).transpose(1, 2)], 1).contiguous()  # [M, 2d, K]
+    CT = C.transpose(1, 2).contiguous()  # [M, d, K]
+    C2T = (C * C).transpose(1, 2).contiguous()  # [M, d, K]
     mult = torch.tensor([K ** (M - 1 - m) for m in range(M)], dtype=torch.int64, device=v.device)
     for s in range(0, N, chunk):
         vv, hh = v[s:s + chunk], h[s:s + chunk]
@@ -255,23 +255,18 @@ def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.T
         cand = idx[s:s + chunk].unsqueeze(1)  # [n, B, M]
         for _ in range(steps):
             B = cand.shape[1]
-            top = min(2 * beam + 1, B + M * B * K)
             rec = sum(C[m][cand[..., m]] for m in range(M))  # [n, B, d]
             base = ((vv.unsqueeze(1) - rec) ** 2 * hh.unsqueeze(1)).sum(-1)  # [n, B]
-            vals, gidx = [base], [torch.arange(B, device=v.device).expand(n, B)]
+            scores = [base]
             for m in range(M):
                 r = vv.unsqueeze(1) - rec + C[m][cand[..., m]]  # residual without codebook m [n, B, d]
-                # score of entry k = ||r - C_m[k]||_h^2 = h.C_m[k]^2 - 2 (h r).C_m[k] + ||r||_h^2: the last term
-                # is the same for the K entries of a (row, parent), so it is added after the per-block selection
-                lhs = torch.cat([-2.0 * hh.unsqueeze(1) * r, hh.unsqueeze(1).expand(n, B, d)], 2)  # [n, B, 2d]
-                sc = (lhs.view(n * B, 2 * d) @ CC[m]).view(n, B, K)
-                t1 = min(top, K)
-                v1, k1 = sc.topk(t1, dim=2, largest=False)  # the block's best entries: any global top one is here
-                vals.append((v1 + (r * r * hh.unsqueeze(1)).sum(-1, keepdim=True)).reshape(n, B * t1))
-                # index in the concatenation [parents (B) | (m, parent, k) blocks of B*K]
-                gidx.append((B + m * B * K + torch.arange(B, device=v.device).view(1, B, 1) * K + k1).reshape(n, B * t1))
-            best_s, pos = torch.cat(vals, 1).topk(top, dim=1, largest=False)  # ascending
-            best_i = torch.gather(torch.cat(gidx, 1), 1, pos)
+                hr = (hh.unsqueeze(1) * r).reshape(n * B, d)
+                sc = ((hh @ C2T[m]).unsqueeze(1) - 2.0 * (hr @ CT[m]).view(n, B, K)
+                      + (r * r * hh.unsqueeze(1)).sum(-1, keepdim=True))  # [n, B, K]
+                scores.append(sc.reshape(n, B * K))
+            sc_all = torch.cat(scores, 1)  # [n, B + M*B*K]: parents, then (m, parent, k)
+            top = min(2 * beam + 1, sc_all.shape[1])
+            best_s, best_i = sc_all.topk(top, dim=1, largest=False)  # ascending
             is_parent = best_i < B
             j = (best_i - B).clamp_min(0)
             m_sel, parent, k_sel = j // (B * K), (j % (B * K)) // K, j % K

@@ -187,10 +187,8 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     bar = tqdm(range(cfg.num_layers), desc=f"quantize {recipe.scheme}", unit="layer", disable=not progress,
                dynamic_ncols=True)
     for i in bar:
-        # "errors v2": parts record the plain and the weighted error (older parts, weighted only, are redone);
-        # "search v3": the beam search's scores are summed in another order (two-stage selection), so parts of
-        # older versions are redone rather than mixed with new ones
-        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}|errors v2|search v3".encode()).hexdigest()
+        # "errors v2": parts record the plain and the weighted error (older parts, weighted only, are redone)
+        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}|errors v2".encode()).hexdigest()
         part = work / f"layer_{i:04d}.safetensors"
         got = _load_if(part, lfp)
         if got is None:
