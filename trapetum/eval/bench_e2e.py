@@ -13,7 +13,8 @@ and in one process measures:
     prefill dequantizes every projection per call);
   * peak GPU memory of each engine;
   * with --switches, the same decode bins with each kill switch (TRAPETUM_GRAPH=0, TRAPETUM_FUSE=0,
-    TRAPETUM_TC=0, TRAPETUM_ATTN=seq, TRAPETUM_PDL=0) so every optimization's share is visible.
+    TRAPETUM_TC=0, TRAPETUM_ATTN=unfused, TRAPETUM_ATTN=seq, TRAPETUM_PDL=0) so every optimization's share is
+    visible.
 Writes results.json, results.md and decode.png under DIR; prints the table last.
 """
 from __future__ import annotations
@@ -172,7 +173,8 @@ def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | N
             r["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
             if switches:
                 r["switches"] = {}
-                for name, value in (("TRAPETUM_ATTN", "seq"), ("TRAPETUM_TC", "0"), ("TRAPETUM_PDL", "0")):
+                for name, value in (("TRAPETUM_ATTN", "unfused"), ("TRAPETUM_ATTN", "seq"), ("TRAPETUM_TC", "0"),
+                                    ("TRAPETUM_PDL", "0")):
                     with with_env(name, value):
                         eng.graphs.clear()
                         r["switches"][f"{name}={value}"] = decode_bins(eng)
