@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from trapetum.eval.bench_e2e import with_env  # noqa: E402
 from trapetum.eval.bench_kernels import graph_time_calls  # noqa: E402
 from trapetum.kernels import attention as at  # noqa: E402
 from trapetum.kernels import fused as fu  # noqa: E402
@@ -137,15 +138,8 @@ def check(c):
 def with_pdl(f):
     """f launched with TRAPETUM_PDL=1 (graph_time_calls captures with PDL off)."""
     def call():
-        old = os.environ.get("TRAPETUM_PDL")
-        os.environ["TRAPETUM_PDL"] = "1"
-        try:
+        with with_env("TRAPETUM_PDL", "1"):
             f()
-        finally:
-            if old is None:
-                os.environ.pop("TRAPETUM_PDL", None)
-            else:
-                os.environ["TRAPETUM_PDL"] = old
     return call
 
 

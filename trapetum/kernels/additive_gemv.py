@@ -473,20 +473,10 @@ class Packed2x8:
     def gemv(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None, *,
              workspace: AdditiveWorkspace | None = None) -> torch.Tensor:
         """out [sum N] = concat_q(x [8 G] @ W_q.T (+ bias_q)) (+ residual): one launch, fp16 in and out."""
-        if _load_ext() is None:
-            raise RuntimeError(f"Packed2x8.gemv: the CUDA extension is unavailable ({_EXT_ERR})")
         n = sum(self.rows)
         if x.numel() != 8 * self.G or out.numel() != n or (residual is not None and residual.numel() != n):
             raise ValueError(f"x/out/residual: expected {8 * self.G} inputs and {n} outputs")
-        ws = workspace if workspace is not None else shared_workspace(x.device, self.need)
-        if not ws.fits(self.need):
-            raise ValueError(f"workspace: too small, need {self.need} floats")
-        y = out.view(-1)
-        _EXT.aqlm_gemv_2x8(x.reshape(-1), self.codes, self.codebooks, self.scales,
-                           self.bias if self.bias is not None else y, residual.view(-1) if residual is not None else y,
-                           y, ws.scratch, self.meta, int(self.bias is not None), int(residual is not None),
-                           _blocks_per_sm(), 0)
-        return out
+        return self._launch(x, out, residual, 0, workspace)
 
     def fuses_gate_up(self) -> bool:
         """True if the parts are a gate/up pair that ``gemv_gate_up`` can run (two parts of equal rows)."""
@@ -496,22 +486,26 @@ class Packed2x8:
                      workspace: AdditiveWorkspace | None = None) -> torch.Tensor:
         """out [N] = act(gate) * up for the parts (gate, up), in the launch's reduction kernel: the gate and
         up rows are rounded to fp16 first, as ``fused.act_mul`` on ``gemv``'s output sees them."""
-        if _load_ext() is None:
-            raise RuntimeError(f"Packed2x8.gemv_gate_up: the CUDA extension is unavailable ({_EXT_ERR})")
         if not self.fuses_gate_up():
             raise ValueError(f"gemv_gate_up: needs two parts of equal rows, got {self.rows}")
         if act not in _ACTS:
             raise ValueError(f"act: must be one of {tuple(_ACTS)}, got {act!r}")
-        n = self.rows[0]
-        if x.numel() != 8 * self.G or out.numel() != n:
-            raise ValueError(f"x/out: expected {8 * self.G} inputs and {n} outputs")
+        if x.numel() != 8 * self.G or out.numel() != self.rows[0]:
+            raise ValueError(f"x/out: expected {8 * self.G} inputs and {self.rows[0]} outputs")
+        return self._launch(x, out, None, _ACTS[act], workspace)
+
+    def _launch(self, x, out, residual, act: int, workspace) -> torch.Tensor:
+        """The kernel pair (main + reduction) on checked shapes; act 0 = the parts' rows, else a gate/up pair."""
+        if _load_ext() is None:
+            raise RuntimeError(f"Packed2x8: the CUDA extension is unavailable ({_EXT_ERR})")
         ws = workspace if workspace is not None else shared_workspace(x.device, self.need)
         if not ws.fits(self.need):
             raise ValueError(f"workspace: too small, need {self.need} floats")
         y = out.view(-1)
         _EXT.aqlm_gemv_2x8(x.reshape(-1), self.codes, self.codebooks, self.scales,
-                           self.bias if self.bias is not None else y, y, y, ws.scratch, self.meta,
-                           int(self.bias is not None), 0, _blocks_per_sm(), _ACTS[act])
+                           self.bias if self.bias is not None else y, residual.view(-1) if residual is not None else y,
+                           y, ws.scratch, self.meta, int(self.bias is not None), int(residual is not None),
+                           _blocks_per_sm(), act)
         return out
 
     def nbytes(self) -> int:
