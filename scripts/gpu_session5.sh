@@ -8,6 +8,7 @@
 # PART=c: the 2x8 quantizer on the whole Llama-2-7B shape (32 layers, file written and verified; not run: ~19 min).
 # PART=d: decode with the default attention (RoPE fused into the split kernel, merge kernel), the quantizer profile
 # at 65536-vector blocks with the two-stage selection, the attention / engine / 2x8 GPU tests.
+# PART=e: the 2x8 / engine GPU tests and 70B 2x8 decode after the Packed2x8 launch-helper refactor.
 # Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session5.sh
 OUT=${OUT:-out/gpu-session5}
 PART=${PART:-a}
@@ -57,6 +58,12 @@ elif [ "$PART" = d ]; then  # the default attention is now fused RoPE + split, t
   timeout "$(budget 300 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_attention.py \
     tests/test_additive_kernels.py -k "attention or engine or packed or gate_up" > "$L/pytest_d.log" 2>&1
   echo "GPU tests: $(tail -1 "$L/pytest_d.log") ($(since))"
+elif [ "$PART" = e ]; then  # final check after the Packed2x8 launch-helper refactor
+  timeout "$(budget 150 60)" python3 -m pytest -q -p no:cacheprovider tests/test_additive_kernels.py tests/test_engine_gpu.py \
+    -k "packed or gate_up or cuda or owns or pdl or unfused" > "$L/pytest_e.log" 2>&1
+  echo "GPU tests: $(tail -1 "$L/pytest_e.log") ($(since))"
+  timeout "$(budget 50 0)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
+    --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
 elif [ "$PART" = c ]; then
   timeout "$(budget 560 0)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
     --out "$L/q" > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"
