@@ -27,7 +27,8 @@
 // butterfly (one SHFL) leave row r in lane j = 0 and row r + 8 in lane j = 1, summed in the same
 // fixed order (v(0) + v(1)) + (v(2) + v(3)) for every row and layout.
 // Partial sums per (slice, row) go to a workspace (rows padded to units, stored unconditionally); a
-// second, small kernel adds each row's partials in a fixed order and applies scale, bias and residual
+// second, small kernel adds each row's partials in a fixed order and applies scale, bias and residual,
+// or for a gate/up pair writes act(gate) * up (act.cuh; one launch fewer than a separate activation kernel)
 // (deterministic; no atomics, no fences). (The first version let the block finishing an octet's last
 // slice add its partials: the blocks that finished last did most of those sums one row per thread, a
 // tail of ~10-30 us at the big shapes.)
