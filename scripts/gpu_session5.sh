@@ -5,7 +5,8 @@
 # PART=b: the 2x8 GEMV's shorter main loop and the fused RoPE + KV append + attention (merge folded in): their
 # GPU tests, the additive kernel table, the attention check (scripts/gpu_attn_fused.py), Llama-2-7B / Llama-3-8B /
 # Llama-2-70B 2x8 decode, two layers of the 2x8 quantizer on the Llama-2-7B shape, then the other GPU tests.
-# PART=c: the 2x8 quantizer on the whole Llama-2-7B shape (32 layers, file written and verified; not run: ~19 min).
+# PART=c: the 2x8 quantizer on the whole Llama-2-7B shape (32 layers, file written and verified; ~16-19 min, so two
+# calls in a row on a warm device: the second resumes from out/q7b; not run in session 5).
 # PART=d: decode with the default attention (RoPE fused into the split kernel, merge kernel), the quantizer profile
 # at 65536-vector blocks with the two-stage selection, the attention / engine / 2x8 GPU tests.
 # PART=e: the 2x8 / engine GPU tests and 70B 2x8 decode after the Packed2x8 launch-helper refactor.
@@ -65,8 +66,10 @@ elif [ "$PART" = e ]; then  # final check after the Packed2x8 launch-helper refa
   timeout "$(budget 50 0)" python3 -m trapetum.eval.bench_e2e --models llama2-70b --formats aqlm-2x8 --bins 0 \
     --out "$L/e2e70" > "$L/e2e70.log" 2>&1; echo "e2e 70b rc=$? ($(since))"
 elif [ "$PART" = c ]; then
+  # resumable: the parts stay in out/q7b (ignored, so kept on a warm device between calls); run PART=c again
+  # within the idle window to finish; the whole-model time is the sum of the runs (see bench_quantize --work)
   timeout "$(budget 560 0)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
-    --out "$L/q" > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"
+    --work out/q7b > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"; cp "$L/quant.log" "$OUT/quant_$(date +%s).log"
 fi
 tar czf "$OUT/logs.tgz" -C "$L" .
 echo "==== tables ($(since))"

@@ -1,4 +1,6 @@
 """The quantizer benchmark's machinery (random lazy checkpoint, random statistics) on a tiny shape."""
+import torch
+
 import trapetum.eval.bench_e2e as bench_e2e
 from trapetum.cli import main
 from trapetum.eval.bench_quantize import run
@@ -39,3 +41,34 @@ def test_bench_quantize_additive_tiny_shape(monkeypatch, capsys, tmp_path):
     m = trapetum.load(str(out))
     assert m is not None
     assert main(["bench", "quantize", "--shape", "nope", "--scheme", "aqlm-2x8"]) == 1  # the CLI takes --scheme
+
+
+def test_bench_quantize_additive_resumes_a_killed_run(monkeypatch, capsys, tmp_path):
+    """--work keeps the driver's parts: a run stopped after one computed layer leaves it there; the same
+    command then computes only the rest (layers_resumed counts the other), and the file equals an
+    uninterrupted run's tensors. --work is refused for the cb4 scheme (it does not resume)."""
+    import json
+
+    import pytest
+    import trapetum
+    from trapetum.eval.bench_quantize import work_cbk
+    monkeypatch.setitem(bench_e2e.SHAPES, "tiny-test", dict(
+        family="llama", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+        num_kv_heads=2, head_dim=16, max_position_embeddings=256))
+    small = dict(iters=1, beam=1, kmeans_iters=2)
+    keep = work_cbk(str(tmp_path / "w"), "aqlm-2x8")
+    with pytest.raises(KeyboardInterrupt):
+        run("tiny-test", "cpu", None, scheme="aqlm-2x8", keep=keep, additive_settings=small, stop_after=1)
+    assert len(list((tmp_path / "w" / "model.cbk.parts").glob("layer_*.safetensors"))) == 1
+    r = run("tiny-test", "cpu", None, scheme="aqlm-2x8", keep=keep, additive_settings=small)
+    assert r["layers"] == 3 and r["layers_resumed"] == 1 and len(r["per_layer_seconds"]) == 2
+    assert "resumed_note" in r and "extrapolation" not in r and r["verified"] is True
+    ref = run("tiny-test", "cpu", None, scheme="aqlm-2x8", keep=tmp_path / "ref.cbk", additive_settings=small)
+    assert ref["layers_resumed"] == 0 and "resumed_note" not in ref
+    a, b = trapetum.load(str(keep)), trapetum.load(str(tmp_path / "ref.cbk"))
+    sa, sb = a.decoder.state_dict(), b.decoder.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    capsys.readouterr()
+    assert main(["bench", "quantize", "--shape", "tiny-test", "--work", str(tmp_path / "x")]) == 1
+    assert "--work" in capsys.readouterr().err
+    json.dumps(r)

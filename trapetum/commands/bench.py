@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     q.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
     q.add_argument("--scheme", default="cb4", choices=["cb4", "aqlm-2x8", "aqlm-1x16"],
                    help="cb4: 4-bit scalar codebooks (default); aqlm-2x8 / aqlm-1x16: the additive quantizer")
+    q.add_argument("--work", default=None,
+                   help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
     q.set_defaults(func=_quantize)
     s = sub.add_parser("suite", help="kernels (4-bit, 8-bit, fp16, 2-bit, attention), then end to end with kill "
                                      "switches, and 70B-shape 2-bit decode (one command for the GPU machine)")
@@ -95,9 +97,10 @@ def _quantize(args) -> int:
 
     from ..errors import TrapetumError
     from ..eval.bench_e2e import SHAPES
-    from ..eval.bench_quantize import run
+    from ..eval.bench_quantize import run, work_cbk
     if args.shape not in SHAPES:
         raise TrapetumError(f"--shape: unknown shape {args.shape!r} (known: {', '.join(sorted(SHAPES))})")
+    scheme = getattr(args, "scheme", "cb4")
     run(args.shape, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, args.layers,
-        scheme=getattr(args, "scheme", "cb4"))
+        scheme=scheme, keep=work_cbk(getattr(args, "work", None), scheme))
     return 0

@@ -17,7 +17,11 @@ calibration cache (``<OUT>.parts/calibration.safetensors``), so no text is run t
 The timed region is the driver (fingerprint, every layer, head/embedding) plus ``write_cbk``. Each
 layer's time goes to stderr as it finishes, so a partial (``--layers N``) or killed run still gives the
 per-layer cost; the JSON line's ``extrapolation`` (only when ``--layers`` is below the shape's depth) is
-an estimate from those per-layer times, labelled as such, never a measurement.
+an estimate from those per-layer times, labelled as such, never a measurement. ``--work DIR`` (additive
+schemes) keeps the file and the driver's per-layer parts in DIR: a run killed part-way (a time limit)
+leaves its finished layers there, and the same command resumes from them; the resumed run's JSON line
+counts its own layers only (``layers_resumed`` says how many it took over), so a whole-model time split
+over two runs is the sum of the killed run's per-layer lines and the resumed run's ``seconds``.
 """
 from __future__ import annotations
 
@@ -70,11 +74,24 @@ def random_stats(cfg: ModelConfig, device: str) -> dict[str, torch.Tensor]:
 SCHEMES = ("cb4", "aqlm-2x8", "aqlm-1x16")
 
 
+def work_cbk(work: str | None, scheme: str) -> Path | None:
+    """The kept .cbk of ``--work DIR`` (DIR/model.cbk, DIR made), or None without it."""
+    if not work:
+        return None
+    if scheme == "cb4":
+        from ..errors import TrapetumError
+        raise TrapetumError("--work: only the additive schemes (aqlm-2x8, aqlm-1x16) resume a killed run")
+    Path(work).mkdir(parents=True, exist_ok=True)
+    return Path(work) / "model.cbk"
+
+
 def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None, scheme: str = "cb4",
-        keep: Path | None = None, additive_settings: dict | None = None) -> dict:
+        keep: Path | None = None, additive_settings: dict | None = None, stop_after: int | None = None) -> dict:
     """Time one quantizer run and print one JSON line. ``keep``: write the .cbk there (kept) instead of
-    a temporary directory (additive schemes; tests). ``additive_settings``: AdditiveRecipe field
-    overrides (tests; the benchmark uses the defaults)."""
+    a temporary directory (additive schemes), its ``.parts`` work folder next to it: a run killed before
+    the end leaves its finished layers there and the next run with the same ``keep`` resumes from them
+    (``--work``). ``additive_settings``: AdditiveRecipe field overrides (tests; the benchmark uses the
+    defaults). ``stop_after``: the driver stops after that many computed layers (tests of resuming)."""
     spec = dict(SHAPES[shape])
     full_layers = spec["num_layers"]
     if layers:
@@ -84,7 +101,7 @@ def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None
     stats = random_stats(cfg, device)
     if scheme != "cb4":
         return _run_additive(shape, scheme, cfg, full_layers, ckpt, stats, device, out_dir, keep,
-                             additive_settings or {})
+                             additive_settings or {}, stop_after)
     recipe = Recipe(bits=4, head_bits=8, embed_bits=None).validate()
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         if device.startswith("cuda"):
@@ -104,14 +121,15 @@ def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None
 
 def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, ckpt: Checkpoint,
                   stats: dict[str, torch.Tensor], device: str, out_dir: Path | None, keep: Path | None,
-                  settings: dict) -> dict:
+                  settings: dict, stop_after: int | None = None) -> dict:
     from ..formats.cbk import verify_cbk, write_cbk
     from ..quant import additive_driver as drv
 
     recipe = drv.AdditiveRecipe(scheme=scheme, **settings).validate()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     marks: dict[str, float] = {}
-    per_layer: list[float] = []
+    per_layer: list[float] = []  # layers computed by this run
+    resumed: list[int] = []  # layers an earlier, killed run left in the work folder
 
     def log(msg: str) -> None:
         now = time.perf_counter()
@@ -120,10 +138,14 @@ def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, c
         elif msg.startswith("layer "):
             sync()
             now = time.perf_counter()
-            per_layer.append(now - marks["last"])
-            marks["last"] = now
-            print(f"[bench] layer {len(per_layer) - 1}/{cfg.num_layers}: {per_layer[-1]:.2f} s "
+            i = len(per_layer) + len(resumed)
+            if msg.endswith("(resumed)"):
+                resumed.append(i)
+            else:
+                per_layer.append(now - marks["last"])
+            print(f"[bench] layer {i}/{cfg.num_layers}: {now - marks['last']:.2f} s "
                   f"(elapsed {now - marks['t0']:.1f} s)  {msg}", file=sys.stderr, flush=True)
+            marks["last"] = now
             return
         print(msg, file=sys.stderr, flush=True)
 
@@ -138,7 +160,8 @@ def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, c
                          {"fingerprint": drv._calib_fingerprint(fp, recipe)})
         sync()
         marks["t0"] = t0 = time.perf_counter()
-        qm = drv.quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=False, log=log)
+        qm = drv.quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=False, log=log,
+                                              stop_after=stop_after)
         if "layers0" not in marks:
             raise RuntimeError("the additive driver did not reuse the seeded calibration statistics")
         t_head0 = marks["last"]
@@ -163,13 +186,17 @@ def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, c
            "breakdown_seconds": {"fingerprint": round(setup, 2), "layers": round(sum(per_layer), 2),
                                  "head_embed_write": round(tail, 2)},
            "per_layer_seconds": [round(x, 2) for x in per_layer],
+           "layers_resumed": len(resumed),
            "settings": {k: v for k, v in rd.items() if k != "bits_per_weight"},
            "bits_per_weight": rd["bits_per_weight"],
            "recipe": f"{scheme} additive projections (driver "
                      f"{'defaults' if not settings else 'defaults except ' + json.dumps(settings, sort_keys=True)}"
                      f", random E[x^2] statistics), "
                      f"{recipe.head_bits}-bit head, embedding {recipe.embed_bits}"}
-    if cfg.num_layers < full_layers and per_layer:
+    if resumed:  # a resumed run: its time covers the layers it computed, not the whole model
+        res["resumed_note"] = (f"{len(resumed)} layers were computed by an earlier, killed run (its stderr has their "
+                               "times); seconds and per_layer_seconds cover this run only")
+    if cfg.num_layers < full_layers and per_layer and not resumed:
         mean = sum(per_layer) / len(per_layer)
         est = setup * full_layers / cfg.num_layers + mean * full_layers + tail
         res["extrapolation"] = {
@@ -189,8 +216,10 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
     p.add_argument("--scheme", default="cb4", choices=SCHEMES,
                    help="cb4: 4-bit scalar codebooks (default); aqlm-2x8 / aqlm-1x16: the additive driver")
+    p.add_argument("--work", default=None,
+                   help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
     a = p.parse_args(argv)
-    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers, scheme=a.scheme)
+    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers, scheme=a.scheme, keep=work_cbk(a.work, a.scheme))
     return 0
 
 
