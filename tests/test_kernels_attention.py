@@ -308,7 +308,9 @@ def _assert_same_as_unfused(y, y_unfused):
 
 
 def _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw):
-    """decode_attention_fused twice (the second call must give the same bits); the counters must be back to 0."""
+    """decode_attention_fused twice (the second call must give the same bits); the counters must be back to 0.
+    The inline merge unless kw says otherwise (the merge kernel path is also in the engine's and switch tests)."""
+    kw.setdefault("inline_merge", True)
     p = torch.tensor([pos], dtype=torch.int32, device=DEVICE) if as_tensor else pos
     ws = at.attention_workspace(q.shape[0], q.shape[1], kc.shape[1], DEVICE, hkv=kc.shape[0], config=kw.get("config"))
     y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
@@ -428,36 +430,40 @@ def test_fused_attention_bad_arguments_raise():
     with pytest.raises(ValueError, match="workspace"):
         at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws[:3], **kw)
     with pytest.raises(ValueError, match="counters"):
-        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws._replace(counters=ws.counters[:1]), **kw)
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws._replace(counters=ws.counters[:1]),
+                                  inline_merge=True, **kw)  # the counters are the inline merge's
 
 
 # ----------------------------------------------------------------------------- fused, GPU, full size
 @requires_cuda
+@pytest.mark.parametrize("inline_merge", [False, True])
 @pytest.mark.parametrize("model", list(ATTN_HEADS))
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 128, 1024, 4095, 4096])
-def test_fused_attention_real_heads_gpu(model, length, monkeypatch):
+def test_fused_attention_real_heads_gpu(model, length, inline_merge, monkeypatch):
     hq, hkv, d = ATTN_HEADS[model]
     gen = torch.Generator().manual_seed(length)
     q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 4096, gen)
     pos = length - 1
     kw = dict(scale=d ** -0.5)
+    fkw = dict(kw, inline_merge=inline_merge)
     ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
     y_unf, kc_unf, vc_unf = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
     p = torch.tensor([pos], dtype=torch.int32, device="cuda")
     ws = at.attention_workspace(hq, d, 4096, "cuda")
-    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
+    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw)
     assert torch.equal(kc, kc_unf) and torch.equal(vc, vc_unf)
     assert rel_err(y, ref) < 2e-3 and rel_err(y, y_unf) < 1e-3
     for _ in range(10):  # bitwise reproducible whichever program arrives last
-        assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+        assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
     assert not ws.counters.any()
     monkeypatch.setenv("TRAPETUM_PDL", "0")  # programmatic dependent launch changes nothing
-    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
 
 
 @requires_cuda
+@pytest.mark.parametrize("inline_merge", [False, True])
 @pytest.mark.parametrize("window", [None, 1000])
-def test_fused_attention_cuda_graph_gpu(window):
+def test_fused_attention_cuda_graph_gpu(window, inline_merge):
     """Captured once, replayed with new positions (the engine's use): each replay gives the bits of an eager
     call at that position, and leaves the counters at zero."""
     hq, hkv, d = ATTN_HEADS["llama-3-8b"]
@@ -469,7 +475,7 @@ def test_fused_attention_cuda_graph_gpu(window):
     kw = dict(scale=d ** -0.5, window=window)
 
     def call():
-        at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, **kw)
+        at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, inline_merge=inline_merge, **kw)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -485,6 +491,7 @@ def test_fused_attention_cuda_graph_gpu(window):
         torch.cuda.synchronize()
         assert not ws.counters.any(), p
         replayed = out.clone()
-        assert torch.equal(replayed, at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, **kw)), p
+        assert torch.equal(replayed, at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, inline_merge=inline_merge,
+                                                               **kw)), p
         ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, **kw)  # the slot p now holds the roped k
         assert rel_err(replayed, ref) < 2e-3, p

@@ -23,8 +23,8 @@ config=...)` forces one: scripts/attn_sweep.py times the CANDIDATE_CONFIGS that 
 TRAPETUM_ATTN=seq selects the sequential kernel (one program per kv head walking every chunk), kept as
 the reference path.
 
-The decode step's path, `decode_attention_fused`, does one token's whole attention in one launch of
-the same split kernel (two constexpr switches):
+The decode step's path, `decode_attention_fused`, does one token's RoPE, KV append and attention in the
+same split kernel (two constexpr switches), then the merge kernel; with inline_merge=True in one launch:
   ROPE    each program rotates the G query heads itself (un-roped q straight from the qkv GEMV); the
           program whose chunk holds the new position rotates k, writes k and v into the caches
           (fused.rope_append_kv: the bits rope_kv_append writes) and only then, after a CTA barrier,
@@ -35,8 +35,9 @@ the same split kernel (two constexpr switches):
           thread's stores); the program that arrives last merges the chunks of the G heads with the
           merge kernel's code (same chunk steps, same fixed order: the same bits whichever program
           arrives last), writes the output and sets the counter back to 0 for the next call / replay.
-Without MERGE the partials go to the merge kernel as before. Results are bitwise reproducible for a
-given config either way.
+Without MERGE (the default) the partials go to the merge kernel as before: on the H200 the inline merge
+lost to it for GQA and at 4k positions (its last program merges G heads x 64 chunks one step after another;
+NOTES-engine.md, session 5), so it is opt-in. Results are bitwise reproducible for a given config either way.
 """
 from __future__ import annotations
 
@@ -608,16 +609,17 @@ def decode_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                            v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor, *, scale: float,
                            window: int | None = None, softcap: float | None = None,
                            out: torch.Tensor | None = None, workspace: AttnWorkspace | None = None,
-                           config: AttnConfig | None = None, inline_merge: bool = True) -> torch.Tensor:
-    """One new token's RoPE, KV-cache append and attention in one launch. Returns fp16 [Hq, D].
+                           config: AttnConfig | None = None, inline_merge: bool = False) -> torch.Tensor:
+    """One new token's RoPE, KV-cache append and attention: the split kernel, then the merge kernel (one
+    launch with inline_merge=True). Returns fp16 [Hq, D].
 
     The same as ``rope_kv_append(q, k, v, k_cache, v_cache, pos, cos, sin)`` followed by
     ``decode_attention(q, k_cache, v_cache, pos + 1, ...)`` (the same bits in the caches; q itself is
     not modified: each program rotates it in registers). q [Hq, D], k, v [Hkv, D] un-roped, views with
     a contiguous last dim (slices of the qkv GEMV output); caches [Hkv, T_max, D]; cos/sin fp32
     [max_pos, rot/2]; pos an int or a one-element int tensor (graph-capturable); the rest as
-    decode_attention. The workspace's counters must be zero (attention_workspace makes them so, and every
-    call leaves them so). inline_merge=False keeps the merge kernel (two launches; for measurements).
+    decode_attention. With inline_merge the workspace's counters must be zero (attention_workspace makes them
+    so, and every call leaves them so).
     """
     q3, k3, v3 = check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin)
     if q3.shape[0] != 1:

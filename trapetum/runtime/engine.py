@@ -3,16 +3,16 @@
 Data path of one decode step (all buffers static, positions in device tensors):
     x = embed[token] (* scale)
     per layer: h = rmsnorm(x); qkv = Wqkv h (+b); [q/k norm];
-               a = RoPE + KV append + split-KV attention (one kernel); x = Wo a + x; h = rmsnorm(x);
+               a = RoPE + KV append + split-KV attention (one kernel), merge; x = Wo a + x; h = rmsnorm(x);
                g = act(Wg h) * (Wu h); x = Wd g + x
     logits = Whead rmsnorm(x) (softcap); greedy: token = argmax(logits); pos += 1
 Prefill dequantizes each projection and multiplies on tensor cores (cuBLAS), attention by SDPA.
 
 Kill switches (read when the engine is built): TRAPETUM_GRAPH=0 (eager steps), TRAPETUM_FUSE=0
 (separate q/k/v and gate/up GEMVs, separate residual adds), TRAPETUM_TC=0 (no tensor-core GEMV,
-inside the kernels). Read at each step's launches, i.e. when a graph is captured (clear engine.graphs after
-changing it). By default RoPE + KV append run inside the split-KV attention kernel, then the merge kernel
-(two launches per layer). TRAPETUM_ATTN=unfused: RoPE + KV append, split-KV attention and its merge as
+inside the kernels). TRAPETUM_ATTN is read at each step's launches instead, i.e. when a graph is captured
+(clear engine.graphs after changing it). By default RoPE + KV append run inside the split-KV attention
+kernel, then the merge kernel (two launches per layer). TRAPETUM_ATTN=unfused: RoPE + KV append, split-KV attention and its merge as
 three launches (the path before decode_attention_fused); =seq: the same with the sequential attention
 kernel; =inline-merge: one launch, the merge done by the last program of each kv head. The inline merge
 runs G * D / BLOCK_DM dependent steps in one program: on the H200 it lost to the merge kernel everywhere
