@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ..formats.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..kernels import beam_search as beam_step
 from ..models.config import ModelConfig
 from ..quant.quantize import PROJ_SUFFIXES, Recipe, quantize_to_cbk
 from .bench_e2e import SHAPES
@@ -187,6 +188,7 @@ def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, c
                                  "head_embed_write": round(tail, 2)},
            "per_layer_seconds": [round(x, 2) for x in per_layer],
            "layers_resumed": len(resumed),
+           "beam_step": beam_step.resolve("auto", torch.device(device), 1 << drv.SCHEMES[scheme][1]),
            "settings": {k: v for k, v in rd.items() if k != "bits_per_weight"},
            "bits_per_weight": rd["bits_per_weight"],
            "recipe": f"{scheme} additive projections (driver "

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
+from ..kernels import beam_search as beam_step
 from .record import QuantRecord
 
 __all__ = ["AdditiveLinear", "AdditiveResult", "quantize_additive", "build_linear", "dequantize_aqlm",
@@ -235,19 +236,18 @@ def _nearest(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, chunk: int) -> t
 
 
 def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.Tensor, beam: int,
-                 steps: int, chunk: int) -> torch.Tensor:
+                 steps: int, chunk: int, search: str = "auto") -> torch.Tensor:
     """Codes [N, M] minimizing ||v - sum_m C[m, c_m]||^2_h, starting from idx [N, M].
 
     v, h [N, d]; C [M, K, d]. Each step expands every candidate by changing one codebook's code to
     each of the K entries and keeps the ``beam`` best distinct tuples (the incumbent stays a
-    candidate, so the error never rises)."""
+    candidate, so the error never rises). The scores and their best 2 * beam + 1 come from
+    kernels.beam_search (``search``: torch, triton, or auto = Triton on CUDA)."""
     N, M = idx.shape
     _, K, d = C.shape
     if M == 1:
         return _nearest(v, h, C[0], chunk).unsqueeze(1)
     out = torch.empty_like(idx)
-    CT = C.transpose(1, 2).contiguous()  # [M, d, K]
-    C2T = (C * C).transpose(1, 2).contiguous()  # [M, d, K]
     mult = torch.tensor([K ** (M - 1 - m) for m in range(M)], dtype=torch.int64, device=v.device)
     for s in range(0, N, chunk):
         vv, hh = v[s:s + chunk], h[s:s + chunk]
@@ -255,18 +255,8 @@ def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.T
         cand = idx[s:s + chunk].unsqueeze(1)  # [n, B, M]
         for _ in range(steps):
             B = cand.shape[1]
-            rec = sum(C[m][cand[..., m]] for m in range(M))  # [n, B, d]
-            base = ((vv.unsqueeze(1) - rec) ** 2 * hh.unsqueeze(1)).sum(-1)  # [n, B]
-            scores = [base]
-            for m in range(M):
-                r = vv.unsqueeze(1) - rec + C[m][cand[..., m]]  # residual without codebook m [n, B, d]
-                hr = (hh.unsqueeze(1) * r).reshape(n * B, d)
-                sc = ((hh @ C2T[m]).unsqueeze(1) - 2.0 * (hr @ CT[m]).view(n, B, K)
-                      + (r * r * hh.unsqueeze(1)).sum(-1, keepdim=True))  # [n, B, K]
-                scores.append(sc.reshape(n, B * K))
-            sc_all = torch.cat(scores, 1)  # [n, B + M*B*K]: parents, then (m, parent, k)
-            top = min(2 * beam + 1, sc_all.shape[1])
-            best_s, best_i = sc_all.topk(top, dim=1, largest=False)  # ascending
+            top = min(2 * beam + 1, B * (1 + M * K))
+            best_s, best_i = beam_step.candidates(vv, hh, C, cand, top, search)  # ascending
             is_parent = best_i < B
             j = (best_i - B).clamp_min(0)
             m_sel, parent, k_sel = j // (B * K), (j % (B * K)) // K, j % K
@@ -326,7 +316,9 @@ def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *
 
     importance: E[x_j^2] per input channel [in] (None: unweighted). Keywords: num_codebooks (2),
     nbits (8), in_group_size (8), beam (4), iters (6), beam_steps (2), kmeans_iters (10), seed (0),
-    device ("cpu"), chunk (vectors per beam-search block: 65536 on CUDA, 8192 on the CPU). On CUDA the
+    device ("cpu"), chunk (vectors per beam-search block: 2^20 on CUDA with the Triton step, 65536 with
+    torch's, 8192 on the CPU), search (beam-step scores and selection: "auto" = the Triton kernel on CUDA,
+    "torch", "triton"; kernels/beam_search.py). On CUDA the
     run uses PyTorch's deterministic algorithms (index_add_ without atomics), so a layer quantizes to the
     same bits every time (resumable runs)."""
     dev = torch.device(kw.get("device", "cpu"))
@@ -343,10 +335,13 @@ def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *
 def _quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *, num_codebooks: int = 2,
                       nbits: int = 8, in_group_size: int = 8, beam: int = 4, iters: int = 6, beam_steps: int = 2,
                       kmeans_iters: int = 10, seed: int = 0, device: str | torch.device = "cpu",
-                      chunk: int | None = None) -> AdditiveResult:
+                      chunk: int | None = None, search: str = "auto") -> AdditiveResult:
     # vectors per beam-search block: a GPU needs large blocks to amortise the ~30 small kernels of a step
-    # (H200, 11008x4096: 14.6 s at 8192, 5.8 s at 65536, the same codes); a CPU gains nothing past 8192
-    chunk = chunk or (65536 if torch.device(device).type == "cuda" else 8192)
+    # (H200, 11008x4096, torch scores: 14.6 s at 8192, 5.8 s at 65536, the same codes); the Triton step
+    # keeps only [n, 2 * beam + 1] per block, so its blocks can be 16x larger; a CPU gains nothing past 8192
+    dev = torch.device(device)
+    search = beam_step.resolve(search, dev, 1 << nbits)
+    chunk = chunk or (8192 if dev.type != "cuda" else 1 << 20 if search == "triton" else 65536)
     out_f, in_f = W.shape
     if in_f % in_group_size:
         raise ValueError(f"in_features {in_f} is not a multiple of in_group_size {in_group_size}")
@@ -384,12 +379,12 @@ def _quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, 
     history = [rel_err(C, idx)]
     # 3-5. beam search / least squares alternation
     for _ in range(iters):
-        idx = _beam_search(v, hv, C, idx, beam, beam_steps, chunk)
+        idx = _beam_search(v, hv, C, idx, beam, beam_steps, chunk, search)
         C = _refit_codebooks(v, wv, idx, C)
         history.append(rel_err(C, idx))
     # fp16 codebooks; codes against the rounded codebooks; closed-form scales, rounded
     C16 = C.to(torch.float16).float()
-    idx = _beam_search(v, hv, C16, idx, beam, beam_steps, chunk)
+    idx = _beam_search(v, hv, C16, idx, beam, beam_steps, chunk, search)
     Q = sum(C16[m][idx[:, m]] for m in range(M)).view(out_f, G * d)
     s_new = (Wd * Q * h).sum(1) / (Q * Q * h).sum(1).clamp_min(1e-30)
     s_new = torch.where((Q * Q).sum(1) > 0, s_new, s)

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import ConfigError
+from ..kernels import beam_search as beam_step
 from .additive import SCHEMES, AdditiveLinear, dequantize_aqlm, quantize_additive
 from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint
 from .record import QuantRecord
@@ -186,9 +187,13 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     computed = 0
     bar = tqdm(range(cfg.num_layers), desc=f"quantize {recipe.scheme}", unit="layer", disable=not progress,
                dynamic_ncols=True)
+    # the beam step's implementation (torch on the CPU, the Triton kernel on CUDA) rounds scores differently,
+    # so a part is reused only by a run with the same one: a resumed run gives the uninterrupted run's file
+    step = beam_step.resolve("auto", torch.device(device), 1 << nbits)
     for i in bar:
         # "errors v2": parts record the plain and the weighted error (older parts, weighted only, are redone)
-        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}|errors v2".encode()).hexdigest()
+        lfp = hashlib.sha256(f"{fp}|{_calib_fingerprint(fp, recipe)}|{settings}|layer {i}|errors v2|step {step}"
+                             .encode()).hexdigest()
         part = work / f"layer_{i:04d}.safetensors"
         got = _load_if(part, lfp)
         if got is None:
