@@ -1,6 +1,6 @@
 # Shared start of the one-call device scripts (scripts/gpu_layouts.sh, gpu_pdl.sh, gpu_session4.sh); sourced
 # after the caller has set OUT. Sets L (a log folder the caller tars into $OUT), t0 and a deadline of BUDGET_S
-# seconds (default 560); `budget CAP RESERVE` prints a timeout of at most CAP seconds that leaves RESERVE for the
+# seconds (default 560; SKIP_BUILD=1: no extension builds, for runs that need none); `budget CAP RESERVE` prints a timeout of at most CAP seconds that leaves RESERVE for the
 # steps after; `since` prints the seconds elapsed. Records the GPU and builds both CUDA extensions in parallel.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -11,7 +11,9 @@ deadline=$(( t0 + ${BUDGET_S:-560} ))
 budget() { local left=$(( deadline - $(date +%s) - $2 )) c=$1; (( left < c )) && c=$left; (( c < 5 )) && c=5; echo $c; }
 since() { echo "$(( $(date +%s) - t0 )) s"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
 python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
 python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
 wait
 echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
+fi

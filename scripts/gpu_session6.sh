@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 6 device runs. Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session6.sh
+# PART=a: the quantizer's Triton beam step: its GPU tests, one 11008x4096 projection with the torch step and the
+#   Triton step (scripts/profile_quantizer.py), then the whole Llama-2-7B shape 2x8 quantizer run (bench quantize,
+#   parts kept in the ignored out/q7b: run PART=q again on a warm device to resume if the budget cuts it).
+# PART=q: the whole-model quantizer run only (resumes from out/q7b).
+OUT=${OUT:-out/gpu-session6}
+PART=${PART:-a}
+BUDGET_S=${BUDGET_S:-570}
+[ "$PART" = a ] || [ "$PART" = q ] && SKIP_BUILD=1
+source "$(dirname "$0")/gpu_common.sh"
+quant_full() {
+  timeout "$(budget 560 5)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
+    --work out/q7b > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"; cp "$L/quant.log" "$OUT/quant_$(date +%s).log"
+}
+if [ "$PART" = a ]; then
+  timeout "$(budget 120 400)" python3 -m pytest -q -p no:cacheprovider tests/test_beam_search.py > "$L/pytest_beam.log" 2>&1
+  echo "beam tests: $(tail -1 "$L/pytest_beam.log") ($(since))"
+  timeout "$(budget 90 330)" python3 scripts/profile_quantizer.py --out "$L/qprof" --runs torch:65536,triton:1048576 \
+    > "$L/qprof.log" 2>&1; echo "quantizer profile rc=$? ($(since))"
+  quant_full
+elif [ "$PART" = q ]; then
+  quant_full
+fi
+tar czf "$OUT/logs.tgz" -C "$L" .
+echo "==== tables ($(since))"
+grep -h "FAILED\|Error" "$L"/pytest*.log 2>/dev/null | head -20
+tail -6 "$L/qprof.log" 2>/dev/null
+grep "\[bench\]" "$L"/quant*.log 2>/dev/null | tail -4
+grep "^{" "$L"/quant*.log 2>/dev/null | tail -1 | cut -c1-1500
