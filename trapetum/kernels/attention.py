@@ -17,6 +17,13 @@ workspace; a second kernel merges the chunks of each head in a fixed order, `mer
 per step loaded together (the first version's one dependent load per chunk made the merge, not the
 KV reads, the larger part of the time at 4k positions), one program per (query head, slice of
 `merge_d` columns) so that a few dozen heads still fill the GPU.
+Adaptive chunks (AttnConfig.splits = P > 0, flash-decoding's "num_splits"): the grid is (Hkv, P) whatever
+the length, and each program's chunk follows the run-time length L: the visible span, from the window start
+rounded down to a block_n boundary to L, is cut into chunks of max(chunk, ceil(span / P) rounded up to
+block_n) positions, walked block_n at a time in a loop of run-time trip count (pipelined over `stages`).
+Programs past the last chunk exit; the merge recomputes the chunk count from the length. So one captured
+launch runs P long pipelined chunks per kv head at 4k and, at short lengths, `chunk`-position chunks as the
+fixed split does (up to P of them).
 The knobs live in an AttnConfig; `choose_config(D, G, T_max)` picks one (`decode_attention(...,
 config=...)` forces one: scripts/attn_sweep.py times the CANDIDATE_CONFIGS that way), and
 `config_fits` is the static rule that keeps a config inside shared memory / registers for a head dim.
@@ -78,6 +85,9 @@ class AttnConfig:
     merge_chunks  largest number of chunks the merge folds in per step (capped at the chunk count)
     merge_warps   num_warps of the merge kernel
     merge_d       head-dim columns per merge program (0: the whole head, one program per head)
+    splits        0: fixed chunks of `chunk` positions (grid Hkv x ceil(T_max / chunk)). P > 0: P programs
+                  per kv head whose chunks adapt to the run-time length: ceil(span / P) positions rounded
+                  up to block_n, at least `chunk` (an inner loop of a run-time trip count; module docstring)
     """
     chunk: int = 64
     block_n: int = 64
@@ -86,10 +96,12 @@ class AttnConfig:
     merge_chunks: int = 16
     merge_warps: int = 4
     merge_d: int = 0
+    splits: int = 0
 
     @property
     def name(self) -> str:
-        s = f"c{self.chunk}" + (f"b{self.block_n}s{self.stages}" if self.chunk != self.block_n else "")
+        s = (f"p{self.splits}" if self.splits else "") + f"c{self.chunk}"
+        s += f"b{self.block_n}s{self.stages}" if _loops(self) else ""
         return s + f"-w{self.warps}-m{self.merge_chunks}w{self.merge_warps}d{self.merge_d or 'all'}"
 
 
@@ -111,6 +123,11 @@ CANDIDATE_CONFIGS = (
     AttnConfig(chunk=512, block_n=64, warps=8, stages=3, merge_chunks=64, merge_d=32),
     AttnConfig(chunk=256, block_n=32, stages=3, merge_chunks=64, merge_d=32),
     AttnConfig(chunk=256, block_n=128, warps=8, stages=2, merge_chunks=64, merge_d=32),
+    # adaptive chunks (splits): one captured launch whose chunk length follows the run-time length
+    AttnConfig(splits=4, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
+    AttnConfig(splits=8, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
+    AttnConfig(splits=16, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
+    AttnConfig(splits=8, chunk=128, block_n=128, warps=8, stages=2, merge_chunks=64, merge_d=32),
 )
 
 # Static resource rule, a model of what Triton 3.6 allocates for sm_90 (calibrated by compiling the
@@ -158,7 +175,9 @@ def config_fits(cfg: AttnConfig, d: int, g: int = 1) -> bool:
         return False
     if not (p2(cfg.merge_chunks) and cfg.merge_chunks <= 256 and (cfg.merge_d == 0 or p2(cfg.merge_d) and cfg.merge_d >= 16)):
         return False
-    if smem_estimate(cfg.block_n, d, cfg.stages, cfg.chunk > cfg.block_n, g) > SMEM_BUDGET:
+    if not (cfg.splits == 0 or p2(cfg.splits) and cfg.splits <= 64):
+        return False
+    if smem_estimate(cfg.block_n, d, cfg.stages, _loops(cfg), g) > SMEM_BUDGET:
         return False
     return cfg.block_n * _block_d(d) <= TILE_PER_THREAD * 32 * cfg.warps
 
@@ -221,12 +240,20 @@ if triton is not None:
             return len_val
 
     @triton.jit
-    def _span(L, window, HAS_WIN: tl.constexpr, CH: tl.constexpr):
-        # first visible position lo, and the chunks c0 .. c1-1 that hold visible positions
+    def _chunks(L, window, HAS_WIN: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr):
+        # The first visible position lo, and the chunks c0 .. c1-1 that hold visible positions, chunk c
+        # being [base + c * clen, base + (c + 1) * clen). SPLITS = 0: fixed chunks (base 0, clen = CH).
+        # SPLITS = P: the span from base (lo rounded down to a BN boundary) to L cut into at most P chunks
+        # of clen = max(CH, ceil(span / P) rounded up to BN) positions (c0 = 0).
         lo = 0
         if HAS_WIN:
             lo = tl.maximum(L - window, 0)
-        return lo, lo // CH, (L + CH - 1) // CH
+        if SPLITS > 0:
+            base = lo // BN * BN
+            clen = tl.maximum(tl.cdiv(tl.cdiv(L - base, SPLITS), BN) * BN, CH)
+            return lo, base, clen, 0, tl.cdiv(L - base, clen)
+        else:
+            return lo, 0, CH, lo // CH, (L + CH - 1) // CH
 
     @triton.jit
     def _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -282,22 +309,23 @@ if triton is not None:
         return m, l, o
 
     @triton.jit
-    def _chunk(q, k_base, v_base, c, L, lo, stride_kt, stride_vt, scale, softcap, D,
-               HAS_CAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr,
-               BN: tl.constexpr):
-        # (m, l, o) of the visible positions of chunk c: one tile, or an inner loop over the chunk's
-        # visible BN-blocks (every block holds a visible position)
-        if CH == BN:
-            m, l, o = _tile(q, k_base, v_base, c * CH, L, lo, stride_kt, stride_vt, scale, softcap, D,
+    def _chunk(q, k_base, v_base, p0, size, L, lo, stride_kt, stride_vt, scale, softcap, D,
+               HAS_CAP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BN: tl.constexpr,
+               LOOP: tl.constexpr):
+        # (m, l, o) of the visible positions of the chunk [p0, p0 + size), p0 a multiple of BN: one tile at p0
+        # (not LOOP: the chunk is one BN-block), or a loop over its visible BN-blocks (every block holds a
+        # visible position; a run-time trip count, software-pipelined over the kernel's num_stages)
+        if not LOOP:
+            m, l, o = _tile(q, k_base, v_base, p0, L, lo, stride_kt, stride_vt, scale, softcap, D,
                             HAS_CAP, BLOCK_D, BN)
         else:
             m = tl.full([BLOCK_G], _NEG, tl.float32)
             l = tl.zeros([BLOCK_G], tl.float32)
             o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-            p_lo = tl.maximum(c * CH, (lo // BN) * BN)
-            p_hi = tl.minimum(c * CH + CH, L)
-            for p0 in range(p_lo, p_hi, BN):
-                mt, lt, ot = _tile(q, k_base, v_base, p0, L, lo, stride_kt, stride_vt, scale, softcap, D,
+            p_lo = tl.maximum(p0, (lo // BN) * BN)
+            p_hi = tl.minimum(p0 + size, L)
+            for p in range(p_lo, p_hi, BN):
+                mt, lt, ot = _tile(q, k_base, v_base, p, L, lo, stride_kt, stride_vt, scale, softcap, D,
                                    HAS_CAP, BLOCK_D, BN)
                 mn = tl.maximum(m, mt)
                 a = tl.exp(m - mn)
@@ -354,23 +382,24 @@ if triton is not None:
                            T_PTR: tl.constexpr, ROPE: tl.constexpr, MERGE: tl.constexpr,
                            HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
                            BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-                           CH: tl.constexpr, BN: tl.constexpr, BLOCK_DM: tl.constexpr, BLOCK_C: tl.constexpr,
-                           PDL: tl.constexpr):
-        # One program per (kv head, chunk). t (t_ptr / t_val) is the attention length, or with ROPE the
-        # new token's position (length t + 1). ROPE: q, kn, vn are the new token's un-roped q, k and its v
-        # (kn, vn unused otherwise); MERGE: merge inline (cnt_ptr, out_ptr unused otherwise); see the module
-        # docstring. NCH: chunk stride of the workspace (>= the number of chunks of the cache).
+                           CH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, LOOP: tl.constexpr,
+                           BLOCK_DM: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        # One program per (kv head, chunk) (_chunks: fixed chunks, or SPLITS adaptive ones). t (t_ptr / t_val)
+        # is the attention length, or with ROPE the new token's position (length t + 1). ROPE: q, kn, vn are
+        # the new token's un-roped q, k and its v (kn, vn unused otherwise); MERGE: merge inline (cnt_ptr,
+        # out_ptr unused otherwise); see the module docstring. NCH: chunk stride of the workspace (>= the
+        # grid's chunk count).
         pdl.pdl_enter(PDL)  # before t, q and the new K/V: all written by the previous kernels
         hk = tl.program_id(0)
         c = tl.program_id(1)
         t = _load_len(t_ptr, t_val, T_PTR)
         L = t + 1 if ROPE else t
-        lo, c0, c1 = _span(L, window, HAS_WIN, CH)
+        lo, base, clen, c0, c1 = _chunks(L, window, HAS_WIN, CH, BN, SPLITS)
         if (c >= c0) & (c < c1):
             k_base = kc_ptr + hk * stride_kh
             v_base = vc_ptr + hk * stride_vh
             if ROPE:
-                if c == t // CH:  # the chunk of the new position: append it before reading the chunk
+                if c == (t - base) // clen:  # the chunk of the new position: append it before reading the chunk
                     ri = tl.arange(0, BLOCK_H)
                     cs = tl.load(cos_ptr + t * HALF + ri, mask=ri < HALF, other=1.0)
                     sn = tl.load(sin_ptr + t * HALF + ri, mask=ri < HALF, other=0.0)
@@ -381,8 +410,9 @@ if triton is not None:
                                              sin_ptr + t * HALF, BLOCK_G, BLOCK_D)
             else:
                 q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
-            m, l, o = _chunk(q, k_base, v_base, c, L, lo, stride_kt, stride_vt, scale, softcap, D,
-                             HAS_CAP, BLOCK_G, BLOCK_D, CH, BN)
+            p0 = base + c * clen
+            m, l, o = _chunk(q, k_base, v_base, p0, clen, L, lo, stride_kt, stride_vt, scale, softcap, D,
+                             HAS_CAP, BLOCK_G, BLOCK_D, BN, LOOP)
             rd = tl.arange(0, BLOCK_D)
             tl.store(m_ptr + hq * NCH + c, m, mask=gmask)
             tl.store(l_ptr + hq * NCH + c, l, mask=gmask)
@@ -398,15 +428,17 @@ if triton is not None:
     @triton.jit
     def _attn_merge_kernel(t_ptr, t_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, stride_oh, window,
                            T_PTR: tl.constexpr, T_IS_POS: tl.constexpr, HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_DM: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                           BLOCK_C: tl.constexpr, PDL: tl.constexpr):
         # One program per (query head, BLOCK_DM columns). t: the attention length, or (T_IS_POS: after a
-        # split kernel with ROPE) the new token's position.
+        # split kernel with ROPE) the new token's position. Merges the chunks the split kernel wrote
+        # (_chunks with the same L: the count of adaptive chunks is known only here, at run time).
         pdl.pdl_enter(PDL)
         hq = tl.program_id(0)
         ds = tl.program_id(1)
         t = _load_len(t_ptr, t_val, T_PTR)
         L = t + 1 if T_IS_POS else t
-        _, c0, c1 = _span(L, window, HAS_WIN, CH)
+        _, _, _, c0, c1 = _chunks(L, window, HAS_WIN, CH, BN, SPLITS)
         rd = ds * BLOCK_DM + tl.arange(0, BLOCK_DM)
         out = _merge_cols(m_ptr, l_ptr, o_ptr, hq, rd, c0, c1, NCH, BLOCK_D, BLOCK_DM, BLOCK_C, "")
         tl.store(out_ptr + hq * stride_oh + rd, out.to(tl.float16), mask=rd < D)
@@ -419,7 +451,7 @@ if triton is not None:
                          BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, CH: tl.constexpr):
         hk = tl.program_id(0)
         L = _load_len(len_ptr, len_val, LEN_PTR)
-        lo, c0, c1 = _span(L, window, HAS_WIN, CH)
+        lo, _, _, c0, c1 = _chunks(L, window, HAS_WIN, CH, CH, 0)
         q, hq, gmask = _load_q(q_ptr, hk, G, D, stride_qh, BLOCK_G, BLOCK_D)
         rd = tl.arange(0, BLOCK_D)
         mx = tl.full([BLOCK_G], _NEG, tl.float32)
@@ -524,6 +556,19 @@ def _check_workspace(ws, hq, hkv, nch, block_d, cfg, inline_merge):
         raise ValueError(f"workspace: counters must be int32 [>={hkv}] contiguous (zeros)")
 
 
+def _n_chunks(cfg: AttnConfig, t_max: int) -> int:
+    """Split programs per kv head = workspace chunks per query head for a cache of t_max positions: one per
+    chunk of the cache, or the config's splits (no more than chunks of `chunk` positions fit in t_max: the
+    adaptive chunks are never shorter)."""
+    n = -(-t_max // cfg.chunk)
+    return min(cfg.splits, n) if cfg.splits else n
+
+
+def _loops(cfg: AttnConfig) -> bool:
+    """Whether a split program walks its chunk in a loop of block_n steps (else: one tile)."""
+    return cfg.splits > 0 or cfg.chunk > cfg.block_n
+
+
 def _merge_block_c(cfg: AttnConfig, nch: int) -> int:
     """Chunks per merge step: the config's merge_chunks, capped at the chunk count (at least 16)."""
     return min(cfg.merge_chunks, max(16, 1 << (nch - 1).bit_length()))
@@ -536,7 +581,7 @@ def _launch_split(q, rope, k_cache, v_cache, t, *, scale, window, softcap, out, 
     hkv, tmax, _ = k_cache.shape
     g = hq // hkv
     cfg = config if config is not None else choose_config(d, g, tmax)
-    nch = -(-tmax // cfg.chunk)
+    nch = _n_chunks(cfg, tmax)
     BLOCK_D = _block_d(d)
     ws = workspace if workspace is not None else attention_workspace(hq, d, tmax, q.device, config=cfg)
     _check_workspace(ws, hq, hkv, nch, BLOCK_D, cfg, inline_merge)
@@ -545,7 +590,8 @@ def _launch_split(q, rope, k_cache, v_cache, t, *, scale, window, softcap, out, 
     half = cos.shape[1] if rope is not None else 1
     is_t = isinstance(t, torch.Tensor)
     t_ptr, t_val = (t, 0) if is_t else (out, int(t))  # dummy pointer when unused
-    common = dict(HAS_WIN=window is not None, BLOCK_D=BLOCK_D, CH=cfg.chunk, BLOCK_C=bc, **pdl.launch_kwargs(q.device))
+    common = dict(HAS_WIN=window is not None, BLOCK_D=BLOCK_D, CH=cfg.chunk, BN=cfg.block_n, SPLITS=cfg.splits,
+                  BLOCK_C=bc, **pdl.launch_kwargs(q.device))
     win = int(window) if window is not None else 0
     _attn_split_kernel[(hkv, nch)](q, k, v, k_cache, v_cache, cos, sin, t_ptr, t_val,
                                    ws.m, ws.l, ws.o, ws.counters, out, g, d, half, ws.m.shape[1],
@@ -554,7 +600,7 @@ def _launch_split(q, rope, k_cache, v_cache, t, *, scale, window, softcap, out, 
                                    float(scale), float(softcap) if softcap is not None else 1.0, win,
                                    T_PTR=is_t, ROPE=rope is not None, MERGE=inline_merge,
                                    HAS_CAP=softcap is not None, BLOCK_G=_block_g(g),
-                                   BLOCK_H=triton.next_power_of_2(half), BN=cfg.block_n,
+                                   BLOCK_H=triton.next_power_of_2(half), LOOP=_loops(cfg),
                                    BLOCK_DM=min(BLOCK_D, MERGE_REGS * 32 * cfg.warps // bc),
                                    num_warps=cfg.warps, num_stages=cfg.stages, **common)
     if not inline_merge:
@@ -646,15 +692,15 @@ def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None 
     Sized for `config`, else for choose_config(d, hq // hkv, t_max); without hkv, for the largest
     chunk count the chooser picks for any group size of hq heads (so that the engine's call,
     which passes no group size, fits whatever decode_attention chooses).
-    Shapes: m, l fp32 [hq, nch]; o fp32 [hq, nch, BLOCK_D]; counters int32 [hq], zeros.
+    Shapes: m, l fp32 [hq, nch]; o fp32 [hq, nch, BLOCK_D]; counters int32 [hq], zeros; nch = the
+    config's split programs per kv head (ceil(t_max / chunk), or with splits P at most P).
     """
     if config is not None:
-        chunk = config.chunk
+        nch = _n_chunks(config, t_max)
     elif hkv is not None:
-        chunk = choose_config(d, hq // hkv, t_max).chunk
+        nch = _n_chunks(choose_config(d, hq // hkv, t_max), t_max)
     else:
-        chunk = min(choose_config(d, g, t_max).chunk for g in _divisors(hq))
-    nch = -(-t_max // chunk)
+        nch = max(_n_chunks(choose_config(d, g, t_max), t_max) for g in _divisors(hq))
     bd = _block_d(d)
     return AttnWorkspace(torch.empty(hq, nch, dtype=torch.float32, device=device),
                          torch.empty(hq, nch, dtype=torch.float32, device=device),
