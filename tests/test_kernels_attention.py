@@ -2,6 +2,7 @@
 attention kernel (decode_attention_fused) vs float64 and vs rope_kv_append + decode_attention."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -234,6 +235,155 @@ def test_engine_style_workspace(hq, hkv):
                             config=at.AttnConfig(chunk=64, block_n=64))
 
 
+# ----------------------------------------------------------------------------- adaptive chunks (splits)
+N_SPLITS = 30
+
+
+def _n_split_chunks(cfg, length, window):
+    """The split programs that hold visible positions (AttnConfig.splits: the span from the window start rounded
+    down to block_n, cut into chunks of max(chunk, ceil(span / P) rounded up to block_n))."""
+    lo = max(length - window, 0) if window is not None else 0
+    span = length - lo // cfg.block_n * cfg.block_n
+    clen = max(cfg.chunk, -(-(-(-span // cfg.splits)) // cfg.block_n) * cfg.block_n)
+    return -(-span // clen)
+
+
+def _split_case(seed):
+    """Small shapes for the interpreter. Lengths: 1; up to P * chunk (the chunks stay `chunk` long, some programs
+    idle); past it (the chunks grow: the adaptive case); exact multiples of P blocks (every chunk full); windows that
+    start inside and on a block."""
+    r = random.Random(5000 + seed)
+    bn = r.choice([16, 32])
+    cfg = at.AttnConfig(splits=r.choice([1, 2, 4, 8, 16, 64]), chunk=bn * r.choice([1, 1, 2, 4]), block_n=bn,
+                        stages=r.choice([1, 2, 3]), merge_chunks=r.choice([2, 16, 64]), merge_d=r.choice([0, 16, 32]))
+    hkv = r.choice([1, 2, 3])
+    g = r.choice([1, 2, 4, 7])
+    d = r.choice([16, 64, 80]) if not ON_GPU else r.choice([64, 128, 256, 80])
+    pc, pb = cfg.splits * cfg.chunk, cfg.splits * bn
+    regime = r.choice(["one", "short", "adaptive", "adaptive", "exact"])
+    if regime in ("adaptive", "exact") and pc > 256:  # keep the cache small for the interpreter
+        cfg = dataclasses.replace(cfg, splits=max(1, 256 // cfg.chunk))
+        pc, pb = cfg.splits * cfg.chunk, cfg.splits * bn
+    if regime == "one":
+        tmax, length = r.choice([1, 40, 97]), 1
+    elif regime == "short":
+        tmax = r.choice([40, 97, 130, 257])
+        length = r.randint(1, min(tmax, pc))
+    elif regime == "adaptive":
+        length = r.randint(pc + 1, 2 * pc + 50)
+        tmax = length + r.choice([0, 0, 13])
+    else:
+        length = pb * r.randint(max(1, -(-pc // pb)), max(1, -(-pc // pb)) + 2)
+        tmax = length + r.choice([0, 7])
+    window = r.choice([None, None, 1, bn, 3 * bn - 5, pc + 17])  # the last: a window span past P * chunk
+    softcap = r.choice([None, None, 30.0])
+    return hkv * g, hkv, d, tmax, length, window, softcap, r.random() < 0.5, cfg
+
+
+@pytest.mark.parametrize("seed", range(N_SPLITS))
+def test_split_configs_random(seed):
+    """Split configs vs float64 and the same-dtype torch bound, merge kernel and inline merge (same bits under the
+    interpreter), two calls bitwise equal. The workspace is filled with NaN first: the programs past the last
+    chunk must not write it and the merge must read only the chunks that were written (else NaN)."""
+    hq, hkv, d, tmax, length, window, softcap, as_tensor, cfg = _split_case(seed)
+    assert at.config_fits(cfg, d, hq // hkv), cfg
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = _inputs(hq, hkv, d, tmax, gen, amp=2.0)
+    kw = dict(scale=d ** -0.5, window=window, softcap=softcap)
+    ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), length, **kw)
+    ref32 = at.decode_attention_torch(q.cpu(), k.cpu(), v.cpu(), length, dtype=torch.float32, **kw)
+    err16 = rel_err(at.decode_attention_torch(q.cpu(), k.cpu(), v.cpu(), length, dtype=torch.float16, **kw), ref32)
+    ln = torch.tensor([length], dtype=torch.int32, device=DEVICE) if as_tensor else length
+    ws = at.attention_workspace(hq, d, tmax, DEVICE, config=cfg)
+    assert ws.m.shape[1] == min(cfg.splits, -(-tmax // cfg.chunk))
+    n = _n_split_chunks(cfg, length, window)
+    assert 1 <= n <= ws.m.shape[1]
+    outs = []
+    for inline_merge in (False, True, False):
+        for buf in ws[:3]:
+            buf.fill_(float("nan"))
+        outs.append(at.decode_attention(q, k, v, ln, split=True, config=cfg, workspace=ws, inline_merge=inline_merge,
+                                        **kw))
+        assert not ws.counters.any()
+        assert ws.m[:, n:].isnan().all() and not ws.m[:, :n].isnan().any(), (cfg.name, length, window, n)
+    y = outs[0]
+    assert rel_err(y, ref) < 2e-3, (cfg.name, length, window, rel_err(y, ref))
+    assert rel_err(y, ref32) <= 2 * err16 + 1e-4, (cfg.name, rel_err(y, ref32), err16)
+    assert torch.equal(outs[2], y)  # bitwise reproducible
+    _assert_same_as_unfused(outs[1], y)  # inline merge: same chunk steps, same order
+
+
+def test_split_config_rule_and_names():
+    """config_fits takes splits of 1..64 (powers of two) and applies the inner loop's shared memory to them even
+    when chunk == block_n (their chunks grow with the length); the name shows P."""
+    cfg = at.AttnConfig(splits=8, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32)
+    assert cfg.name == "p8c64b64s3-w4-m64w4d32"
+    assert at.AttnConfig(splits=8, chunk=128, block_n=128, warps=8, stages=2, merge_chunks=64,
+                         merge_d=32).name == "p8c128b128s2-w8-m64w4d32"
+    assert at.AttnConfig(chunk=64, block_n=64, stages=3).name == "c64-w4-m16w4dall"  # no split: unchanged
+    for p in (1, 2, 4, 8, 16, 32, 64):
+        assert at.config_fits(dataclasses.replace(cfg, splits=p), 128)
+    for p in (-1, 3, 12, 128):
+        assert not at.config_fits(dataclasses.replace(cfg, splits=p), 128)
+    # 3 stages of 64x256 tiles for 64 query heads: over the budget with the loop, inside it as one tile
+    assert not at.config_fits(cfg, 256, 64)
+    assert at.config_fits(dataclasses.replace(cfg, splits=0), 256, 64)
+    assert len({c.name for c in at.CANDIDATE_CONFIGS}) == len(at.CANDIDATE_CONFIGS)
+
+
+def test_split_workspace_sizing(monkeypatch):
+    """A split config's workspace holds min(P, ceil(T_max / chunk)) chunks per head; the engine's call (no config,
+    no group size) covers a split config returned by the chooser, and a too small workspace raises."""
+    cfg = at.AttnConfig(splits=8, chunk=16, block_n=16, stages=2, merge_chunks=64, merge_d=16)
+    for tmax, nch in ((1, 1), (40, 3), (128, 8), (4096, 8)):
+        ws = at.attention_workspace(4, 64, tmax, "cpu", config=cfg)
+        assert ws.m.shape == (4, nch) and ws.o.shape == (4, nch, 64), tmax
+    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max: cfg if g == 2 else at.LEGACY_CONFIG)
+    assert at.attention_workspace(4, 64, 4096, "cpu").m.shape[1] == 64  # LEGACY (g = 1, 4): 4096 / 64
+    assert at.attention_workspace(4, 64, 100, "cpu").m.shape[1] == 7  # the split config (g = 2): 100 / 16
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _inputs(4, 2, 64, 100, gen, amp=2.0)
+    ws = at.attention_workspace(4, 64, 100, DEVICE)
+    ln = torch.tensor([77], dtype=torch.int32, device=DEVICE)
+    y = at.decode_attention(q, k, v, ln, scale=0.125, workspace=ws, split=True)  # the chooser's split config
+    assert rel_err(y, at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), 77, scale=0.125)) < 2e-3
+    small = at.attention_workspace(4, 64, 100, DEVICE, config=dataclasses.replace(cfg, splits=4))
+    with pytest.raises(ValueError, match="workspace"):
+        at.decode_attention(q, k, v, ln, scale=0.125, workspace=small, split=True, config=cfg)
+
+
+@requires_cuda
+@pytest.mark.parametrize("model", list(ATTN_HEADS))
+def test_split_configs_real_heads_gpu(model):
+    """The split candidates at full size over lengths from 1 to the whole cache (below, at and past P * chunk),
+    with and without a window: decode_attention (tensor length) and the fused path (merge kernel and inline merge)
+    against float64, each bitwise reproducible; the caches get rope_kv_append's bits."""
+    hq, hkv, d = ATTN_HEADS[model]
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = _inputs(hq, hkv, d, 4096, gen, amp=2.0)
+    qn, kn, vn, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 4096, gen)
+    ws = at.attention_workspace(hq, d, 4096, "cuda")
+    for cfg in (c for c in at.CANDIDATE_CONFIGS if c.splits and at.config_fits(c, d, hq // hkv)):
+        for length in (1, 63, 64, 65, 255, 256, 257, 1000, 1024, 4095, 4096):
+            ln = torch.tensor([length], dtype=torch.int32, device="cuda")
+            for window in (None, 1000):
+                kw = dict(scale=d ** -0.5, window=window)
+                ref = at.decode_attention_reference(q, k, v, length, **kw)
+                y = at.decode_attention(q, k, v, ln, config=cfg, split=True, workspace=ws, **kw)
+                assert rel_err(y, ref) < 2e-3, (cfg.name, length, window, rel_err(y, ref))
+                assert torch.equal(at.decode_attention(q, k, v, ln, config=cfg, split=True, workspace=ws, **kw), y)
+                fref = _fused_reference(qn, kn, vn, kc, vc, length - 1, cos, sin, **kw)
+                y_unf, kc_unf, vc_unf = _unfused(qn, kn, vn, kc, vc, length - 1, cos, sin, config=cfg, **kw)
+                for inline_merge in (False, True):
+                    kc2, vc2 = kc.clone(), vc.clone()
+                    fkw = dict(kw, config=cfg, workspace=ws, inline_merge=inline_merge)
+                    yf = at.decode_attention_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw)
+                    assert torch.equal(kc2, kc_unf) and torch.equal(vc2, vc_unf)
+                    assert rel_err(yf, fref) < 2e-3 and rel_err(yf, y_unf) < 1e-3, (cfg.name, length, window)
+                    assert torch.equal(at.decode_attention_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw), yf)
+                    assert not ws.counters.any()
+
+
 @requires_cuda
 @pytest.mark.parametrize("model", ["llama-2-7b", "llama-3-8b", "gemma-2-2b", "qwen2.5-0.5b"])
 def test_candidate_configs_real_heads_gpu(model):
@@ -358,7 +508,7 @@ def _split_configs():
     kernel), plus a merge of 2 chunks per step (a 7-chunk cache takes 4 steps)."""
     seen = {}
     for c in at.CANDIDATE_CONFIGS + (at.AttnConfig(chunk=64, block_n=64, merge_chunks=2),):
-        seen.setdefault((c.chunk, c.block_n, c.warps, c.stages, c.merge_chunks), c)
+        seen.setdefault((c.splits, c.chunk, c.block_n, c.warps, c.stages, c.merge_chunks), c)
     return list(seen.values())
 
 
@@ -377,6 +527,49 @@ def test_fused_attention_configs(cfg):
         y = _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw)
         assert rel_err(y, ref) < 2e-3, (cfg.name, d, rel_err(y, ref))
         _assert_same_as_unfused(y, y_unf)
+
+
+N_FUSED_SPLITS = 14
+
+
+def _check_fused_split(q, k, v, kc, vc, pos, cos, sin, as_tensor, cfg, **kw):
+    """decode_attention_fused with a split config, merge kernel and inline merge, against float64 and against
+    rope_kv_append + decode_attention (same config): the caches get exactly rope_kv_append's bits, q is untouched,
+    two calls agree bitwise and the inline merge's counters end at zero (_run_fused)."""
+    ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
+    y_unf, kc_unf, vc_unf = _unfused(q, k, v, kc, vc, pos, cos, sin, config=cfg, **kw)
+    q0 = q.clone()
+    for inline_merge in (False, True):
+        kc2, vc2 = kc.clone(), vc.clone()
+        y = _run_fused(q, k, v, kc2, vc2, pos, cos, sin, as_tensor, config=cfg, inline_merge=inline_merge, **kw)
+        assert torch.equal(kc2.cpu(), kc_unf.cpu()) and torch.equal(vc2.cpu(), vc_unf.cpu()), (cfg.name, pos)
+        assert torch.equal(q, q0)
+        assert rel_err(y, ref) < 2e-3, (cfg.name, pos, inline_merge, rel_err(y, ref))
+        _assert_same_as_unfused(y, y_unf)
+
+
+@pytest.mark.parametrize("seed", range(N_FUSED_SPLITS))
+def test_fused_split_configs_random(seed):
+    """The fused path with split configs over the cases of test_split_configs_random (the new token at
+    length - 1), full and partial rotary."""
+    hq, hkv, d, tmax, length, window, softcap, as_tensor, cfg = _split_case(100 + seed)
+    rot = random.Random(seed).choice([d, d // 2])
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, rot, tmax, gen)
+    _check_fused_split(q, k, v, kc, vc, length - 1, cos, sin, as_tensor, cfg, scale=d ** -0.5, window=window,
+                       softcap=softcap)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("pos", [0, 63, 64, 95, 192])
+def test_fused_split_chunk_boundaries(pos, window):
+    """4 splits of 16-position blocks: lengths 1 and 64 keep 16-position chunks (64: all 4 full), 65 puts the new
+    position first in a 32-position chunk, 96 last in one, 193 first in a 64-position chunk; a window whose span
+    is cut into adaptive chunks too. GQA 6/2 x 64, cache of 200 positions."""
+    cfg = at.AttnConfig(splits=4, chunk=16, block_n=16, stages=2, merge_chunks=64, merge_d=16)
+    gen = torch.Generator().manual_seed(pos)
+    q, k, v, kc, vc, cos, sin = _fused_inputs(6, 2, 64, 64, 200, gen)
+    _check_fused_split(q, k, v, kc, vc, pos, cos, sin, True, cfg, scale=0.125, window=window)
 
 
 def test_inline_merge_in_column_slices(monkeypatch):
@@ -460,19 +653,24 @@ def test_fused_attention_real_heads_gpu(model, length, inline_merge, monkeypatch
     assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
 
 
+SPLIT_CANDIDATES = [c for c in at.CANDIDATE_CONFIGS if c.splits]
+
+
 @requires_cuda
+@pytest.mark.parametrize("cfg", [None] + SPLIT_CANDIDATES, ids=lambda c: c.name if c else "chosen")
 @pytest.mark.parametrize("inline_merge", [False, True])
 @pytest.mark.parametrize("window", [None, 1000])
-def test_fused_attention_cuda_graph_gpu(window, inline_merge):
+def test_fused_attention_cuda_graph_gpu(window, inline_merge, cfg):
     """Captured once, replayed with new positions (the engine's use): each replay gives the bits of an eager
-    call at that position, and leaves the counters at zero."""
+    call at that position, and leaves the counters at zero. With a split config the chunk length follows each
+    replay's position (64 positions up to 64 * P, longer past it) inside the one captured launch."""
     hq, hkv, d = ATTN_HEADS["llama-3-8b"]
     gen = torch.Generator().manual_seed(1)
     q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 2048, gen)
     pos = torch.tensor([100], dtype=torch.int32, device="cuda")
-    ws = at.attention_workspace(hq, d, 2048, "cuda")
+    ws = at.attention_workspace(hq, d, 2048, "cuda")  # the engine's: large enough for the split configs too
     out = torch.empty(hq, d, dtype=torch.float16, device="cuda")
-    kw = dict(scale=d ** -0.5, window=window)
+    kw = dict(scale=d ** -0.5, window=window, config=cfg)
 
     def call():
         at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, inline_merge=inline_merge, **kw)
@@ -485,7 +683,7 @@ def test_fused_attention_cuda_graph_gpu(window, inline_merge):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    for p in (0, 63, 64, 100, 1000, 2047):
+    for p in (0, 63, 64, 100, 511, 512, 1000, 2047):
         pos.fill_(p)
         graph.replay()
         torch.cuda.synchronize()
@@ -493,5 +691,5 @@ def test_fused_attention_cuda_graph_gpu(window, inline_merge):
         replayed = out.clone()
         assert torch.equal(replayed, at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, inline_merge=inline_merge,
                                                                **kw)), p
-        ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, **kw)  # the slot p now holds the roped k
+        ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, scale=d ** -0.5, window=window)  # slot p: roped k
         assert rel_err(replayed, ref) < 2e-3, p
