@@ -1,9 +1,11 @@
 """Sweep the split-KV decode-attention configs (trapetum.kernels.attention.CANDIDATE_CONFIGS) on CUDA.
 
-    python scripts/attn_sweep.py --out DIR [--configs NAME,...] [--shapes NAME,...] [--replays N]
+    python scripts/attn_sweep.py --out DIR [--configs NAME,...] [--shapes SHAPE,...] [--replays N] [--jobs N]
 
 Shapes (cache T_max = 4096, length as a device tensor, as the engine runs it): MHA 32/32x128 and
 GQA 32/8x128 at 1024 and 4096 positions, 8/4x256 (Gemma-2-2B), 4/1x256 and 9/3x64 (SmolLM2) at 4096.
+--shapes takes names or substrings of those, or any LABEL-HQ/HKVxD@LENGTH (e.g. mha-32/32x128@128: the same
+heads at another length, LENGTH <= 4096), in the order given.
 Two figures per config: "us" is decode_attention (split kernel + merge kernel over a roped q, as before
 the fused kernel), "fused us" is decode_attention_fused, what the engine's decode step runs (RoPE of the
 new token and its KV append inside the split kernel, then the merge kernel: two launches). The caches hold
@@ -14,10 +16,14 @@ second call bitwise equal) before timing; configs that break
 the static rule (config_fits) are skipped. Timing: >= 20 calls captured in one CUDA graph, each call on another of several cache
 copies (2-64 copies, >= 256 MB of K/V read between two reads of one copy where 64 copies allow it:
 5x the H200's 50 MB L2, so K/V come from HBM); median over
-timed replays of replay time / calls (PDL off: each launch's full cost). GB/s = K+V bytes of `length`
-positions / time (of "us"). The row "seq" is the sequential kernel (TRAPETUM_ATTN=seq) for reference;
-"*" marks what choose_config picks.
-Prints a table per shape and a summary; writes DIR/attn_sweep.json and DIR/attn_sweep.md with --out.
+timed replays of replay time / calls (PDL off: each launch's full cost; off for the checks too, so that each
+kernel variant compiles once). GB/s = K+V bytes of `length` positions / time (of "us"). The row "seq" is the
+sequential kernel (TRAPETUM_ATTN=seq) for reference; "*" marks what choose_config picks.
+Compiling is most of the run (per config: the split kernel plain and fused for each group size, and two merge
+kernels): --jobs N (default 8 on CUDA) first compiles the configs in N worker processes into Triton's on-disk
+cache (--compile-only runs one such worker), then the run loads them from there.
+Prints a table per shape (one row per config) and a summary; writes DIR/attn_sweep.json and DIR/attn_sweep.md
+with --out.
 Exit status 1 if any config gave a wrong result or failed to compile.
 --cpu-smoke runs this script's checks on the CPU under the Triton interpreter (small cache, a few
 configs, no timing): a test of the script, not of the kernels' speed.
@@ -30,6 +36,8 @@ import json
 import math
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,6 +65,22 @@ SMOKE_SHAPES = [("smoke-2/2x128@600", 2, 2, 128, 600), ("smoke-4/1x256@623", 4, 
                 ("smoke-3/1x64@100", 3, 1, 64, 100)]
 
 
+def parse_shapes(spec, known):
+    """The shapes a --shapes value names: per comma-separated token an exact name of `known`, a spec
+    LABEL-HQ/HKVxD@LENGTH, or else every known shape whose name contains it; in the order given, once each."""
+    out = []
+    for tok in spec.split(","):
+        m = re.fullmatch(r"([\w.]+)-(\d+)/(\d+)x(\d+)@(\d+)", tok)
+        if any(tok == s[0] for s in known):
+            hits = [s for s in known if s[0] == tok]
+        elif m:
+            hits = [(tok, *map(int, m.groups()[1:]))]
+        else:
+            hits = [s for s in known if tok in s[0]]
+        out += [h for h in hits if h not in out]
+    return out
+
+
 def rel_err(y, ref):
     y, ref = y.double(), ref.double()
     if not torch.isfinite(y).all():
@@ -73,7 +97,7 @@ def _check(y, y2, ref):
 
 
 def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
-    """Check and time decode_attention_fused with cfg into row["fused_*"] (once per distinct config)."""
+    """Check and time (replays > 0) decode_attention_fused with cfg into row["fused_*"] (once per distinct config)."""
     key = dataclasses.astuple(cfg)
     if key in fused_seen:
         row.update(fused_seen[key])
@@ -90,7 +114,9 @@ def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
         res["fused_status"], res["fused_rel_err"] = _check(y, y2, ref)
     except Exception as e:  # a compile / launch failure is a result too
         res["fused_status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
-    if res["fused_status"] == "ok" and dev == "cuda":
+    if res["fused_status"] == "ok" and not replays:
+        res["fused_status"] = "ok (not timed)"
+    elif res["fused_status"] == "ok":
         calls = [(lambda i=i % n_copies: at.decode_attention_fused(qn[i], kn[i], vn[i], ks[i], vs[i], pos, cos, sin,
                                                                    out=outs[i], **kw)) for i in range(n_calls)]
         res["fused_us"] = graph_time_calls(calls, replays=replays, warmup=2)
@@ -99,10 +125,11 @@ def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
 
 
 def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX):
+    """Check and time each config (None: the sequential kernel) at one shape; replays=0: check only (one cache)."""
     g = hq // hkv
     scale = d ** -0.5
     kv_bytes = 2 * hkv * length * d * 2
-    n_copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes))) if dev == "cuda" else 1
+    n_copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / kv_bytes))) if replays else 1
     n_calls = max(20, n_copies)
     gen = torch.Generator(device=dev).manual_seed(length * 7 + d)
     # the new token (un-roped q, k, v) and caches that already hold its roped k / v at length - 1
@@ -120,7 +147,7 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
     chosen = at.choose_config(d, g, t_max)
     rows = []
     fused_seen = {}
-    for cfg in [None] + configs:  # None: the sequential kernel
+    for cfg in configs:
         label = "seq" if cfg is None else cfg.name
         row = {"config": label, "params": None if cfg is None else dataclasses.asdict(cfg),
                "chosen": cfg == chosen, "status": "ok"}
@@ -144,7 +171,7 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
         row["status"], row["rel_err"] = _check(y, y2, ref)
         if row["status"] != "ok":
             continue
-        if dev != "cuda":
+        if not replays:
             row["status"] = "ok (not timed)"
             continue
         calls = [(lambda i=i % n_copies, kw=kw: at.decode_attention(qs[i], ks[i], vs[i], ln, out=outs[i], **kw))
@@ -162,20 +189,22 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
 
 
 def shape_table(res):
+    """One row per config: us (split + merge kernel), fused us (the engine's decode_attention_fused), GB/s of us, the
+    larger rel. error of the two; status 'ok' or what went wrong."""
     lines = [(f"### {res['shape']}  (K+V {res['kv_bytes'] / 1e6:.1f} MB read; {res['cache_copies']} cache copies, "
               f"{res['calls_per_graph']} calls per graph)"),
-             "| config | us | GB/s | rel err | status | fused us | fused rel err | fused status |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| config | us | fused us | GB/s | rel err | status |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         mark = (" *" if r["chosen"] else "") + (" (best)" if r["config"] == res["best"] else "") + \
             (" (best fused)" if r["config"] == res["best_fused"] else "")
         us = f"{r['us']:.2f}" if "us" in r else "-"
-        gb = f"{r['GBps']:,.0f}" if "GBps" in r else "-"
-        er = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         fus = f"{r['fused_us']:.2f}" if "fused_us" in r else "-"
-        fer = f"{r['fused_rel_err']:.1e}" if "fused_rel_err" in r else "-"
-        lines.append(f"| {r['config']}{mark} | {us} | {gb} | {er} | {r['status']} | {fus} | {fer} | "
-                     f"{r.get('fused_status', '-')} |")
+        gb = f"{r['GBps']:,.0f}" if "GBps" in r else "-"
+        errs = [r[k] for k in ("rel_err", "fused_rel_err") if k in r]
+        er = f"{max(errs):.1e}" if errs else "-"
+        fst = r.get("fused_status", r["status"])
+        st = r["status"] if fst == r["status"] else f"{r['status']}; fused: {fst}"
+        lines.append(f"| {r['config']}{mark} | {us} | {fus} | {gb} | {er} | {st} |")
     return "\n".join(lines)
 
 
@@ -194,45 +223,73 @@ def summary_table(results):
     return "\n".join(lines)
 
 
+def precompile(configs, shapes, jobs):
+    """Compile the configs' kernels for the shapes in `jobs` worker processes (--compile-only: the same checks, one
+    cache copy, no timing) into Triton's on-disk cache, from which this process then loads them. A worker that
+    fails only costs time: this process compiles what is missing and reports any error itself."""
+    t = time.time()
+    groups = [g for g in (configs[i::jobs] for i in range(jobs)) if g]
+    procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--configs", ",".join(c.name for c in g),
+                               "--shapes", ",".join(s[0] for s in shapes)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for g in groups]
+    rcs = [p.wait() for p in procs]
+    print(f"(compiled in {len(procs)} processes, {time.time() - t:.1f} s; exit codes {rcs})\n", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="directory for attn_sweep.json / attn_sweep.md")
     ap.add_argument("--configs", help="comma-separated config names (default: all candidates)")
-    ap.add_argument("--shapes", help="comma-separated shape names or substrings (default: all)")
+    ap.add_argument("--shapes", help="comma-separated shape names, substrings, or LABEL-HQ/HKVxD@LENGTH (default: all)")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--jobs", type=int, default=8, help="processes that compile the kernels first (CUDA; 1: none)")
+    ap.add_argument("--compile-only", action="store_true", help="check the configs without timing (a --jobs worker)")
     ap.add_argument("--list", action="store_true", help="print the shapes and candidate configs and exit")
     ap.add_argument("--cpu-smoke", action="store_true", help="check this script on the CPU interpreter (no timing)")
     a = ap.parse_args()
 
+    dev, t_max = ("cpu", 640) if a.cpu_smoke else ("cuda", T_MAX)
+    known = SMOKE_SHAPES if a.cpu_smoke else SHAPES
+    shapes = parse_shapes(a.shapes, known) if a.shapes else known
+    for name, hq, hkv, d, length in shapes:
+        if not (hkv >= 1 and hq % hkv == 0 and 1 <= length <= t_max):
+            print(f"attn_sweep: shape {name}: needs Hq a multiple of Hkv and 1 <= length <= {t_max}", file=sys.stderr)
+            return 2
     configs = list(at.CANDIDATE_CONFIGS)
-    for d, g in {(d, hq // hkv) for _, hq, hkv, d, _ in SHAPES}:  # the chooser's picks are timed too
-        c = at.choose_config(d, g, T_MAX)
+    for d, g in {(d, hq // hkv) for _, hq, hkv, d, _ in shapes}:  # the chooser's picks are timed too
+        c = at.choose_config(d, g, t_max)
         if c not in configs:
             configs.append(c)
     if a.configs:
         want = a.configs.split(",")
         configs = [c for c in configs if c.name in want]
-    shapes = [s for s in (SMOKE_SHAPES if a.cpu_smoke else SHAPES)
-              if not a.shapes or any(w in s[0] for w in a.shapes.split(","))]
     if a.list:
         print("shapes:", ", ".join(s[0] for s in shapes))
         print("configs:\n  " + "\n  ".join(f"{c.name}: {c}" for c in configs))
         return 0
-    dev, t_max = ("cpu", 640) if a.cpu_smoke else ("cuda", T_MAX)
     if dev == "cuda" and not torch.cuda.is_available():
         print("attn_sweep: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
-    import triton
     t0 = time.time()
+    if dev == "cuda":
+        os.environ["TRAPETUM_PDL"] = "0"  # as graph_time_calls times: the checks compile the timed kernels
+        if a.jobs > 1 and not a.compile_only:
+            precompile(configs, shapes, min(a.jobs, len(configs)))
+    replays = 0 if a.compile_only or dev != "cuda" else a.replays
+    configs = ([] if a.compile_only else [None]) + configs  # None: the sequential kernel ("seq")
+    import triton
     results = []
     for name, hq, hkv, d, length in shapes:
         t = time.time()
-        res = sweep_shape(name, hq, hkv, d, length, configs, a.replays, dev, t_max)
+        res = sweep_shape(name, hq, hkv, d, length, configs, replays, dev, t_max)
         results.append(res)
         if dev == "cuda":
             torch.cuda.empty_cache()  # the shape's caches are gone with sweep_shape's frame
-        print(shape_table(res), flush=True)
-        print(f"({time.time() - t:.1f} s)\n", flush=True)
+        if not a.compile_only:
+            print(shape_table(res), flush=True)
+            print(f"({time.time() - t:.1f} s)\n", flush=True)
+    if a.compile_only:
+        return 0
     summary = summary_table(results)
     print(f"## Summary (T_max {t_max}, * = choose_config)")
     print(summary)
