@@ -18,12 +18,12 @@ per step loaded together (the first version's one dependent load per chunk made 
 KV reads, the larger part of the time at 4k positions), one program per (query head, slice of
 `merge_d` columns) so that a few dozen heads still fill the GPU.
 Adaptive chunks (AttnConfig.splits = P > 0, flash-decoding's "num_splits"): the grid is (Hkv, P) whatever
-the length, and each program's chunk follows the run-time length L: the visible span, from the window start
-rounded down to a block_n boundary to L, is cut into chunks of max(chunk, ceil(span / P) rounded up to
-block_n) positions, walked block_n at a time in a loop of run-time trip count (pipelined over `stages`).
-Programs past the last chunk exit; the merge recomputes the chunk count from the length. So one captured
-launch runs P long pipelined chunks per kv head at 4k and, at short lengths, `chunk`-position chunks as the
-fixed split does (up to P of them).
+the length (P capped at ceil(T_max / chunk)), and each program's chunk follows the run-time length L: the
+visible span, from the window start rounded down to a block_n boundary to L, is cut into chunks of
+max(chunk, ceil(span / P) rounded up to block_n) positions, walked block_n at a time in a loop of run-time
+trip count (pipelined over `stages`). Programs past the last chunk exit; the merge recomputes the chunk
+count from the length. So one captured launch runs P long pipelined chunks per kv head at 4k and, at short
+lengths, `chunk`-position chunks as the fixed split does (up to P of them).
 The knobs live in an AttnConfig; `choose_config(D, G, T_max)` picks one (`decode_attention(...,
 config=...)` forces one: scripts/attn_sweep.py times the CANDIDATE_CONFIGS that way), and
 `config_fits` is the static rule that keeps a config inside shared memory / registers for a head dim.
@@ -37,11 +37,13 @@ same split kernel (two constexpr switches), then the merge kernel; with inline_m
           (fused.rope_append_kv: the bits rope_kv_append writes) and only then, after a CTA barrier,
           reads its chunk. Programs of other chunks cover older positions only, so no program reads
           that slot before it is written.
-  MERGE   (inline merge) each program stores its partials, then adds 1 to its kv head's counter in
-          the workspace (atomic, acq_rel, gpu scope, after a CTA barrier: the release covers every
-          thread's stores); the program that arrives last merges the chunks of the G heads with the
-          merge kernel's code (same chunk steps, same fixed order: the same bits whichever program
-          arrives last), writes the output and sets the counter back to 0 for the next call / replay.
+  MERGE   (inline merge) each program with visible positions (the others exit without counting) stores
+          its partials, then adds 1 to its kv head's counter in the workspace (atomic, acq_rel, gpu
+          scope, after a CTA barrier: the release covers every thread's stores); the program that
+          arrives last (the count reaches the number of chunks with visible positions) merges the
+          chunks of the G heads with the merge kernel's code (same chunk steps, same fixed order: the
+          same bits whichever program arrives last), writes the output and sets the counter back to 0
+          for the next call / replay.
 Without MERGE (the default) the partials go to the merge kernel as before: on the H200 the inline merge
 lost to it for GQA and at 4k positions (its last program merges G heads x 64 chunks one step after another;
 NOTES-engine.md, session 5), so it is opt-in. Results are bitwise reproducible for a given config either way.
