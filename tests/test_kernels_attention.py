@@ -338,7 +338,7 @@ def test_split_workspace_sizing(monkeypatch):
     for tmax, nch in ((1, 1), (40, 3), (128, 8), (4096, 8)):
         ws = at.attention_workspace(4, 64, tmax, "cpu", config=cfg)
         assert ws.m.shape == (4, nch) and ws.o.shape == (4, nch, 64), tmax
-    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max: cfg if g == 2 else at.LEGACY_CONFIG)
+    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max, strict=True: cfg if g == 2 else at.LEGACY_CONFIG)
     assert at.attention_workspace(4, 64, 4096, "cpu").m.shape[1] == 64  # LEGACY (g = 1, 4): 4096 / 64
     assert at.attention_workspace(4, 64, 100, "cpu").m.shape[1] == 7  # the split config (g = 2): 100 / 16
     gen = torch.Generator().manual_seed(2)
@@ -693,3 +693,28 @@ def test_fused_attention_cuda_graph_gpu(window, inline_merge, cfg):
                                                                **kw)), p
         ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, scale=d ** -0.5, window=window)  # slot p: roped k
         assert rel_err(replayed, ref) < 2e-3, p
+
+
+def test_named_config_from_the_environment(monkeypatch):
+    """TRAPETUM_ATTN_CONFIG names a candidate for launches without a config (read at each call); an unknown
+    name or one that breaks the rule for the launch's head dim is an error naming the variable; workspace
+    sizing (strict=False) falls back to the default where the named config does not fit."""
+    split = next(c for c in at.CANDIDATE_CONFIGS if c.splits == 8 and c.block_n == 64)
+    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", split.name)
+    assert at.choose_config(128, 1, 4096) == split
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _inputs(4, 2, 64, 100, gen, amp=2.0)
+    ln = torch.tensor([90], dtype=torch.int32, device=DEVICE)
+    y = at.decode_attention(q, k, v, ln, scale=0.125, split=True)
+    ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), 90, scale=0.125)
+    assert rel_err(y, ref) < 2e-3
+    assert torch.equal(y, at.decode_attention(q, k, v, ln, scale=0.125, config=split))
+    big = next(c for c in at.CANDIDATE_CONFIGS if c.splits == 8 and c.block_n == 128)
+    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", big.name)
+    assert not at.config_fits(big, 256, 1)
+    with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG.*does not fit"):
+        at.choose_config(256, 1, 4096)
+    assert at.choose_config(256, 1, 4096, strict=False) == at._default_config(256, 1, 4096)
+    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", "c7-nonsense")
+    with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG: unknown config 'c7-nonsense'"):
+        at.choose_config(128, 1, 4096)

@@ -14,7 +14,7 @@ and in one process measures:
   * peak GPU memory of each engine;
   * with --switches, the same decode bins with each kill switch (TRAPETUM_GRAPH=0, TRAPETUM_FUSE=0,
     TRAPETUM_TC=0, TRAPETUM_ATTN=unfused, TRAPETUM_ATTN=seq, TRAPETUM_PDL=0) so every optimization's share is
-    visible.
+    visible; with --attn-configs NAME,..., the same bins with each named attention config (TRAPETUM_ATTN_CONFIG).
 Writes results.json, results.md and decode.png under DIR; prints the table last.
 """
 from __future__ import annotations
@@ -151,7 +151,7 @@ def with_env(name: str, value: str):
 
 
 def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | None = None,
-        bins: tuple[int, ...] = BINS) -> dict:
+        bins: tuple[int, ...] = BINS, attn_configs: tuple[str, ...] = ()) -> dict:
     from ..runtime.engine import GpuEngine
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                "models": {}}
@@ -182,6 +182,11 @@ def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | N
                 eng.use_graph = False
                 r["switches"]["TRAPETUM_GRAPH=0"] = decode_bins(eng, bins=(0,), steps=32)
                 eng.use_graph = True
+            for name in attn_configs:  # the same bins with each named attention config (graphs recaptured)
+                with with_env("TRAPETUM_ATTN_CONFIG", name):
+                    eng.graphs.clear()
+                    r.setdefault("switches", {})[f"TRAPETUM_ATTN_CONFIG={name}"] = decode_bins(eng, bins)
+                eng.graphs.clear()
             del eng
             torch.cuda.empty_cache()
             if switches:
@@ -258,12 +263,22 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="", help="comma list from fp16, cb4, aqlm-2x8, aqlm-1x16 "
                    f"(default: {', '.join(FORMATS)}; {', '.join(f'{k}: {v}' for k, v in SHAPE_FORMATS.items())})")
     p.add_argument("--bins", default=",".join(map(str, BINS)), help="decode start positions (128 steps each)")
+    p.add_argument("--attn-configs", default="", help="comma list of attention candidate names (AttnConfig.name): "
+                   "the bins again with each (TRAPETUM_ATTN_CONFIG), next to the default")
     a = p.parse_args(argv)
+    from ..kernels.attention import named_config
+    names = tuple(n for n in a.attn_configs.split(",") if n)
+    try:
+        for n in names:
+            named_config(n)
+    except ValueError as e:
+        print(f"bench_e2e: --attn-configs: {e}")
+        return 2
     if not torch.cuda.is_available():
         print("bench_e2e needs a CUDA GPU")
         return 1
     run(a.models.split(","), a.switches, Path(a.out), [f for f in a.formats.split(",") if f] or None,
-        tuple(int(b) for b in a.bins.split(",") if b))
+        tuple(int(b) for b in a.bins.split(",") if b), names)
     return 0
 
 

@@ -184,8 +184,31 @@ def config_fits(cfg: AttnConfig, d: int, g: int = 1) -> bool:
     return cfg.block_n * _block_d(d) <= TILE_PER_THREAD * 32 * cfg.warps
 
 
+def choose_config(d: int, g: int, t_max: int, strict: bool = True) -> AttnConfig:
+    """The config of a launch without one: the candidate named by TRAPETUM_ATTN_CONFIG (read at each call, so
+    at graph capture; for benchmarks and experiments, e.g. `bench_e2e --attn-configs`), else _default_config.
+    A named config that breaks the static rule for (d, g) is an error, or with strict=False (workspace
+    sizing over group sizes no launch may use) the default."""
+    name = os.environ.get("TRAPETUM_ATTN_CONFIG", "")
+    if name:
+        cfg = named_config(name)
+        if config_fits(cfg, d, g):
+            return cfg
+        if strict:
+            raise ValueError(f"TRAPETUM_ATTN_CONFIG: {name} does not fit head dim {d}, group size {g} (config_fits)")
+    return _default_config(d, g, t_max)
+
+
+def named_config(name: str) -> AttnConfig:
+    """The candidate config called `name` (AttnConfig.name)."""
+    by_name = {c.name: c for c in CANDIDATE_CONFIGS}
+    if name not in by_name:
+        raise ValueError(f"TRAPETUM_ATTN_CONFIG: unknown config {name!r}; candidates: {', '.join(by_name)}")
+    return by_name[name]
+
+
 @functools.lru_cache(maxsize=256)
-def choose_config(d: int, g: int, t_max: int) -> AttnConfig:
+def _default_config(d: int, g: int, t_max: int) -> AttnConfig:
     """The production config for head dim d, group size g, cache of t_max positions.
 
     64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
@@ -702,7 +725,7 @@ def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None 
     elif hkv is not None:
         nch = _n_chunks(choose_config(d, hq // hkv, t_max), t_max)
     else:
-        nch = max(_n_chunks(choose_config(d, g, t_max), t_max) for g in _divisors(hq))
+        nch = max(_n_chunks(choose_config(d, g, t_max, strict=False), t_max) for g in _divisors(hq))
     bd = _block_d(d)
     return AttnWorkspace(torch.empty(hq, nch, dtype=torch.float32, device=device),
                          torch.empty(hq, nch, dtype=torch.float32, device=device),
