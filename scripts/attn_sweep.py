@@ -144,7 +144,7 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
     outs = [torch.empty(hq, d, device=dev, dtype=torch.float16) for _ in range(n_copies)]
     ln = torch.tensor([length], dtype=torch.int32, device=dev)
     ref = at.decode_attention_reference(qs[0], ks[0], vs[0], length, scale=scale)
-    chosen = at.choose_config(d, g, t_max)
+    chosen = at.choose_config(d, g, t_max, hkv)
     rows = []
     fused_seen = {}
     for cfg in configs:
@@ -256,8 +256,8 @@ def main() -> int:
             print(f"attn_sweep: shape {name}: needs Hq a multiple of Hkv and 1 <= length <= {t_max}", file=sys.stderr)
             return 2
     configs = list(at.CANDIDATE_CONFIGS)
-    for d, g in {(d, hq // hkv) for _, hq, hkv, d, _ in shapes}:  # the chooser's picks are timed too
-        c = at.choose_config(d, g, t_max)
+    for d, g, hkv in {(d, hq // hkv, hkv) for _, hq, hkv, d, _ in shapes}:  # the chooser's picks are timed too
+        c = at.choose_config(d, g, t_max, hkv)
         if c not in configs:
             configs.append(c)
     if a.configs:

@@ -3,6 +3,7 @@ attention kernel (decode_attention_fused) vs float64 and vs rope_kv_append + dec
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
@@ -154,8 +155,8 @@ def test_smem_model_never_below_measured():
 def test_chooser_stays_inside_resources(d):
     bd = max(16, 1 << (d - 1).bit_length())
     for g in (1, 2, 3, 4, 7, 8, 16, 64):
-        for t_max in (1, 63, 64, 1000, 4096, 32768, 131072):
-            cfg = at.choose_config(d, g, t_max)
+        for t_max, hkv in itertools.product((1, 63, 64, 1000, 4096, 32768, 131072), (None, 1, 8, 32, 64)):
+            cfg = at.choose_config(d, g, t_max, hkv)
             assert at.config_fits(cfg, d, g), (d, g, t_max, cfg)
             loop = cfg.chunk > cfg.block_n
             assert at.smem_estimate(cfg.block_n, d, cfg.stages, loop, g) <= at.SMEM_BUDGET
@@ -204,13 +205,12 @@ def test_workspace_sizing():
     for hq, d, tmax in ((32, 128, 4096), (8, 256, 4096), (9, 64, 1000), (14, 80, 65)):
         m, l, o, counters = at.attention_workspace(hq, d, tmax, "cpu")
         bd = max(16, 1 << (d - 1).bit_length())
-        chunk = min(at.choose_config(d, g, tmax).chunk for g in range(1, hq + 1) if hq % g == 0)
-        nch = -(-tmax // chunk)
+        nch = max(at._n_chunks(at.choose_config(d, g, tmax, hq // g), tmax) for g in range(1, hq + 1) if hq % g == 0)
         assert m.shape == l.shape == (hq, nch) and o.shape == (hq, nch, bd)
         assert m.dtype == l.dtype == o.dtype == torch.float32
         assert counters.dtype == torch.int32 and counters.shape == (hq,) and not counters.any()
         for hkv in (hkv for hkv in range(1, hq + 1) if hq % hkv == 0):
-            need = -(-tmax // at.choose_config(d, hq // hkv, tmax).chunk)
+            need = at._n_chunks(at.choose_config(d, hq // hkv, tmax, hkv), tmax)
             assert at.attention_workspace(hq, d, tmax, "cpu", hkv=hkv)[0].shape[1] == need <= nch
         cfg = at.AttnConfig(chunk=256, block_n=64, stages=2)
         assert at.attention_workspace(hq, d, tmax, "cpu", config=cfg)[2].shape == (hq, -(-tmax // 256), bd)
@@ -338,7 +338,7 @@ def test_split_workspace_sizing(monkeypatch):
     for tmax, nch in ((1, 1), (40, 3), (128, 8), (4096, 8)):
         ws = at.attention_workspace(4, 64, tmax, "cpu", config=cfg)
         assert ws.m.shape == (4, nch) and ws.o.shape == (4, nch, 64), tmax
-    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max, strict=True: cfg if g == 2 else at.LEGACY_CONFIG)
+    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max, hkv=None, strict=True: cfg if g == 2 else at.LEGACY_CONFIG)
     assert at.attention_workspace(4, 64, 4096, "cpu").m.shape[1] == 64  # LEGACY (g = 1, 4): 4096 / 64
     assert at.attention_workspace(4, 64, 100, "cpu").m.shape[1] == 7  # the split config (g = 2): 100 / 16
     gen = torch.Generator().manual_seed(2)
@@ -715,6 +715,10 @@ def test_named_config_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG.*does not fit"):
         at.choose_config(256, 1, 4096)
     assert at.choose_config(256, 1, 4096, strict=False) == at._default_config(256, 1, 4096)
+    monkeypatch.delenv("TRAPETUM_ATTN_CONFIG")
+    # the default: 8 length-adaptive splits with >= 32 kv heads (MHA 32x128), fixed 64-position chunks otherwise
+    assert at.choose_config(128, 1, 4224, 32) == at.SPLIT8_CONFIG
+    assert at.choose_config(128, 4, 4224, 8).splits == 0 and at.choose_config(128, 1, 4224).splits == 0
     monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", "c7-nonsense")
     with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG: unknown config 'c7-nonsense'"):
         at.choose_config(128, 1, 4096)

@@ -24,7 +24,7 @@ max(chunk, ceil(span / P) rounded up to block_n) positions, walked block_n at a 
 trip count (pipelined over `stages`). Programs past the last chunk exit; the merge recomputes the chunk
 count from the length. So one captured launch runs P long pipelined chunks per kv head at 4k and, at short
 lengths, `chunk`-position chunks as the fixed split does (up to P of them).
-The knobs live in an AttnConfig; `choose_config(D, G, T_max)` picks one (`decode_attention(...,
+The knobs live in an AttnConfig; `choose_config(D, G, T_max, Hkv)` picks one (`decode_attention(...,
 config=...)` forces one: scripts/attn_sweep.py times the CANDIDATE_CONFIGS that way), and
 `config_fits` is the static rule that keeps a config inside shared memory / registers for a head dim.
 TRAPETUM_ATTN=seq selects the sequential kernel (one program per kv head walking every chunk), kept as
@@ -108,6 +108,8 @@ class AttnConfig:
 
 
 LEGACY_CONFIG = AttnConfig()  # the kernel before configs: 64-position chunks, 4 warps, merge 16 per step
+# 8 length-adaptive splits per kv head: 512-position chunks at 4k, the default's 64 at <= 512 positions
+SPLIT8_CONFIG = AttnConfig(splits=8, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32)
 
 # Explicit candidates timed by scripts/attn_sweep.py (and checked against float64 by the tests);
 # the ones that break the rule for a head dim are skipped there.
@@ -127,7 +129,7 @@ CANDIDATE_CONFIGS = (
     AttnConfig(chunk=256, block_n=128, warps=8, stages=2, merge_chunks=64, merge_d=32),
     # adaptive chunks (splits): one captured launch whose chunk length follows the run-time length
     AttnConfig(splits=4, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
-    AttnConfig(splits=8, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
+    SPLIT8_CONFIG,
     AttnConfig(splits=16, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32),
     AttnConfig(splits=8, chunk=128, block_n=128, warps=8, stages=2, merge_chunks=64, merge_d=32),
 )
@@ -184,7 +186,7 @@ def config_fits(cfg: AttnConfig, d: int, g: int = 1) -> bool:
     return cfg.block_n * _block_d(d) <= TILE_PER_THREAD * 32 * cfg.warps
 
 
-def choose_config(d: int, g: int, t_max: int, strict: bool = True) -> AttnConfig:
+def choose_config(d: int, g: int, t_max: int, hkv: int | None = None, strict: bool = True) -> AttnConfig:
     """The config of a launch without one: the candidate named by TRAPETUM_ATTN_CONFIG (read at each call, so
     at graph capture; for benchmarks and experiments, e.g. `bench_e2e --attn-configs`), else _default_config.
     A named config that breaks the static rule for (d, g) is an error, or with strict=False (workspace
@@ -196,7 +198,7 @@ def choose_config(d: int, g: int, t_max: int, strict: bool = True) -> AttnConfig
             return cfg
         if strict:
             raise ValueError(f"TRAPETUM_ATTN_CONFIG: {name} does not fit head dim {d}, group size {g} (config_fits)")
-    return _default_config(d, g, t_max)
+    return _default_config(d, g, t_max, hkv)
 
 
 def named_config(name: str) -> AttnConfig:
@@ -208,17 +210,23 @@ def named_config(name: str) -> AttnConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _default_config(d: int, g: int, t_max: int) -> AttnConfig:
-    """The production config for head dim d, group size g, cache of t_max positions.
+def _default_config(d: int, g: int, t_max: int, hkv: int | None = None) -> AttnConfig:
+    """The production config for head dim d, group size g, cache of t_max positions, hkv kv heads (None:
+    unknown).
 
-    64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
+    At least 32 kv heads (MHA 32x128, e.g. Llama-2-7B): SPLIT8_CONFIG, 8 programs per kv head whose chunk
+    follows the length. H200 (scripts/attn_sweep.py, session 6; the fused RoPE path the engine runs):
+    4k positions 23.3 us against 25.2 for fixed 64-position chunks, 128 positions 7.4 against 7.5, but 1k
+    11.6 against 10.8. Llama-2-7B 4-bit decode at 3968-4096 positions 392.6 -> 400.6 tok/s (bench_e2e
+    --attn-configs, same run; BENCHMARKS.md). With 8 kv heads (GQA 32/8) 8 splits are 64 programs: 14.9 us at
+    4k against 10.9, so fewer kv heads keep the fixed chunks.
+    Otherwise 64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
     (Hq * D / 32 programs instead of Hq): the fastest or within 6% of the fastest of the 13 candidates
-    at every shape of the H200 sweep (scripts/attn_sweep.py, 2026-11-30 08:06 UTC; BENCHMARKS.md), e.g.
-    4k-position MHA 32x128 27.5 -> 23.5 us, GQA 32/8x128 14.1 -> 10.2 us, 8/4x256 13.7 -> 10.1 us. Longer
-    pipelined chunks (512 positions, 3 stages) were 6% faster at 4k MHA but 37% slower at 1k, and the
-    length changes within one captured decode graph. g and t_max are in the signature for rules that
-    depend on them. Falls back to LEGACY_CONFIG if a choice would break the static rule.
+    at every shape of the H200 sweep (2026-11-30 08:06 UTC), e.g. 4k-position GQA 32/8x128 14.1 -> 10.2 us,
+    8/4x256 13.7 -> 10.1 us. Falls back to LEGACY_CONFIG if a choice would break the static rule.
     """
+    if hkv is not None and hkv >= 32 and config_fits(SPLIT8_CONFIG, d, g):
+        return SPLIT8_CONFIG
     cfg = AttnConfig(chunk=64, block_n=64, merge_chunks=64, merge_d=32)
     return cfg if config_fits(cfg, d, g) else LEGACY_CONFIG
 
@@ -605,7 +613,7 @@ def _launch_split(q, rope, k_cache, v_cache, t, *, scale, window, softcap, out, 
     hq, d = q.shape
     hkv, tmax, _ = k_cache.shape
     g = hq // hkv
-    cfg = config if config is not None else choose_config(d, g, tmax)
+    cfg = config if config is not None else choose_config(d, g, tmax, hkv)
     nch = _n_chunks(cfg, tmax)
     BLOCK_D = _block_d(d)
     ws = workspace if workspace is not None else attention_workspace(hq, d, tmax, q.device, config=cfg)
@@ -645,7 +653,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     split=None follows TRAPETUM_ATTN (``seq`` -> sequential kernel, else split-KV).
     workspace: an ``attention_workspace`` so that a captured decode step allocates nothing (sized for
     the config used: at least the config's chunk count).
-    config: force a split-KV AttnConfig (benchmarks, tests); None -> choose_config(D, G, T_max).
+    config: force a split-KV AttnConfig (benchmarks, tests); None -> choose_config(D, G, T_max, Hkv).
     A config that breaks the static rule (config_fits) raises ValueError.
     inline_merge: merge in the split kernel (the last program of each kv head; module docstring)
     instead of the merge kernel.
@@ -714,7 +722,7 @@ def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None 
                         config: AttnConfig | None = None) -> AttnWorkspace:
     """Scratch buffers for split-KV decode attention (allocate once, outside graph capture).
 
-    Sized for `config`, else for choose_config(d, hq // hkv, t_max); without hkv, for the largest
+    Sized for `config`, else for choose_config(d, hq // hkv, t_max, hkv); without hkv, for the largest
     chunk count the chooser picks for any group size of hq heads (so that the engine's call,
     which passes no group size, fits whatever decode_attention chooses).
     Shapes: m, l fp32 [hq, nch]; o fp32 [hq, nch, BLOCK_D]; counters int32 [hq], zeros; nch = the
@@ -723,9 +731,9 @@ def attention_workspace(hq: int, d: int, t_max: int, device, *, hkv: int | None 
     if config is not None:
         nch = _n_chunks(config, t_max)
     elif hkv is not None:
-        nch = _n_chunks(choose_config(d, hq // hkv, t_max), t_max)
+        nch = _n_chunks(choose_config(d, hq // hkv, t_max, hkv), t_max)
     else:
-        nch = max(_n_chunks(choose_config(d, g, t_max, strict=False), t_max) for g in _divisors(hq))
+        nch = max(_n_chunks(choose_config(d, g, t_max, hq // g, strict=False), t_max) for g in _divisors(hq))
     bd = _block_d(d)
     return AttnWorkspace(torch.empty(hq, nch, dtype=torch.float32, device=device),
                          torch.empty(hq, nch, dtype=torch.float32, device=device),
