@@ -9,6 +9,8 @@
 #   and with the split / 512-chunk configs, Llama-3-8B 4-bit at 0-128 the same way.
 # PART=c: after SPLIT8_CONFIG became the default for >= 32 kv heads: Llama-2-7B fp16 + 4-bit at 0-128 and
 #   3968-4096 (then the old default, c64, in the same process), the split / named-config and engine GPU tests.
+# PART=d: Llama-2-7B fp16 + 4-bit at 0-128 and 3968-4096 with the engine's choice (fixed chunks for dense fp16
+#   projections, 8 splits for the 4-bit ones), then p8 and c64 named, in one process.
 OUT=${OUT:-out/gpu-session6}
 PART=${PART:-a}
 BUDGET_S=${BUDGET_S:-570}
@@ -33,6 +35,9 @@ elif [ "$PART" = c ]; then
     -k "split or named or chooser" > "$L/pytest_attn.log" 2>&1; echo "attention tests: $(tail -1 "$L/pytest_attn.log") ($(since))"
   timeout "$(budget 120 0)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -x \
     > "$L/pytest_engine.log" 2>&1; echo "engine tests: $(tail -1 "$L/pytest_engine.log") ($(since))"
+elif [ "$PART" = d ]; then  # after the engine keeps fixed chunks for dense fp16 projections
+  timeout "$(budget 150 0)" python3 -m trapetum.eval.bench_e2e --models llama2-7b --formats fp16,cb4 --bins 0,3968 \
+    --attn-configs p8c64b64s3-w4-m64w4d32,c64-w4-m64w4d32 --out "$L/e2e7" > "$L/e2e7.log" 2>&1; echo "e2e 7b rc=$? ($(since))"
 elif [ "$PART" = b ]; then
   CFGS=p8c64b64s3-w4-m64w4d32,p16c64b64s3-w4-m64w4d32,p4c64b64s3-w4-m64w4d32,c512b64s3-w4-m64w4d32
   timeout "$(budget 200 280)" python3 scripts/attn_sweep.py --out "$L/sweep" \

@@ -42,6 +42,7 @@ def test_engine_matches_reference(tiny, family, fuse):
     m = tiny[family]
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     eng = GpuEngine(m.decoder, 48, fuse=fuse)
+    assert eng.attn_config is not None and eng.attn_config.splits == 0  # dense fp16: fixed chunks
     ref = m.logits(ids)
     tol = TOL.get(family, 2e-3)
     assert rel(eng.prefill(ids[:-4]), ref[-5]) < tol
@@ -150,6 +151,7 @@ def test_engine_runs_quantized_cbk(tmp_path, family):
     eng = GpuEngine(m.decoder, 40)
     assert all(type(p).__name__ == "CodebookProj" for L in eng.layers for p in L.qkv + [L.o, L.down])
     assert eng.layers[0].gate_up.interleaved is not None and type(eng.head).__name__ == "CodebookProj"
+    assert eng.attn_config is None  # quantized: choose_config picks at launch (splits with >= 32 kv heads)
     ids = torch.randint(3, 300, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = m.logits(ids)
     assert rel(eng.prefill(ids[:-1]), ref[-2]) < TOL.get(family, 2e-3)
