@@ -38,7 +38,7 @@ from ..kernels.attention import attention_workspace, choose_config, decode_atten
 from ..kernels.fused import rmsnorm, rope_kv_append, rope_tables
 from ..models.decoder import Decoder
 from .precise import PrecisePrefill, precise_enabled
-from .projections import DenseProj, GateUp, make_proj, release_codes
+from .projections import GateUp, make_proj, release_codes
 from .sampling import GenerationSettings, Sampler
 
 
@@ -103,7 +103,7 @@ class GpuEngine:
         # splits the fp16 Llama-2-7B decoded ~10% slower at both 128 and 4k positions (H200, session 6: 238 vs 266
         # and 210 vs 231 tok/s, both orders in one process) while the 4-bit one gained 3%; the attention kernel
         # alone was not slower (NOTES-engine.md). TRAPETUM_ATTN_CONFIG still overrides both.
-        dense = all(isinstance(L.o, DenseProj) for L in self.layers)
+        dense = all(L.o.kind == "fp16" for L in self.layers)
         self.attn_config = choose_config(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, max_len) if dense else None
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         # fp32-accurate prefill (None: the default); exact weights where the decoder holds non-fp16 ones
