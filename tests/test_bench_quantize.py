@@ -72,3 +72,9 @@ def test_bench_quantize_additive_resumes_a_killed_run(monkeypatch, capsys, tmp_p
     assert main(["bench", "quantize", "--shape", "tiny-test", "--work", str(tmp_path / "x")]) == 1
     assert "--work" in capsys.readouterr().err
     json.dumps(r)
+
+
+def test_bench_e2e_names_an_unknown_attention_config(capsys):
+    """--attn-configs is checked against the attention candidates before anything runs (exit 2, the name)."""
+    assert bench_e2e.main(["--attn-configs", "c64-w4-m64w4d32,c7-nonsense"]) == 2
+    assert "unknown config 'c7-nonsense'" in capsys.readouterr().out

@@ -219,14 +219,19 @@ def _default_config(d: int, g: int, t_max: int, hkv: int | None = None) -> AttnC
     4k positions 23.3 us against 25.2 for fixed 64-position chunks, 128 positions 7.4 against 7.5, but 1k
     11.6 against 10.8. Llama-2-7B 4-bit decode at 3968-4096 positions 392.6 -> 400.6 tok/s (bench_e2e
     --attn-configs, same run; BENCHMARKS.md). With 8 kv heads (GQA 32/8) 8 splits are 64 programs: 14.9 us at
-    4k against 10.9, so fewer kv heads keep the fixed chunks.
-    Otherwise 64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
-    (Hq * D / 32 programs instead of Hq): the fastest or within 6% of the fastest of the 13 candidates
-    at every shape of the H200 sweep (2026-11-30 08:06 UTC), e.g. 4k-position GQA 32/8x128 14.1 -> 10.2 us,
-    8/4x256 13.7 -> 10.1 us. Falls back to LEGACY_CONFIG if a choice would break the static rule.
+    4k against 10.9, so fewer kv heads keep fixed_chunk_config.
     """
     if hkv is not None and hkv >= 32 and config_fits(SPLIT8_CONFIG, d, g):
         return SPLIT8_CONFIG
+    return fixed_chunk_config(d, g)
+
+
+@functools.lru_cache(maxsize=256)
+def fixed_chunk_config(d: int, g: int) -> AttnConfig:
+    """Fixed 64-position chunks, 4 warps, and a merge of up to 64 chunks per step with 32 columns per program
+    (Hq * D / 32 programs instead of Hq): the fastest or within 6% of the fastest of the 13 candidates at every
+    shape of the H200 sweep (2026-11-30 08:06 UTC), e.g. 4k-position GQA 32/8x128 14.1 -> 10.2 us, 8/4x256
+    13.7 -> 10.1 us. Falls back to LEGACY_CONFIG if it would break the static rule for (d, g)."""
     cfg = AttnConfig(chunk=64, block_n=64, merge_chunks=64, merge_d=32)
     return cfg if config_fits(cfg, d, g) else LEGACY_CONFIG
 

@@ -64,7 +64,7 @@ def candidates_torch(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, cand: to
     return torch.cat(scores, 1).topk(top, dim=1, largest=False)  # ascending
 
 
-def candidates_reference(v, h, C, cand, top):
+def candidates_reference(v, h, C, cand):
     """float64 scores of every candidate [n, B + M*B*K] (tests): no selection."""
     v, h, C = v.double(), h.double(), C.double()
     n, B, M = cand.shape

@@ -24,7 +24,8 @@ the same objective as the scalar codebooks, see ``kmeans.py``)::
 2. codebooks start from residual weighted k-means (codebook m fits what codebooks < m left);
 3. codes by beam search: every vector keeps ``beam`` candidate code tuples; a step tries, for every
    candidate and every codebook, all 2**nbits replacements (residual x codebook; kernels/beam_search.py:
-   one Triton kernel on CUDA, torch matmuls + topk on the CPU), keeps the best ``beam`` distinct tuples. With one codebook (1x16) this is the exact nearest entry;
+   one Triton kernel on CUDA, torch matmuls + topk on the CPU), keeps the best ``beam`` distinct
+   tuples. With one codebook (1x16) this is the exact nearest entry;
 4. codebooks refit by weighted least squares for the codes found (the objective separates over the
    8 coordinates: per coordinate a [M*K, M*K] normal system built from code co-occurrence counts;
    unused entries are held by a small ridge towards their previous value);

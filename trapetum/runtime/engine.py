@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from ..kernels.attention import attention_workspace, choose_config, decode_attention, decode_attention_fused
+from ..kernels.attention import attention_workspace, decode_attention, decode_attention_fused, fixed_chunk_config
 from ..kernels.fused import rmsnorm, rope_kv_append, rope_tables
 from ..models.decoder import Decoder
 from .precise import PrecisePrefill, precise_enabled
@@ -98,13 +98,13 @@ class GpuEngine:
         self.rope_local = (rope_tables(max_len, rot, inv_freq=decoder.rope_local.inv_freq, device=dev)
                            if decoder.rope_local is not None else self.rope)
         self._alloc()
-        # The attention config: None lets choose_config pick (8 length-adaptive splits per kv head with >= 32 kv
-        # heads). An engine whose o projections are dense fp16 GEMVs keeps fixed 64-position chunks: with the
+        # The attention config: None lets choose_config pick at capture (8 length-adaptive splits per kv head with
+        # >= 32 kv heads). An engine whose o projections are dense fp16 GEMVs keeps fixed 64-position chunks: with the
         # splits the fp16 Llama-2-7B decoded ~10% slower at both 128 and 4k positions (H200, session 6: 238 vs 266
         # and 210 vs 231 tok/s, both orders in one process) while the 4-bit one gained 3%; the attention kernel
         # alone was not slower (NOTES-engine.md). TRAPETUM_ATTN_CONFIG still overrides both.
         dense = all(L.o.kind == "fp16" for L in self.layers)
-        self.attn_config = choose_config(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads, max_len) if dense else None
+        self.attn_config = fixed_chunk_config(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads) if dense else None
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         # fp32-accurate prefill (None: the default); exact weights where the decoder holds non-fp16 ones
         self.precise = PrecisePrefill(self, decoder) if precise_enabled(precise_prefill) else None
