@@ -261,7 +261,7 @@ def _fast_kmeans(W, K, imp=None, **kw):
 def _measure(out_dir: str) -> None:
     """Run in a fresh interpreter: quantize wide synthetic models of two depths, streaming and in
     memory, and print each run's peak growth of anonymous RSS (sampled every 2 ms)."""
-    from trapetum.formats.checkpoint import Checkpoint, LazyTensors, expected_shapes
+    from trapetum.models.checkpoint import Checkpoint, LazyTensors, expected_shapes
     from trapetum.models.config import ModelConfig
     from trapetum.quant import quantize as Q
 
@@ -337,7 +337,7 @@ def test_record_bias_is_planned_or_refused(tmp_path):
     from cbk_helpers import tiny_config
     from trapetum.errors import ConfigError
     from trapetum.formats.cbk import load_cbk
-    from trapetum.formats.checkpoint import LazyTensors
+    from trapetum.models.checkpoint import LazyTensors
     from trapetum.quant.quantize import Recipe, plan_quantization, quantize_checkpoint
 
     cfg, dense, quantized = tiny_model(tiny_config(qkv_bias=True))

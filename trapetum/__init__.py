@@ -1,5 +1,5 @@
 """Trapetum: compress LLM checkpoints into .cbk codebook files and run them fast."""
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .errors import TrapetumError, FormatError, ConfigError, UnsupportedError  # noqa: F401
 

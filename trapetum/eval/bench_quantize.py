@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from ..formats.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
 from ..kernels import beam_search as beam_step
 from ..models.config import ModelConfig
 from ..quant.quantize import PROJ_SUFFIXES, Recipe, quantize_to_cbk

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 from ..errors import FormatError, UnsupportedError
 from ..quant.record import QuantRecord
-from .checkpoint import Checkpoint, LazyTensors
+from ..models.checkpoint import Checkpoint, LazyTensors
 from .hf import _safetensor_files, _tokenizer, canonical_name, read_json
 
 __all__ = ["is_aqlm_dir", "load_aqlm", "import_aqlm", "export_aqlm", "hf_config_for", "write_aqlm_dir"]
@@ -101,7 +101,7 @@ def load_aqlm(path: str | os.PathLike) -> Checkpoint:
             raise FormatError(f"{f}: cannot read tensor {k!r} ({e})") from None
 
     def expected_shape(proj: str) -> tuple[int, int]:
-        from .checkpoint import expected_shapes
+        from ..models.checkpoint import expected_shapes
 
         s = expected_shapes(config).get(proj + ".weight")
         if s is None:

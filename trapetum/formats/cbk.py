@@ -64,7 +64,7 @@ from ..jsondepth import MAX_DEPTH, nesting_depth
 from ..models.config import ModelConfig
 from ..quant.record import QuantRecord
 from ..tokenizer import Tokenizer
-from .checkpoint import Checkpoint, LazyTensors
+from ..models.checkpoint import Checkpoint, LazyTensors
 from .cbk_spec import (  # noqa: F401  (re-exported: the format's public names)
     DTYPE_NAMES, DTYPES, FLOAT_DTYPES, FORMAT_NAME, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry,
     QuantSpec, StoredTensor, TensorSpec, _CHUNK, _HEX64, _check_model, _header_digest, _itemsize, _one_line,

@@ -12,7 +12,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..quant.record import QuantRecord
-from .checkpoint import expected_names, expected_shapes
+from ..models.checkpoint import expected_names, expected_shapes
 
 FORMAT_NAME = "trapetum-cbk"
 VERSION = 1

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..models.config import ModelConfig
 from ..quant.record import QuantRecord
 from ..tokenizer import Tokenizer

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
 from ..models.config import ModelConfig
-from .checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
 
 GGUF_MAGIC = b"GGUF"
 

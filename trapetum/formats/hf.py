@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import FormatError
 from ..models.families import config_from_hf, split_fused
 from ..tokenizer import Tokenizer
-from .checkpoint import Checkpoint, LazyTensors
+from ..models.checkpoint import Checkpoint, LazyTensors
 
 # Prefixes under which multimodal / wrapped checkpoints keep the text decoder.
 PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, FormatError
-from ..formats.checkpoint import Checkpoint, expected_shapes
+from .checkpoint import Checkpoint, expected_shapes
 from ..quant.record import QuantRecord
-from ..runtime.kv_cache import KVCache
+from .kv_cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, RMSNorm, Rotary, activation, rotaries
 

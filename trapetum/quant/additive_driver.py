@@ -256,7 +256,7 @@ def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveR
                              stop_after: int | None = None, keep_parts: bool = False,
                              provenance: dict | None = None) -> tuple[Path, QuantizedModel]:
     """Load ``src``, quantize (resuming from ``<out>.parts``), write ``out`` atomically."""
-    from ..api import load_checkpoint
+    from ..formats.detect import load_checkpoint
     from ..formats.cbk import write_cbk
     from .quantize import _source_sha256
 

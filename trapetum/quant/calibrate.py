@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError, TrapetumError
-from ..formats.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
 
 __all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
            "collect_input_stats_layerwise", "streamed_decoder", "sampling_decoder", "model_fp32_bytes",

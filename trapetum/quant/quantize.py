@@ -47,7 +47,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
-from ..formats.checkpoint import Checkpoint, expected_shapes
+from ..models.checkpoint import Checkpoint, expected_shapes
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows
 from .pack import SUPPORTED_BITS, pack_codes, packed_width
@@ -510,9 +510,9 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
 
     Memory stays about one tensor of work however large the model. The returned QuantizedModel's
     ``dense`` and ``quantized`` are read back lazily from the written file (memory-mapped)."""
-    from ..api import load_checkpoint
+    from ..formats.detect import load_checkpoint
     from ..formats.cbk import CbkFile, CbkWriter
-    from ..formats.checkpoint import LazyTensors
+    from ..models.checkpoint import LazyTensors
 
     recipe.validate()
     log = log or (lambda s: print(s, file=sys.stderr))

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 from ..jsondepth import MAX_DEPTH, nesting_depth
 
 SYSTEM_FINGERPRINT = f"trapetum-{__version__}"

@@ -8,14 +8,12 @@
 // prologue (table build from the codebook, first code loads), which otherwise starts only after the
 // previous kernel (a norm, attention, another GEMV) has finished. wait_inputs() waits for the full
 // completion of the previous kernel and the visibility of its memory, so results are unchanged.
-// TRAPETUM_PDL=0 (or =triton: PDL for the Triton kernels only, kernels/pdl.py) launches without the
-// attribute (each kernel then starts after the previous one ends, as with <<<>>>). Below sm_90 both device calls compile to nothing and the attribute is not set.
+// A launch with pdl = false (the kernel options' pdl "off" or "triton") goes without the attribute (each
+// kernel then starts after the previous one ends, as with <<<>>>). Below sm_90 both device calls compile to nothing and the attribute is not set.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 namespace trapetum_pdl {
@@ -41,11 +39,10 @@ __device__ __forceinline__ uint4 ld_input(const uint4* p) { return __ldca(p); }
 __device__ __forceinline__ uint32_t ld_input(const uint32_t* p) { return __ldca(reinterpret_cast<const unsigned int*>(p)); }
 __device__ __forceinline__ float ld_input_half(const half* p) { return __half2float(__ldca(p)); }
 
-// PDL for launches on the current device: sm_90+ and TRAPETUM_PDL not "0" (nor "triton"). The switch is
-// read at each launch (tests flip it); the device's capability is looked up once per device.
-inline bool enabled() {
-  const char* e = std::getenv("TRAPETUM_PDL");
-  if (e != nullptr && (std::strcmp(e, "0") == 0 || std::strcmp(e, "triton") == 0)) return false;
+// PDL for launches on the current device: asked for by the caller (the kernel options' pdl_cuda, passed
+// down from Python as each launcher's `pdl` argument) and sm_90+. The capability is looked up once per device.
+inline bool enabled(bool want) {
+  if (!want) return false;
   constexpr int kDevices = 64;
   static int major[kDevices] = {};  // 0: not looked up yet
   int dev = 0;
@@ -59,9 +56,9 @@ inline bool enabled() {
   return major[dev] >= 9;
 }
 
-// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled().
+// kern<<<grid, block, smem, stream>>>(args...), with the PDL attribute when enabled(pdl).
 template <typename... KArgs, typename... Args>
-inline cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+inline cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
                           Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
@@ -72,7 +69,7 @@ inline cudaError_t launch(void (*kern)(KArgs...), dim3 grid, dim3 block, size_t 
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = enabled() ? 1 : 0;
+  cfg.numAttrs = enabled(pdl) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...);
 }
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 
-from ..models.config import ModelConfig
+from .config import ModelConfig
 
 
 class LazyTensors(Mapping[str, Any]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TrapetumError
-from ..models.config import ModelConfig
+from .config import ModelConfig
 
 
 class KVCache:

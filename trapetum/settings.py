@@ -1,0 +1,169 @@
+"""Every switch of the package, parsed once, into frozen options that are passed down explicitly.
+
+The environment is read here and nowhere else: ``Options.from_env()`` at the edge (``trapetum.load``, the
+CLI, a benchmark's ``main``), then the options travel as arguments (``GpuEngine(..., options=)``, the kernel
+entry points' ``kopts=``). Tests and benchmarks build ``Options(...)`` / ``dataclasses.replace`` instead of
+editing ``os.environ`` or reloading modules. Library defaults (``Options()``, ``KernelOptions()``) are the
+production settings, whatever the environment says.
+
+One truthiness rule for every on/off switch: 1/true/on/yes and 0/false/off/no (any case); unset or empty
+means the default; anything else is a ConfigError naming the variable.
+
+| variable                 | field                      | values (default first)                            |
+|--------------------------|----------------------------|---------------------------------------------------|
+| TRAPETUM_GRAPH           | graph                      | on, off: decode / verify steps as CUDA graphs      |
+| TRAPETUM_FUSE            | fuse                       | on, off: fused q/k/v and gate/up GEMVs, residuals  |
+| TRAPETUM_ATTN            | attention                  | fused, unfused: RoPE + KV append inside attention  |
+| TRAPETUM_ATTN_CONFIG     | attn_config                | '' or an AttnConfig name (kernels/attn_configs.py) |
+| TRAPETUM_PREFILL         | prefill                    | default, precise, exact                            |
+| TRAPETUM_ENGINE          | engine                     | gpu, reference (torch reference on CUDA)           |
+| TRAPETUM_CALIB_MEM_GB    | calib_mem_gb               | unset (half the free memory) or a positive number  |
+| TRAPETUM_TC              | kernels.cuda               | on, off: the CUDA C++ kernels (else Triton / torch)|
+| TRAPETUM_PDL             | kernels.pdl                | all, cuda, triton, off (programmatic launch)       |
+| TRAPETUM_TRITON_GATHER   | kernels.triton_gather      | on, off: tl.gather in the Triton codebook GEMV     |
+| TRAPETUM_AQLM_LAYOUT     | kernels.aqlm_layout        | slices, rows: 2x8 codes in the engine              |
+| TRAPETUM_AQLM_BPS        | kernels.aqlm_blocks_per_sm | 2, or 1..8: blocks per SM of the 2x8 CUDA kernel   |
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .errors import ConfigError
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+PDL_MODES = ("all", "cuda", "triton", "off")
+ATTENTION_MODES = ("fused", "unfused")
+PREFILL_MODES = ("default", "precise", "exact")
+ENGINES = ("gpu", "reference")
+AQLM_LAYOUTS = ("slices", "rows")
+
+
+def parse_bool(name: str, value: str | None, default: bool) -> bool:
+    """The one truthiness rule (module docstring)."""
+    if value is None or value.strip() == "":
+        return default
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise ConfigError(f"{name}: expected one of {', '.join(_TRUE + _FALSE)}, got {value!r}")
+
+
+def parse_choice(name: str, value: str | None, choices: tuple[str, ...]) -> str:
+    if value is None or value.strip() == "":
+        return choices[0]
+    v = value.strip().lower()
+    if v not in choices:
+        raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return v
+
+
+def _parse_number(name: str, value: str | None, kind, lo, hi):
+    if value is None or value.strip() == "":
+        return None
+    try:
+        v = kind(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+    if not (lo <= v <= hi):
+        raise ConfigError(f"{name}: {v} outside {lo}..{hi}")
+    return v
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the kernel entry points may use (``kopts=`` of kernels/*; defaults: production)."""
+    cuda: bool = True  # the CUDA C++ kernels where they apply (else Triton, then torch)
+    pdl: str = "all"  # programmatic dependent launch: all | cuda (C++ kernels only) | triton | off
+    triton_gather: bool = True  # tl.gather of the codebook tile in the Triton codebook GEMV
+    aqlm_layout: str = "slices"  # 2x8 codes in the engine: the kernel's "slices" layout or the stored "rows"
+    aqlm_blocks_per_sm: int = 2  # the 2x8 CUDA kernel's blocks per SM
+
+    def __post_init__(self):
+        if self.pdl not in PDL_MODES:
+            raise ConfigError(f"kernels.pdl: expected one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
+        if self.aqlm_layout not in AQLM_LAYOUTS:
+            raise ConfigError(f"kernels.aqlm_layout: expected one of {', '.join(AQLM_LAYOUTS)}, got {self.aqlm_layout!r}")
+        if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:
+            raise ConfigError(f"kernels.aqlm_blocks_per_sm: {self.aqlm_blocks_per_sm} outside 1..8")
+
+    @property
+    def pdl_cuda(self) -> bool:
+        return self.pdl in ("all", "cuda")
+
+    @property
+    def pdl_triton(self) -> bool:
+        return self.pdl in ("all", "triton")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The engine's and the API's switches (module docstring); ``kernels`` is handed to every kernel call."""
+    graph: bool = True
+    fuse: bool = True
+    attention: str = "fused"
+    attn_config: str = ""
+    prefill: str = "default"
+    engine: str = "gpu"
+    calib_mem_gb: float | None = None
+    kernels: KernelOptions = field(default_factory=KernelOptions)
+
+    def __post_init__(self):
+        for name, value, choices in (("attention", self.attention, ATTENTION_MODES),
+                                     ("prefill", self.prefill, PREFILL_MODES), ("engine", self.engine, ENGINES)):
+            if value not in choices:
+                raise ConfigError(f"options.{name}: expected one of {', '.join(choices)}, got {value!r}")
+        if self.calib_mem_gb is not None and not self.calib_mem_gb > 0:
+            raise ConfigError(f"options.calib_mem_gb: must be positive, got {self.calib_mem_gb!r}")
+
+    def replace(self, **changes) -> "Options":
+        """A copy with `changes`; ``kernels=dict(...)`` updates fields of the kernel options."""
+        k = changes.pop("kernels", None)
+        if isinstance(k, dict):
+            changes["kernels"] = dataclasses.replace(self.kernels, **k)
+        elif k is not None:
+            changes["kernels"] = k
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Options":
+        """Options from the TRAPETUM_* variables (os.environ unless `environ` is given)."""
+        env = os.environ if environ is None else environ
+        g = env.get
+        bps = _parse_number("TRAPETUM_AQLM_BPS", g("TRAPETUM_AQLM_BPS"), int, 1, 8)
+        kernels = KernelOptions(
+            cuda=parse_bool("TRAPETUM_TC", g("TRAPETUM_TC"), True),
+            pdl=_pdl(g("TRAPETUM_PDL")),
+            triton_gather=parse_bool("TRAPETUM_TRITON_GATHER", g("TRAPETUM_TRITON_GATHER"), True),
+            aqlm_layout=parse_choice("TRAPETUM_AQLM_LAYOUT", g("TRAPETUM_AQLM_LAYOUT"), AQLM_LAYOUTS),
+            aqlm_blocks_per_sm=2 if bps is None else bps)
+        return cls(graph=parse_bool("TRAPETUM_GRAPH", g("TRAPETUM_GRAPH"), True),
+                   fuse=parse_bool("TRAPETUM_FUSE", g("TRAPETUM_FUSE"), True),
+                   attention=parse_choice("TRAPETUM_ATTN", g("TRAPETUM_ATTN"), ATTENTION_MODES),
+                   attn_config=(g("TRAPETUM_ATTN_CONFIG") or "").strip(),
+                   prefill=parse_choice("TRAPETUM_PREFILL", g("TRAPETUM_PREFILL"), PREFILL_MODES),
+                   engine=parse_choice("TRAPETUM_ENGINE", g("TRAPETUM_ENGINE"), ENGINES),
+                   calib_mem_gb=_parse_number("TRAPETUM_CALIB_MEM_GB", g("TRAPETUM_CALIB_MEM_GB"), float, 1e-3, 1e6),
+                   kernels=kernels)
+
+
+def _pdl(value: str | None) -> str:
+    """TRAPETUM_PDL: the modes, or the one truthiness rule (on = all, off = off)."""
+    if value is not None and value.strip().lower() in PDL_MODES:
+        return value.strip().lower()
+    return "all" if parse_bool("TRAPETUM_PDL", value, True) else "off"
+
+
+DEFAULT_KERNELS = KernelOptions()
+
+
+def triton_interpreted() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1, Triton's own switch: Triton reads it when
+    a kernel is decorated, so it is a property of the process, not an option)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
