@@ -1,6 +1,6 @@
 """Programmatic dependent launch: when the Triton side turns it on, and a guard on the CUDA sources.
 
-The GPU behaviour (all TRAPETUM_PDL modes give bitwise the same logits) is tested in tests/test_engine_gpu.py.
+The GPU behaviour (all PDL modes give bitwise the same logits) is tested in tests/test_engine_gpu.py.
 """
 from __future__ import annotations
 
@@ -11,32 +11,39 @@ import pytest
 import torch
 
 from trapetum.kernels import pdl
+from trapetum.settings import KernelOptions, Options
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "trapetum" / "kernels" / "cuda"
 
 
 def test_off_where_it_cannot_work(monkeypatch):
-    monkeypatch.delenv("TRAPETUM_PDL", raising=False)
     assert not pdl.enabled(torch.device("cpu"))
     assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not pdl.enabled(torch.device("cuda", 0))  # the interpreter has no grid dependencies
 
 
-@pytest.mark.parametrize("mode,triton_side", [("0", False), ("cuda", False), ("triton", None), ("1", None)])
-def test_switch_modes(monkeypatch, mode, triton_side):
-    """TRAPETUM_PDL=0 and =cuda keep the Triton kernels off; =1 and =triton leave it to the device."""
-    monkeypatch.setenv("TRAPETUM_PDL", mode)
+@pytest.mark.parametrize("mode,triton_side", [("off", False), ("cuda", False), ("triton", None), ("all", None)])
+def test_option_modes(monkeypatch, mode, triton_side):
+    """pdl "off" and "cuda" keep the Triton kernels off; "all" and "triton" leave it to the device. The
+    environment plays no part once the options exist."""
+    monkeypatch.setenv("TRAPETUM_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "_triton_supports_pdl", lambda: True)
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
-    on = pdl.enabled(torch.device("cuda", 0))
+    k = KernelOptions(pdl=mode)
+    on = pdl.enabled(torch.device("cuda", 0), k)
     assert on is (True if triton_side is None else triton_side)
-    assert pdl.launch_kwargs(torch.device("cuda", 0)) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+    assert pdl.launch_kwargs(torch.device("cuda", 0), k) == ({"PDL": True, "launch_pdl": True} if on else {"PDL": False})
+
+
+@pytest.mark.parametrize("value,mode", [("0", "off"), ("off", "off"), ("1", "all"), ("", "all"), ("cuda", "cuda"),
+                                        ("triton", "triton"), ("False", "off")])
+def test_env_switch_is_parsed_once_by_settings(value, mode):
+    assert Options.from_env({"TRAPETUM_PDL": value}).kernels.pdl == mode
 
 
 def test_device_capability_gates_it(monkeypatch):
-    monkeypatch.delenv("TRAPETUM_PDL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(pdl, "_triton_supports_pdl", lambda: True)
     monkeypatch.setattr(pdl, "_capable", lambda index: False)  # e.g. an A100

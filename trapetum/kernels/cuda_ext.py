@@ -4,18 +4,20 @@ under ~/.cache/torch_extensions, rebuilt when a source changes).
 Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on
 tensor cores, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16
 path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPETUM_PDL=0 turns it off);
-``act.cuh`` holds the gated activations of the fused gate/up epilogues.
+``act.cuh`` holds the gated activations of the fused gate/up epilogues. Every torch launcher takes a ``pdl``
+argument (``KernelOptions.pdl_cuda``).
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
-False without CUDA, below compute capability 8.0, or with TRAPETUM_TC=0; callers then fall back to
+False without CUDA, below compute capability 8.0, or with kernel options whose ``cuda`` is off; callers then fall back to
 Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``).
 """
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import torch
+
+from ..settings import DEFAULT_KERNELS, KernelOptions
 
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
@@ -34,9 +36,9 @@ _EXT = None
 _ERR: str | None = None
 
 
-def available(device: torch.device | None = None) -> bool:
-    """True if the CUDA kernels may run on `device` (CUDA, sm_80+, TRAPETUM_TC not 0)."""
-    if os.environ.get("TRAPETUM_TC", "1") == "0" or not torch.cuda.is_available():
+def available(device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> bool:
+    """True if the CUDA kernels may run on `device` (CUDA, sm_80+, kernel options' ``cuda`` on)."""
+    if not kopts.cuda or not torch.cuda.is_available():
         return False
     device = device or torch.device("cuda")
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
@@ -79,6 +81,6 @@ def error() -> str | None:
     return _ERR
 
 
-def ready(device: torch.device | None = None):
-    """The extension if it is available for `device` and builds, else None."""
-    return load() if available(device) else None
+def ready(device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS):
+    """The extension if it is available for `device` (and `kopts`) and builds, else None."""
+    return load() if available(device, kopts) else None

@@ -8,16 +8,18 @@ constexpr: when set they allow their dependents at once and wait for their own i
 and they are launched with ``launch_pdl=True`` themselves. Results are unchanged: every kernel still
 reads its inputs only after the kernels that wrote them have completed.
 
-On only where it can work: a CUDA device of compute capability 9.0+, a Triton with ``launch_pdl`` and
-``gdc_wait``, not the interpreter, and TRAPETUM_PDL not "0". TRAPETUM_PDL=cuda keeps it for the CUDA
-kernels only, TRAPETUM_PDL=triton for the Triton kernels only (to bisect a difference).
+On only where it can work and is asked for: a CUDA device of compute capability 9.0+, a Triton with
+``launch_pdl`` and ``gdc_wait``, not the interpreter, and kernel options whose ``pdl`` is "all" or "triton"
+(``KernelOptions.pdl_triton``; "cuda" keeps it for the CUDA kernels only, to bisect a difference). The CUDA
+launchers take the same choice as an argument (``KernelOptions.pdl_cuda``, cuda/pdl.cuh).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from ..settings import DEFAULT_KERNELS, KernelOptions, triton_interpreted
 
 try:
     import triton  # noqa: F401
@@ -44,18 +46,18 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def enabled(device: torch.device) -> bool:
+def enabled(device: torch.device, kopts: KernelOptions = DEFAULT_KERNELS) -> bool:
     """True if Triton kernels on `device` should use PDL (see the module docstring)."""
-    if device.type != "cuda" or os.environ.get("TRAPETUM_PDL", "1") in ("0", "cuda"):
+    if device.type != "cuda" or not kopts.pdl_triton:
         return False
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not _triton_supports_pdl():
+    if triton_interpreted() or not _triton_supports_pdl():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_kwargs(device: torch.device) -> dict:
+def launch_kwargs(device: torch.device, kopts: KernelOptions = DEFAULT_KERNELS) -> dict:
     """Keyword arguments for a Triton launch of a kernel with a ``PDL: tl.constexpr`` parameter."""
-    return {"PDL": True, "launch_pdl": True} if enabled(device) else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if enabled(device, kopts) else {"PDL": False}
 
 
 if tl is not None and gdc_wait is not None:

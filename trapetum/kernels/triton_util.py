@@ -1,0 +1,23 @@
+"""Whether Triton kernels can run on a device: the one check every kernel wrapper uses.
+
+Triton is optional on CPU-only installs. On a CPU tensor Triton runs only under its interpreter
+(TRITON_INTERPRET=1, read by Triton itself when a kernel is decorated; ``settings.triton_interpreted``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..settings import triton_interpreted
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only without triton
+    HAVE_TRITON = False
+
+
+def triton_ok(device: torch.device) -> bool:
+    """True if a Triton kernel can run on `device` (CUDA, or the CPU under the interpreter)."""
+    if not HAVE_TRITON:
+        return False
+    return device.type == "cuda" or triton_interpreted()
