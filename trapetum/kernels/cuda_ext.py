@@ -8,7 +8,9 @@ path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPET
 argument (``KernelOptions.pdl_cuda``).
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
 False without CUDA, below compute capability 8.0, or with kernel options whose ``cuda`` is off; callers then fall back to
-Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``).
+Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``). ``Extension`` is the one loader:
+other extensions (the 2-bit GEMVs, experiments) are ``Extension`` objects of their own, so that a failure
+in one leaves the others alone.
 """
 from __future__ import annotations
 
@@ -31,9 +33,6 @@ void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tens
 """
 _FUNCTIONS = ["cb_gemv_mma", "cb_dequant4", "dense_gemv"]
 
-_LOCK = threading.Lock()
-_EXT = None
-_ERR: str | None = None
 
 
 def available(device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> bool:
@@ -41,29 +40,55 @@ def available(device: torch.device | None = None, kopts: KernelOptions = DEFAULT
     if not kopts.cuda or not torch.cuda.is_available():
         return False
     device = device or torch.device("cuda")
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
-        return False
-    return all((_DIR / s).exists() for s in SOURCES + HEADERS)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+class Extension:
+    """One torch extension built from sources of ``trapetum/kernels/cuda`` on first use (``load()``), its build
+    failure remembered and warned once (``error()``): the callers keep their Triton / torch fallbacks."""
+
+    def __init__(self, name: str, sources: tuple[str, ...], decls: str, functions: list[str]):
+        self.name, self.sources, self.decls, self.functions = name, tuple(sources), decls, list(functions)
+        self._lock = threading.Lock()
+        self._ext = None
+        self._err: str | None = None
+
+    def present(self) -> bool:
+        return all((_DIR / s).exists() for s in self.sources + HEADERS)
+
+    def load(self):
+        """The compiled extension module, or None if it cannot be built here (see ``error()``)."""
+        if self._ext is not None or self._err is not None:
+            return self._ext
+        with self._lock:
+            if self._ext is not None or self._err is not None:
+                return self._ext
+            try:
+                from torch.utils.cpp_extension import load_inline
+                self._ext = load_inline(name=self.name, cpp_sources=self.decls, cuda_sources=cuda_source(self.sources),
+                                        functions=self.functions, extra_cuda_cflags=["-O3", "-lineinfo"],
+                                        extra_include_paths=[str(_DIR)], verbose=False)
+            except Exception as e:  # keep the Triton / torch fallbacks, but say why
+                self._err = f"{type(e).__name__}: {e}"
+                import warnings
+                warnings.warn(f"trapetum: CUDA kernels {self.name} unavailable, using fallbacks ({self._err[:300]})")
+        return self._ext
+
+    def error(self) -> str | None:
+        """Why the extension could not be built (None if it was, or was never tried)."""
+        return self._err
+
+    def ready(self, device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS):
+        """The extension if it may run on `device` (``available``) and builds, else None."""
+        return self.load() if available(device, kopts) and self.present() else None
+
+
+MAIN = Extension("trapetum_cuda_kernels", SOURCES, _DECLS, _FUNCTIONS)
 
 
 def load():
-    """The compiled extension module, or None if it cannot be built here (see ``error()``)."""
-    global _EXT, _ERR
-    if _EXT is not None or _ERR is not None:
-        return _EXT
-    with _LOCK:
-        if _EXT is not None or _ERR is not None:
-            return _EXT
-        try:
-            from torch.utils.cpp_extension import load_inline
-            _EXT = load_inline(name="trapetum_cuda_kernels", cpp_sources=_DECLS, cuda_sources=cuda_source(SOURCES),
-                               functions=_FUNCTIONS, extra_cuda_cflags=["-O3", "-lineinfo"],
-                               extra_include_paths=[str(_DIR)], verbose=False)
-        except Exception as e:  # keep the Triton / torch fallbacks, but say why
-            _ERR = f"{type(e).__name__}: {e}"
-            import warnings
-            warnings.warn(f"trapetum: CUDA kernels unavailable, using fallbacks ({_ERR[:300]})")
-    return _EXT
+    """The package's main extension (codebook and dense GEMVs), or None if it cannot be built here."""
+    return MAIN.load()
 
 
 def cuda_source(sources) -> str:
@@ -77,10 +102,10 @@ def cuda_source(sources) -> str:
 
 
 def error() -> str | None:
-    """Why the extension could not be built (None if it was, or was never tried)."""
-    return _ERR
+    """Why the main extension could not be built (None if it was, or was never tried)."""
+    return MAIN.error()
 
 
 def ready(device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS):
-    """The extension if it is available for `device` (and `kopts`) and builds, else None."""
-    return load() if available(device, kopts) else None
+    """The main extension if it is available for `device` (and `kopts`) and builds, else None."""
+    return MAIN.ready(device, kopts)
