@@ -11,7 +11,7 @@ from tokenizers.pre_tokenizers import Whitespace
 
 from trapetum.models.checkpoint import expected_shapes
 from trapetum.models.config import ModelConfig
-from trapetum.quant.record import QuantRecord
+from trapetum.schemes.record import QuantRecord
 from trapetum.tokenizer import Tokenizer
 
 

@@ -20,7 +20,7 @@ from trapetum import cli
 from trapetum.errors import FormatError
 from trapetum.formats.cbk import (CbkWriter, QuantSpec, TensorSpec, load_cbk, open_cbk, size_breakdown,
                                   verify_cbk, write_cbk)
-from trapetum.quant.record import QuantRecord
+from trapetum.schemes.record import QuantRecord
 
 RECIPE = {"bits": 4, "head_bits": 8, "calib": "self-sampled", "iters": 10}
 PROVENANCE = {"source": "tiny-random", "source_sha256": "ab" * 32}

@@ -7,7 +7,7 @@ import torch
 from trapetum.errors import FormatError
 from trapetum.quant.linear import CodebookLinear, build_embedding, build_linear
 from trapetum.quant.pack import pack_codes, packed_width
-from trapetum.quant.record import QuantRecord
+from trapetum.schemes.record import QuantRecord
 from trapetum.quant.rtn import RTNLinear, rtn_bits_per_weight
 
 

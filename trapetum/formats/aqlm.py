@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import FormatError, UnsupportedError
-from ..quant.record import QuantRecord
+from ..schemes.record import QuantRecord
 from ..models.checkpoint import Checkpoint, LazyTensors
 from .hf import _safetensor_files, _tokenizer, canonical_name, read_json
 

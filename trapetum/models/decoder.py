@@ -14,7 +14,7 @@ from torch import nn
 
 from ..errors import ConfigError, FormatError
 from .checkpoint import Checkpoint, expected_shapes
-from ..quant.record import QuantRecord
+from ..schemes.record import QuantRecord
 from .kv_cache import KVCache
 from .config import ModelConfig
 from .layers import Embedding, Linear, RMSNorm, Rotary, activation, rotaries

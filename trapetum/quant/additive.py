@@ -44,7 +44,7 @@ from torch import nn
 
 from ..errors import FormatError
 from ..kernels import beam_search as beam_step
-from .record import QuantRecord
+from ..schemes.record import QuantRecord
 
 __all__ = ["AdditiveLinear", "AdditiveResult", "quantize_additive", "build_linear", "dequantize_aqlm",
            "codes_to_index", "index_to_codes", "SCHEMES"]

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import FormatError, UnsupportedError
 from .pack import SUPPORTED_BITS, pack_codes, packed_width, unpack_codes
-from .record import QuantRecord
+from ..schemes.record import QuantRecord
 
 __all__ = ["CodebookLinear", "CodebookEmbedding", "build_linear", "build_embedding", "record_bits_per_weight"]
 

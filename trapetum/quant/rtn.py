@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
-from .record import QuantRecord
+from ..schemes.record import QuantRecord
 
 __all__ = ["rtn_quantize", "rtn_dequantize", "RTNLinear", "rtn_bits_per_weight"]
 

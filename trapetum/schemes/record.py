@@ -1,7 +1,7 @@
 """A quantized projection as stored: scheme name, logical shape, parameters and raw tensors.
 
 Loaders (``.cbk``) put a ``QuantRecord`` where a checkpoint would hold a dense weight;
-``trapetum.quant.linear.build_linear`` turns it into the module that replaces the projection.
+``trapetum.schemes.registry`` turns it into the module (reference) or projection (engine) of its scheme.
 """
 from __future__ import annotations
 
