@@ -20,6 +20,7 @@ import torch
 
 import trapetum
 from trapetum.quant.quantize import Recipe, quantize_to_cbk
+from trapetum.settings import Options
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
@@ -35,7 +36,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     t = time.time()
     cbk = out / "model-4bit.cbk"
-    quantize_to_cbk(a.model, cbk, Recipe(bits=4, head_bits=8).validate(), device="cuda", progress=False)
+    quantize_to_cbk(a.model, cbk, Recipe(bits=4, head_bits=8).validate(), device="cuda", progress=False,
+                    mem_budget_gb=Options.from_env().calib_mem_gb)
     rows = [f"quantized on the GPU in {time.time() - t:.1f} s ({cbk.stat().st_size / 1e6:.1f} MB)"]
     results = {}
     modes = ("default", "precise") if a.precise else ("default",)

@@ -1,4 +1,4 @@
-# Shared start of the one-call device scripts (scripts/gpu_layouts.sh, gpu_pdl.sh, gpu_session4.sh); sourced
+# Shared start of the one-call device scripts (scripts/sessions/gpu_layouts.sh, gpu_pdl.sh, gpu_session4.sh); sourced
 # after the caller has set OUT. Sets L (a log folder the caller tars into $OUT), t0 and a deadline of BUDGET_S
 # seconds (default 560); `budget CAP RESERVE` prints a timeout of at most CAP seconds that leaves RESERVE for the
 # steps after; `since` prints the seconds elapsed. Records the GPU and builds both CUDA extensions in parallel

@@ -2,7 +2,7 @@
 # The GPU machine's work in one device call. PARTS (default "tests kernels e2e quantize additive")
 # picks: GPU-only tests; the kernel benchmark (GEMV, attention, fused kernels); the end-to-end
 # benchmark (Llama-2-7B with kill switches, Llama-3-8B); the quantizer benchmark; the 2-bit kernel
-# benchmark. Uses $OUT/best_variant from scripts/gpu_kernels.sh if present. Full logs go into
+# benchmark. Uses $OUT/best_variant from scripts/sessions/gpu_kernels.sh if present. Full logs go into
 # $OUT/suite.tgz (the device returns few files); tables are printed last.
 # Usage on the device: PARTS="tests e2e" bash scripts/gpu_suite.sh
 set -u

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import trapetum
 from tiny_models import build
-from trapetum.formats.aqlm import export_aqlm
+from trapetum.quant.convert_aqlm import export_aqlm
 from trapetum.formats.cbk import open_cbk
 from trapetum.models.decoder import Decoder
 from trapetum.quant.additive import dequantize_aqlm, quantize_additive

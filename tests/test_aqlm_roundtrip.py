@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from aqlm_helpers import make_aqlm_dir
 from trapetum.cli import main
 from trapetum.errors import FormatError
-from trapetum.formats.aqlm import export_aqlm, import_aqlm
+from trapetum.quant.convert_aqlm import export_aqlm, import_aqlm
 from trapetum.formats.cbk import open_cbk
 from trapetum.quant.additive import AdditiveLinear
 from trapetum.quant.linear import build_linear

@@ -3,12 +3,13 @@
 * ``calibrate.streamed_decoder`` (one block, or the embedding, or the head in memory at a time)
   samples exactly the tokens the whole fp32 model samples: same seed, same sampling code, same
   float32 operations; for dense sources of several families and for a quantized ``.cbk`` source.
-* Over the memory budget (``mem_budget_gb`` / TRAPETUM_CALIB_MEM_GB), ``calibration_stats`` and
-  ``quantize_to_cbk`` take the bounded path: the whole model is never built (``Decoder.from_checkpoint``
-  only ever sees one-block or block-less views, each dropped before the next is built) and the
-  statistics equal those of the whole-model path.
-* The budget: parameter over environment over half of the free memory; the fp32 size estimate is
-  that of the decoder ``Decoder.from_checkpoint`` builds.
+* Over the memory budget (``mem_budget_gb``), ``calibration_stats`` and ``quantize_to_cbk`` take the
+  bounded path: the whole model is never built (``Decoder.from_checkpoint`` only ever sees one-block or
+  block-less views, each dropped before the next is built) and the statistics equal those of the
+  whole-model path.
+* The budget: the parameter, else half of the free memory; the library never reads the environment:
+  ``trapetum quantize`` passes ``Options.from_env().calib_mem_gb`` (TRAPETUM_CALIB_MEM_GB). The fp32 size
+  estimate is that of the decoder ``Decoder.from_checkpoint`` builds.
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ import torch
 
 import tiny_models
 from test_quantize import _tiny_llama
-from trapetum.api import load_checkpoint
+from trapetum import cli
 from trapetum.errors import ConfigError
+from trapetum.formats.detect import load_checkpoint
 from trapetum.models.decoder import Decoder
 from trapetum.quant import calibrate
 from trapetum.quant.quantize import Recipe, calibration_stats, quantize_to_cbk
+from trapetum.settings import Options
 
 RECIPE = {"calib_seqs": 3, "calib_sample_len": 20, "iters": 5}
 
@@ -94,7 +97,7 @@ def spy_builds(monkeypatch):
 
 
 def test_over_budget_stats_are_bounded_and_equal_the_whole_model_stats(tiny_dir, monkeypatch):
-    monkeypatch.delenv(calibrate.MEM_ENV, raising=False)
+    monkeypatch.setenv(calibrate.MEM_ENV, "0.000001")  # read by the CLI only: no effect here
     ck = load_checkpoint(str(tiny_dir))
     recipe = Recipe(**RECIPE)
     logs: list[str] = []
@@ -111,12 +114,11 @@ def test_over_budget_stats_are_bounded_and_equal_the_whole_model_stats(tiny_dir,
         assert torch.allclose(full[k], bounded[k], rtol=1e-5, atol=1e-8), k
 
 
-def test_quantize_to_cbk_over_the_env_budget_never_builds_the_whole_model(tiny_dir, tmp_path, monkeypatch,
-                                                                          spy_builds):
-    monkeypatch.setenv(calibrate.MEM_ENV, "0.000001")
+def test_quantize_to_cbk_over_the_budget_never_builds_the_whole_model(tiny_dir, tmp_path, spy_builds):
     logs: list[str] = []
     recipe = Recipe(bits=4, head_bits=8, **RECIPE)
-    path, qm = quantize_to_cbk(str(tiny_dir), tmp_path / "b.cbk", recipe, progress=False, log=logs.append)
+    path, qm = quantize_to_cbk(str(tiny_dir), tmp_path / "b.cbk", recipe, progress=False, log=logs.append,
+                               mem_budget_gb=1e-6)
     assert path.is_file() and any("over the memory budget" in s for s in logs)
     assert spy_builds["peak"] == 1 and spy_builds["calls"] > 0
     assert all(0 <= r["rel_err"] < 0.2 for r in qm.report)
@@ -126,12 +128,42 @@ def test_memory_budget_and_size_estimate(tiny_dir, family_ckpt, monkeypatch):
     monkeypatch.delenv(calibrate.MEM_ENV, raising=False)
     free = calibrate.memory_budget("cpu")
     assert 0 < free < float("inf")  # half of MemAvailable
-    monkeypatch.setenv(calibrate.MEM_ENV, "2.5")
-    assert calibrate.memory_budget("cpu") == 2.5e9
+    budget = Options.from_env({calibrate.MEM_ENV: "2.5"}).calib_mem_gb  # what the CLI passes
+    assert calibrate.memory_budget("cpu", budget) == 2.5e9
     assert calibrate.memory_budget("cpu", budget_gb=1) == 1e9  # the parameter wins
-    monkeypatch.setenv(calibrate.MEM_ENV, "lots")
+    monkeypatch.setattr(calibrate, "_free_bytes", lambda device: 8e9)
+    monkeypatch.setenv(calibrate.MEM_ENV, "2.5")
+    assert calibrate.memory_budget("cpu") == 4e9  # the library does not read the environment
     with pytest.raises(ConfigError, match=calibrate.MEM_ENV):
-        calibrate.memory_budget("cpu")
+        Options.from_env({calibrate.MEM_ENV: "lots"})
     for ck in (load_checkpoint(str(tiny_dir)), family_ckpt("llama3")):  # tied and untied
         params = {p.data_ptr(): p.numel() for p in Decoder.from_checkpoint(ck).parameters()}
         assert calibrate.model_fp32_bytes(ck) == 4 * sum(params.values())
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.mark.parametrize("scheme, driver", [("scalar", "trapetum.quant.quantize.quantize_to_cbk"),
+                                            ("aqlm-2x8", "trapetum.quant.additive_driver.quantize_additive_to_cbk")])
+def test_quantize_command_passes_the_env_budget(tmp_path, monkeypatch, capsys, scheme, driver):
+    seen = {}
+
+    def spy(*a, **k):
+        seen.update(k)
+        raise _Called
+    monkeypatch.setattr(driver, spy)
+    argv = ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "o.cbk"), "--scheme", scheme, "--quiet"]
+    monkeypatch.setenv(calibrate.MEM_ENV, "0.5")
+    with pytest.raises(_Called):
+        cli.main(argv)
+    assert seen["mem_budget_gb"] == 0.5
+    monkeypatch.delenv(calibrate.MEM_ENV)
+    with pytest.raises(_Called):
+        cli.main(argv)
+    assert seen["mem_budget_gb"] is None
+    monkeypatch.setenv(calibrate.MEM_ENV, "lots")
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trapetum: error: ") and calibrate.MEM_ENV in err[0]

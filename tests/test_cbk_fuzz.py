@@ -13,7 +13,8 @@ import pytest
 
 from cbk_helpers import join_file, split_file, tiny_config, tiny_model, tiny_tokenizer
 from trapetum.errors import FormatError
-from trapetum.formats.cbk import _header_digest, open_cbk, write_cbk
+from trapetum.formats.cbk import open_cbk, write_cbk
+from trapetum.formats.cbk_spec import header_digest
 
 CASES = 400
 SECONDS = 15.0
@@ -21,7 +22,7 @@ SECONDS = 15.0
 
 def _rehash(header: dict, text: str) -> dict:
     rows = {n: (e["dtype"], e["shape"], *e["data_offsets"]) for n, e in header.items() if n != "__metadata__"}
-    header["__metadata__"] = {"trapetum": text, "trapetum_sha256": _header_digest(text, rows)}
+    header["__metadata__"] = {"trapetum": text, "trapetum_sha256": header_digest(text, rows)}
     return header
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from cbk_helpers import join_file, split_file, tiny_model, tiny_tokenizer
 from trapetum.errors import FormatError
-from trapetum.formats.cbk import _header_digest, open_cbk, verify_cbk, write_cbk
+from trapetum.formats.cbk import open_cbk, verify_cbk, write_cbk
+from trapetum.formats.cbk_spec import header_digest
 
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
@@ -59,7 +60,7 @@ def meta(fn):
         body = out if isinstance(out, bytes) else body
         text = json.dumps(m)
         rows = {n: (e["dtype"], e["shape"], *e["data_offsets"]) for n, e in header.items() if n != "__metadata__"}
-        header["__metadata__"] = {"trapetum": text, "trapetum_sha256": _header_digest(text, rows)}
+        header["__metadata__"] = {"trapetum": text, "trapetum_sha256": header_digest(text, rows)}
         return join_file(header, body)
     return mutate
 

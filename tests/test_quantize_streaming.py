@@ -143,9 +143,9 @@ from test_quantize import _tiny_llama  # noqa: E402  (the tiny HF models of test
 
 
 def _in_memory_file(ckpt, recipe, out):
-    from trapetum.quant.quantize import _recipe_and_provenance, quantize_checkpoint
+    from trapetum.quant.quantize import quantize_checkpoint, recipe_and_provenance
     qm = quantize_checkpoint(ckpt, recipe, progress=False, log=lambda s: None)
-    rd, prov = _recipe_and_provenance(ckpt, recipe, qm)
+    rd, prov = recipe_and_provenance(ckpt, recipe, qm)
     write_cbk(out, config=qm.config, dense=qm.dense, quantized=qm.quantized, tokenizer=ckpt.tokenizer, recipe=rd,
               provenance=prov, generation=getattr(ckpt, "generation", None) or None)
     return qm
@@ -224,8 +224,8 @@ def test_failure_mid_stream_leaves_no_file(tmp_path, monkeypatch):
         if len(calls) == 5:
             raise RuntimeError("boom")
         return real(*a, **k)
-    real = Q._quantize_matrix
-    monkeypatch.setattr(Q, "_quantize_matrix", boom)
+    real = Q.quantize_matrix
+    monkeypatch.setattr(Q, "quantize_matrix", boom)
     with pytest.raises(RuntimeError, match="boom"):
         Q.quantize_to_cbk(str(d), tmp_path / "x.cbk",
                           Q.Recipe(weighted=False, calib="none", iters=2), progress=False, log=lambda s: None)
@@ -268,7 +268,7 @@ def _measure(out_dir: str) -> None:
     torch.set_num_threads(1)
     Q.kmeans_rows = _fast_kmeans
     recipe = Q.Recipe(bits=8, head_bits=8, embed_bits=None, weighted=False, calib="none", iters=0)
-    Q._quantize_matrix(torch.randn(8, 16), 8, None, recipe, "cpu", None)  # warm up (lazy imports)
+    Q.quantize_matrix(torch.randn(8, 16), 8, None, recipe, "cpu", None)  # warm up (lazy imports)
     results = []
     for k, (mode, layers) in enumerate(RUNS):
         cfg = ModelConfig(**dict(WIDE, num_layers=layers))
@@ -372,7 +372,7 @@ def test_streamed_file_equals_in_memory_file_gemma3(tmp_path):
 
 @pytest.mark.parametrize("R,C,bits", [(300, 97, 3), (5, 1025, 4), (257, 53, 2), (64, 64, 8)])
 def test_chunked_packing_and_errors_equal_whole_matrix(monkeypatch, R, C, bits):
-    """_quantize_matrix packs and measures row chunk by row chunk (bounded float64 work): same codes
+    """quantize_matrix packs and measures row chunk by row chunk (bounded float64 work): same codes
     as packing the whole matrix, same errors as kmeans.weighted_error up to rounding."""
     from trapetum.quant import quantize as Q
     from trapetum.quant.kmeans import kmeans_rows, weighted_error
@@ -382,7 +382,7 @@ def test_chunked_packing_and_errors_equal_whole_matrix(monkeypatch, R, C, bits):
     g = torch.Generator().manual_seed(R + C)
     W, imp = torch.randn(R, C, generator=g), torch.rand(C, generator=g)
     recipe = Q.Recipe(iters=2)
-    rec, err = Q._quantize_matrix(W, bits, imp, recipe, "cpu", None)
+    rec, err = Q.quantize_matrix(W, bits, imp, recipe, "cpu", None)
     res = kmeans_rows(W, 1 << bits, imp, iters=2, starts=recipe.starts)
     Wq = torch.gather(res.codebook.float(), 1, res.codes.long())
     assert torch.equal(rec.tensors["codes"], pack_codes(res.codes, bits))

@@ -11,7 +11,8 @@ import importlib
 import pkgutil
 import sys
 
-from . import __version__, commands
+from . import commands
+from ._version import __version__
 from .errors import TrapetumError
 
 

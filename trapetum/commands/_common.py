@@ -1,8 +1,9 @@
-"""Arguments shared by several commands (model selection, sampling settings)."""
+"""Arguments shared by several commands (model selection, sampling settings, bit widths)."""
 from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigError, TrapetumError
 from ..runtime.sampling import GenerationSettings
 
 
@@ -13,7 +14,6 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 
 def apply_threads(args: argparse.Namespace) -> None:
-    from ..errors import TrapetumError
     if args.threads is not None:
         if args.threads < 1:
             raise TrapetumError(f"--threads must be at least 1, got {args.threads}")
@@ -38,3 +38,14 @@ def settings_from(args: argparse.Namespace) -> GenerationSettings:
     return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                               seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos).validate()
+
+
+def bits_or_none(s: str, what: str) -> int | None:
+    """A ``--head-bits`` / ``--embed-bits`` value: a number of bits, or None for fp16 / none / dense
+    (ConfigError naming the option ``what`` otherwise)."""
+    if s.lower() in ("fp16", "none", "dense"):
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        raise ConfigError(f"{what} must be a number of bits or fp16, got {s!r}") from None

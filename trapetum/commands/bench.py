@@ -36,11 +36,7 @@ def register(subparsers) -> None:
 
 
 def _kernels(args) -> int:
-    import torch
-
-    from ..errors import UnsupportedError
-    if not torch.cuda.is_available():
-        raise UnsupportedError("bench kernels needs a CUDA GPU")
+    _need_cuda("kernels")
     from ..eval.bench_kernels import run_all
     cmd = "trapetum bench kernels" + (f" --out {args.out}" if args.out else "") + (" --quick" if args.quick else "")
     res = run_all(args.out, quick=args.quick, command=cmd)

@@ -15,7 +15,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..formats.aqlm import export_aqlm
+    from ..quant.convert_aqlm import export_aqlm
 
     path = export_aqlm(args.src, args.output)
     print(f"wrote {path}")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import bits_or_none
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("import-aqlm", help="convert a Hugging Face AQLM directory (2x8, 1x16) to .cbk",
@@ -16,14 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
-    from ..formats.aqlm import import_aqlm
+    from ..quant.convert_aqlm import import_aqlm
 
-    hb = None if args.head_bits.lower() in ("fp16", "none", "dense") else args.head_bits
-    try:
-        hb = None if hb is None else int(hb)
-    except ValueError:
-        raise ConfigError(f"--head-bits must be a number of bits or fp16, got {args.head_bits!r}") from None
-    path = import_aqlm(args.src, args.output, head_bits=hb)
+    path = import_aqlm(args.src, args.output, head_bits=bits_or_none(args.head_bits, "--head-bits"))
     print(f"wrote {path}  {path.stat().st_size / 1e6:.1f} MB")
     return 0

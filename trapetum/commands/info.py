@@ -20,7 +20,8 @@ def _size(n: float) -> str:
 
 
 def run(args) -> int:
-    from ..api import describe, load_checkpoint
+    from ..api import describe
+    from ..formats.detect import load_checkpoint
     ckpt = load_checkpoint(args.model)
     info = describe(ckpt)
     if ckpt.source_format == "cbk":

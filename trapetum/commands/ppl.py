@@ -46,7 +46,7 @@ def parse_windows(s: str) -> int | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import load
+    from ..api import load
     from ..eval.perplexity import perplexity, tokenize_file
 
     windows = parse_windows(args.windows)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import bits_or_none
+
 
 def register(sub) -> None:
     p = sub.add_parser("quantize", help="compress a checkpoint into a .cbk file (per-row codebooks)",
@@ -32,33 +34,46 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _bits_or_none(s: str, what: str) -> int | None:
-    from ..errors import ConfigError
-
-    if s.lower() in ("fp16", "none", "dense"):
-        return None
-    try:
-        return int(s)
-    except ValueError:
-        raise ConfigError(f"{what} must be a number of bits or fp16, got {s!r}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..quant.quantize import Recipe, parse_bits_overrides, quantize_to_cbk
+    from ..settings import Options
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.scheme != "scalar":  # additive codebooks: trapetum/quant/additive_driver.py
-        from ..quant.additive_driver import run_cli
-        return run_cli(args, device)
+    budget = Options.from_env().calib_mem_gb  # TRAPETUM_CALIB_MEM_GB: the sampled calibration's memory budget
+    if args.scheme != "scalar":
+        return _run_additive(args, device, budget)
     calib = args.calib
-    recipe = Recipe(bits=args.bits, head_bits=_bits_or_none(args.head_bits, "--head-bits"),
-                    embed_bits="auto" if args.embed_bits == "auto" else _bits_or_none(args.embed_bits, "--embed-bits"),
-                    weighted=calib != "none", calib=calib, calib_seqs=args.calib_seqs, iters=args.iters,
-                    keep_fp16=list(args.keep_fp16), bits_overrides=parse_bits_overrides(args.layer_bits)).validate()
-    path, qm = quantize_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet)
-    size = path.stat().st_size
-    print(f"wrote {path}  {size / 1e6:.1f} MB  {qm.bits_per_weight('projections'):.3f} bits/weight (projections, "
-          f"codebooks included)  {qm.bits_per_weight('all'):.3f} bits/weight (all tensors)  {qm.seconds:.1f} s")
+    recipe = Recipe(bits=args.bits, head_bits=bits_or_none(args.head_bits, "--head-bits"),
+                    embed_bits=_embed_bits(args), weighted=calib != "none", calib=calib, calib_seqs=args.calib_seqs,
+                    iters=args.iters, keep_fp16=list(args.keep_fp16),
+                    bits_overrides=parse_bits_overrides(args.layer_bits)).validate()
+    path, qm = quantize_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
+                               mem_budget_gb=budget)
+    _report(path, qm, "codebooks included")
     return 0
+
+
+def _run_additive(args: argparse.Namespace, device: str, budget: float | None) -> int:
+    """``--scheme aqlm-2x8|aqlm-1x16`` (trapetum/quant/additive_driver.py): uses --head-bits, --embed-bits,
+    --calib, --calib-seqs, --device, --quiet; the scalar-only options do not apply."""
+    from ..quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
+
+    recipe = AdditiveRecipe(scheme=args.scheme, head_bits=bits_or_none(args.head_bits, "--head-bits"),
+                            embed_bits=_embed_bits(args), weighted=args.calib != "none", calib=args.calib,
+                            calib_seqs=args.calib_seqs).validate()
+    path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
+                                        mem_budget_gb=budget)
+    _report(path, qm, "codebooks and scales included")
+    return 0
+
+
+def _embed_bits(args: argparse.Namespace) -> int | None | str:
+    eb = getattr(args, "embed_bits", "auto")
+    return "auto" if eb == "auto" else bits_or_none(eb, "--embed-bits")
+
+
+def _report(path, qm, included: str) -> None:
+    print(f"wrote {path}  {path.stat().st_size / 1e6:.1f} MB  {qm.bits_per_weight('projections'):.3f} bits/weight "
+          f"(projections, {included})  {qm.bits_per_weight('all'):.3f} bits/weight (all tensors)  {qm.seconds:.1f} s")

@@ -156,9 +156,7 @@ def _run_additive(shape: str, scheme: str, cfg: ModelConfig, full_layers: int, c
         work.mkdir(parents=True, exist_ok=True)
         # the random statistics, as the driver's calibration cache (untimed: the scalar path gets them
         # as an argument); the driver recomputes the model fingerprint inside the timed region
-        fp = drv.model_fingerprint(ckpt)
-        drv._atomic_save({k: v.float().cpu() for k, v in stats.items()}, work / "calibration.safetensors",
-                         {"fingerprint": drv._calib_fingerprint(fp, recipe)})
+        drv.save_calibration(work, drv.model_fingerprint(ckpt), recipe, stats)
         sync()
         marks["t0"] = t0 = time.perf_counter()
         qm = drv.quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=False, log=log,

@@ -1,4 +1,4 @@
-"""Hugging Face AQLM directories <-> ``.cbk``.
+"""Hugging Face AQLM directories: reading (``load_aqlm``) and writing (``write_aqlm_dir``).
 
 An AQLM directory is a Hugging Face model directory whose ``config.json`` holds
 ``quantization_config = {"quant_method": "aqlm", "nbits_per_codebook", "num_codebooks",
@@ -9,21 +9,17 @@ linears ``P`` are stored as ``P.codes`` (int8 / int16 [out/og, in/ig, M]), ``P.c
 
 * ``load_aqlm(dir)`` -> Checkpoint whose quantized projections are QuantRecords of scheme "aqlm"
   holding the source tensors unchanged (byte for byte); everything else as the source has it.
-* ``import_aqlm(dir, out.cbk)``: that checkpoint, with the LM head (dense in every published AQLM
-  model) turned into an 8-bit per-row scalar codebook by the scalar quantizer (unweighted: an import
-  runs no calibration), written as ``.cbk``. The source ``config.json`` is kept in the recipe so an
-  export can give it back.
-* ``export_aqlm(in.cbk, dir)``: "aqlm" records are written back unchanged; any other quantized
-  projection (the 8-bit LM head, 4-bit layers) is dequantized to fp16 and listed in
-  ``linear_weights_not_to_quantize``; dense tensors are written as stored. The directory loads in
-  ``transformers`` with the ``aqlm`` package (on the CPU: ``dtype=torch.float32``).
+* ``write_aqlm_dir(out, hf_config, tensors, ...)`` writes such a directory atomically;
+  ``export_hf_config`` / ``hf_config_for`` give its ``config.json``.
+
+The conversions to and from ``.cbk`` (which quantize the LM head, or dequantize non-AQLM layers) are
+``trapetum.quant.convert_aqlm.import_aqlm`` / ``export_aqlm``.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,10 +29,11 @@ from safetensors.torch import save_file
 
 from ..errors import FormatError, UnsupportedError
 from ..schemes.record import QuantRecord
-from ..models.checkpoint import Checkpoint, LazyTensors
-from .hf import _safetensor_files, _tokenizer, canonical_name, read_json
+from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.families import config_from_hf
+from .hf import canonical_name, read_json, read_tokenizer, safetensor_files
 
-__all__ = ["is_aqlm_dir", "load_aqlm", "import_aqlm", "export_aqlm", "hf_config_for", "write_aqlm_dir"]
+__all__ = ["is_aqlm_dir", "load_aqlm", "hf_config_for", "export_hf_config", "write_aqlm_dir", "AQLM_ROLES"]
 
 AQLM_ROLES = ("codes", "codebooks", "scales")
 _HF_ARCH = {"llama": ("llama", "LlamaForCausalLM"), "mistral": ("mistral", "MistralForCausalLM"),
@@ -66,8 +63,6 @@ def is_aqlm_dir(path: str | os.PathLike) -> bool:
 
 def load_aqlm(path: str | os.PathLike) -> Checkpoint:
     """AQLM directory -> Checkpoint (lazy; "aqlm" QuantRecords keep the source tensors as they are)."""
-    from ..models.families import config_from_hf
-
     d = Path(path)
     if not d.is_dir():
         raise FormatError(f"{d}: not a directory")
@@ -79,7 +74,7 @@ def load_aqlm(path: str | os.PathLike) -> Checkpoint:
     params = {"num_codebooks": q["num_codebooks"], "nbits": q["nbits_per_codebook"],
               "in_group_size": q["in_group_size"], "out_group_size": q["out_group_size"]}
     where: dict[str, tuple[Any, str, Path]] = {}  # canonical name -> (handle, key, file)
-    for f in _safetensor_files(d):
+    for f in safetensor_files(d):
         try:
             h = safe_open(str(f), framework="pt")
             keys = list(h.keys())
@@ -101,8 +96,6 @@ def load_aqlm(path: str | os.PathLike) -> Checkpoint:
             raise FormatError(f"{f}: cannot read tensor {k!r} ({e})") from None
 
     def expected_shape(proj: str) -> tuple[int, int]:
-        from ..models.checkpoint import expected_shapes
-
         s = expected_shapes(config).get(proj + ".weight")
         if s is None:
             raise FormatError(f"{d}: quantized tensor {proj} is not a projection of this model")
@@ -134,50 +127,8 @@ def load_aqlm(path: str | os.PathLike) -> Checkpoint:
         sl = h.get_slice(k)
         formats[n], shapes[n] = sl.get_dtype(), tuple(sl.get_shape())
     meta = {"hf_config": hf_cfg, "aqlm": params}
-    return Checkpoint(config=config, tensors=LazyTensors(getters, formats, shapes), tokenizer=_tokenizer(d, gen),
+    return Checkpoint(config=config, tensors=LazyTensors(getters, formats, shapes), tokenizer=read_tokenizer(d, gen),
                       source=str(d), source_format="aqlm", generation=gen, meta=meta)
-
-
-def import_aqlm(src: str | os.PathLike, out: str | os.PathLike, *, head_bits: int | None = 8,
-                device: str = "cpu", log: Callable[[str], None] | None = None) -> Path:
-    """AQLM directory -> ``.cbk``: AQLM tensors byte for byte, LM head as a ``head_bits`` scalar codebook."""
-    from dataclasses import replace
-
-    from ..quant.quantize import Recipe, _quantize_matrix
-    from .cbk import write_cbk
-
-    log = log or (lambda s: print(s, file=sys.stderr))
-    ckpt = load_aqlm(src)
-    cfg = ckpt.config
-    dense: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantRecord] = {}
-    for name in ckpt.tensors:
-        v = ckpt.tensors[name]
-        if isinstance(v, QuantRecord):
-            quantized[name] = v
-        else:
-            dense[name] = v
-    head_err = None
-    if "lm_head.weight" in quantized:
-        pass  # quantized in the source: kept as it is
-    elif head_bits is not None:
-        H = dense.pop("lm_head.weight", None)
-        if H is None:  # tied: the head gets its own quantized table, the embedding stays as it is
-            H = dense["model.embed_tokens.weight"]
-            cfg = replace(cfg, tie_word_embeddings=False)
-        rec, err = _quantize_matrix(H.float(), head_bits, None, Recipe(head_bits=head_bits), device, None)
-        quantized["lm_head.weight"] = rec
-        head_err = err["rel_err"]
-        log(f"lm_head {head_bits}-bit  rel. weight error {head_err:.4f}")
-    n_aqlm = sum(r.scheme == "aqlm" for r in quantized.values())
-    p = ckpt.meta["aqlm"]
-    recipe = {"method": f"imported AQLM {p['num_codebooks']}x{p['nbits']} (codes, codebooks, scales byte for byte)"
-                        + (f"; lm_head {head_bits}-bit per-row scalar codebook (unweighted)" if head_err is not None else ""),
-              "aqlm": p, "hf_config": ckpt.meta["hf_config"], "head_bits": head_bits,
-              "layer_errors": {"lm_head": round(head_err, 6)} if head_err is not None else {}}
-    prov = {"source": Path(src).name, "source_format": "aqlm", "aqlm_projections": n_aqlm}
-    return Path(write_cbk(out, config=cfg, dense=dense, quantized=quantized, tokenizer=ckpt.tokenizer,
-                          recipe=recipe, provenance=prov, generation=ckpt.generation or None))
 
 
 # ----------------------------------------------------------------------------- export
@@ -206,6 +157,19 @@ def hf_config_for(config, qparams: dict[str, int], not_quantized: list[str]) -> 
         d["sliding_window"] = config.sliding_window if "sliding" in config.layer_types else None
     d["quantization_config"] = _quant_config(qparams, not_quantized)
     return d
+
+
+def export_hf_config(config, recipe: Any, qparams: dict[str, int], not_quantized: list[str]) -> dict[str, Any]:
+    """The config.json of an exported AQLM directory: the source's own config.json when the ``.cbk``'s
+    ``recipe`` kept it (an import), with the file's tie flag and this export's quantization_config;
+    else ``hf_config_for``."""
+    src_cfg = recipe.get("hf_config") if isinstance(recipe, dict) else None
+    if isinstance(src_cfg, dict) and src_cfg.get("quantization_config", {}).get("quant_method") == "aqlm":
+        hf_cfg = dict(src_cfg)
+        hf_cfg["tie_word_embeddings"] = config.tie_word_embeddings
+        hf_cfg["quantization_config"] = {**src_cfg["quantization_config"], **_quant_config(qparams, not_quantized)}
+        return hf_cfg
+    return hf_config_for(config, qparams, not_quantized)
 
 
 def _quant_config(qparams: dict[str, int], not_quantized: list[str]) -> dict[str, Any]:
@@ -248,61 +212,3 @@ def write_aqlm_dir(out: str | os.PathLike, hf_config: dict[str, Any], tensors: d
     else:
         tmp.rename(out)
     return out
-
-
-def export_aqlm(src: str | os.PathLike, out: str | os.PathLike, log: Callable[[str], None] | None = None) -> Path:
-    """``.cbk`` -> AQLM directory (see the module docstring)."""
-    from ..quant.linear import build_linear
-    from .cbk import open_cbk
-
-    log = log or (lambda s: print(s, file=sys.stderr))
-    f = open_cbk(src)
-    qparams = None
-    tensors: dict[str, torch.Tensor] = {}
-    not_quantized: list[str] = []
-    for name, layer in f.layers.items():
-        rec = f.record(name)
-        p = name[: -len(".weight")]
-        if rec.scheme == "aqlm":
-            if qparams is None:
-                qparams = dict(rec.params)
-            elif dict(rec.params) != qparams:
-                raise UnsupportedError(f"export-aqlm: {name} is {rec.params}, another layer {qparams}: "
-                                       "an AQLM directory has one quantization_config")
-            for role in AQLM_ROLES:
-                tensors[f"{p}.{role}"] = rec.tensors[role]
-            if rec.bias is not None:
-                tensors[p + ".bias"] = rec.bias
-        else:
-            mod = build_linear(rec, name)
-            if name == "model.embed_tokens.weight":
-                tensors[name] = mod.dequantize(torch.float32).to(torch.float16)
-                continue
-            tensors[name] = mod.dequantize(torch.float32).to(torch.float16)
-            if rec.bias is not None:
-                tensors[p + ".bias"] = rec.bias
-            not_quantized.append(name)
-    if qparams is None:
-        raise FormatError(f"{src}: holds no AQLM (additive) projections; nothing to export as AQLM")
-    for name in f.dense:
-        tensors[name] = f.tensor(name)
-    cfg = f.config
-    if cfg.tie_word_embeddings and "lm_head.weight" in tensors:
-        tensors.pop("lm_head.weight")
-    if "lm_head.weight" not in not_quantized and "lm_head.weight" not in f.layers:
-        not_quantized.append("lm_head.weight")  # a dense or tied head must stay an nn.Linear in transformers
-    src_cfg = (f.recipe or {}).get("hf_config") if isinstance(f.recipe, dict) else None
-    if isinstance(src_cfg, dict) and src_cfg.get("quantization_config", {}).get("quant_method") == "aqlm":
-        hf_cfg = dict(src_cfg)
-        hf_cfg["tie_word_embeddings"] = cfg.tie_word_embeddings
-        hf_cfg["quantization_config"] = {**src_cfg["quantization_config"],
-                                         **_quant_config(qparams, sorted(set(not_quantized)))}
-    else:
-        hf_cfg = hf_config_for(cfg, qparams, sorted(set(not_quantized)))
-    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensors:
-        raise FormatError(f"{src}: untied model without lm_head.weight")
-    path = write_aqlm_dir(out, hf_cfg, tensors, f.tokenizer, dict(f.generation) or None)
-    log(f"exported {sum(1 for l in f.layers.values() if l.scheme == 'aqlm')} AQLM projections, "
-        f"{len(not_quantized)} dequantized to fp16 ({', '.join(not_quantized[:3])}{'...' if len(not_quantized) > 3 else ''})")
-    f.close()
-    return path

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -62,13 +63,13 @@ import torch
 from ..errors import FormatError
 from ..jsondepth import MAX_DEPTH, nesting_depth
 from ..models.config import ModelConfig
-from ..quant.record import QuantRecord
+from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
 from ..models.checkpoint import Checkpoint, LazyTensors
-from .cbk_spec import (  # noqa: F401  (re-exported: the format's public names)
-    DTYPE_NAMES, DTYPES, FLOAT_DTYPES, FORMAT_NAME, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry,
-    QuantSpec, StoredTensor, TensorSpec, _CHUNK, _HEX64, _check_model, _header_digest, _itemsize, _one_line,
-    format_label)
+from .cbk_spec import (
+    DTYPES, FORMAT_NAME, HEX64, IO_CHUNK, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry, StoredTensor,
+    TensorSpec, check_model, format_label, header_digest, itemsize, one_line)
+from .cbk_spec import DTYPE_NAMES, FLOAT_DTYPES, QuantSpec  # noqa: F401  (re-exported: the format's public names)
 from .cbk_write import CbkWriter, write_cbk  # noqa: F401  (the writer is part of this module's API)
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def _parse_json(text: str, what: str, fail: Callable[[str], Any]) -> Any:
         d: dict[str, Any] = {}
         for k, v in kv:
             if k in d:
-                fail(f"{what} has duplicate key {_one_line(repr(k), 60)}")
+                fail(f"{what} has duplicate key {one_line(repr(k), 60)}")
             d[k] = v
         return d
 
@@ -90,7 +91,7 @@ def _parse_json(text: str, what: str, fail: Callable[[str], Any]) -> Any:
     try:
         return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
     except ValueError as e:  # JSONDecodeError, and integers with too many digits
-        fail(f"{what} is not valid JSON ({_one_line(e, 80)})")
+        fail(f"{what} is not valid JSON ({one_line(e, 80)})")
 
 
 def _is_int(x: Any) -> bool:
@@ -117,7 +118,7 @@ class CbkFile:
             if isinstance(e, IsADirectoryError):
                 self._fail("is a directory, not a .cbk file")
             if isinstance(e, OSError):
-                self._fail(f"cannot read ({_one_line(e.strerror or e, 80)})")
+                self._fail(f"cannot read ({one_line(e.strerror or e, 80)})")
             raise
 
     def _fail(self, msg: str) -> None:
@@ -158,14 +159,14 @@ class CbkFile:
         for name, e in header.items():
             if name == "__metadata__":
                 continue
-            what = f"tensor {_one_line(repr(name), 80)}"
+            what = f"tensor {one_line(repr(name), 80)}"
             if not name:
                 fail("a tensor has an empty name")
             if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
                 fail(f"{what}: entry must be an object with exactly dtype, shape and data_offsets")
             dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
             if not isinstance(dtype, str) or dtype not in DTYPES:
-                fail(f"{what}: unknown dtype {_one_line(repr(dtype), 40)}")
+                fail(f"{what}: unknown dtype {one_line(repr(dtype), 40)}")
             if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_int(d) for d in shape):
                 fail(f"{what}: shape must be a list of at most {MAX_DIMS} integers")
             count = 1
@@ -174,26 +175,26 @@ class CbkFile:
                     fail(f"{what}: negative dimension {d} in shape")
                 count *= d
                 if count > MAX_ELEMENTS:
-                    fail(f"{what}: shape {_one_line(shape, 60)} has too many elements")
+                    fail(f"{what}: shape {one_line(shape, 60)} has too many elements")
             if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
                 fail(f"{what}: data_offsets must be two integers")
             begin, end = offs
             if not 0 <= begin <= end:
-                fail(f"{what}: data_offsets [{_one_line(begin, 30)}, {_one_line(end, 30)}] are not an "
+                fail(f"{what}: data_offsets [{one_line(begin, 30)}, {one_line(end, 30)}] are not an "
                      f"increasing pair of non-negative offsets")
             if end > data_len:
-                fail(f"{what}: data_offsets end {_one_line(end, 30)} is past the end of the data "
+                fail(f"{what}: data_offsets end {one_line(end, 30)} is past the end of the data "
                      f"({data_len} bytes; truncated?)")
-            if end - begin != count * _itemsize(dtype):
-                fail(f"{what}: {dtype} shape {shape} needs {count * _itemsize(dtype)} bytes but data_offsets "
+            if end - begin != count * itemsize(dtype):
+                fail(f"{what}: {dtype} shape {shape} needs {count * itemsize(dtype)} bytes but data_offsets "
                      f"span {end - begin}")
             entries[name] = StoredTensor(name, dtype, tuple(shape), self.header_bytes + begin, self.header_bytes + end)
         pos = self.header_bytes
         for t in sorted(entries.values(), key=lambda t: (t.begin, t.end)):
             if t.begin < pos:
-                fail(f"tensor {_one_line(repr(t.name), 80)} overlaps the previous tensor")
+                fail(f"tensor {one_line(repr(t.name), 80)} overlaps the previous tensor")
             if t.begin > pos:
-                fail(f"gap of {t.begin - pos} bytes before tensor {_one_line(repr(t.name), 80)}")
+                fail(f"gap of {t.begin - pos} bytes before tensor {one_line(repr(t.name), 80)}")
             pos = t.end
         if pos != self.file_bytes:
             fail(f"{self.file_bytes - pos} bytes after the last tensor (tensors must cover the data exactly)")
@@ -211,16 +212,16 @@ class CbkFile:
         if not isinstance(meta, dict):
             fail("trapetum metadata is not a JSON object")
         if meta.get("format") != FORMAT_NAME:
-            fail(f"format is {_one_line(repr(meta.get('format')), 40)}, expected {FORMAT_NAME!r}")
+            fail(f"format is {one_line(repr(meta.get('format')), 40)}, expected {FORMAT_NAME!r}")
         version = meta.get("version")
         if not _is_int(version):
-            fail(f"version is {_one_line(repr(version), 40)}, expected an integer")
+            fail(f"version is {one_line(repr(version), 40)}, expected an integer")
         if version != VERSION:
             raise FormatError(f"{self.path} has .cbk version {version}; this build reads version {VERSION}")
         table = {n: (t.dtype, t.shape, t.begin - self.header_bytes, t.end - self.header_bytes)
                  for n, t in self.tensors_table.items()}
-        if md.get("trapetum_sha256") not in (_header_digest(md["trapetum"], table),
-                                             _header_digest(md["trapetum"], table, with_offsets=True)):
+        if md.get("trapetum_sha256") not in (header_digest(md["trapetum"], table),
+                                             header_digest(md["trapetum"], table, with_offsets=True)):
             fail("metadata checksum mismatch: the header was edited or is corrupt")
         for key in ("config", "layers", "dense", "checksums"):
             if key not in meta:
@@ -238,14 +239,14 @@ class CbkFile:
         try:
             self.config = ModelConfig.from_dict(meta["config"], where="config")
         except Exception as e:  # ConfigError, or a TypeError from a field of the wrong type
-            text = _one_line(e, 200)
+            text = one_line(e, 200)
             fail(f"invalid {text}" if text.startswith("config: ") else f"invalid config: {text}")
         # layers and dense
         layers: dict[str, LayerEntry] = {}
         if not isinstance(meta["layers"], dict):
             fail("layers is not an object")
         for name, d in meta["layers"].items():
-            what = f"quantized layer {_one_line(repr(name), 80)}"
+            what = f"quantized layer {one_line(repr(name), 80)}"
             if not isinstance(d, dict) or not {"scheme", "shape", "params", "tensors"} <= set(d):
                 fail(f"{what}: entry must be an object with scheme, shape, params, tensors")
             if not isinstance(d["scheme"], str) or not d["scheme"]:
@@ -264,22 +265,22 @@ class CbkFile:
         if not isinstance(dense, list) or not all(isinstance(n, str) for n in dense):
             fail("dense is not a list of tensor names")
         specs = {n: TensorSpec(t.dtype, t.shape) for n, t in self.tensors_table.items()}
-        _check_model(self.config, layers, dense, specs, fail)
+        check_model(self.config, layers, dense, specs, fail)
         self.layers, self.dense = layers, list(dense)
         # checksums
         if meta.get("checksum") != "sha256":
-            fail(f"checksum algorithm is {_one_line(repr(meta.get('checksum')), 40)}, expected 'sha256'")
+            fail(f"checksum algorithm is {one_line(repr(meta.get('checksum')), 40)}, expected 'sha256'")
         sums = meta["checksums"]
         if not isinstance(sums, dict):
             fail("checksums is not an object")
         for n in self.tensors_table:
             if n not in sums:
-                fail(f"no checksum for tensor {_one_line(repr(n), 80)}")
-            if not isinstance(sums[n], str) or not _HEX64.fullmatch(sums[n]):
-                fail(f"checksum of tensor {_one_line(repr(n), 80)} is not a sha256 hex digest")
+                fail(f"no checksum for tensor {one_line(repr(n), 80)}")
+            if not isinstance(sums[n], str) or not HEX64.fullmatch(sums[n]):
+                fail(f"checksum of tensor {one_line(repr(n), 80)} is not a sha256 hex digest")
         extra = [n for n in sums if n not in self.tensors_table]
         if extra:
-            fail(f"checksum listed for tensor {_one_line(repr(extra[0]), 80)}, which is not in the file")
+            fail(f"checksum listed for tensor {one_line(repr(extra[0]), 80)}, which is not in the file")
         self.checksums = dict(sums)
         # tokenizer
         self.tokenizer = None
@@ -290,7 +291,7 @@ class CbkFile:
             try:
                 self.tokenizer = Tokenizer.from_dict(tk)
             except Exception as e:  # tokenizers raises plain Exception on a bad tokenizer.json
-                fail(f"tokenizer does not load: {_one_line(e, 160)}")
+                fail(f"tokenizer does not load: {one_line(e, 160)}")
         self.recipe = meta.get("recipe")
         self.provenance = meta.get("provenance")
         self.generation = meta.get("generation") or {}
@@ -302,15 +303,15 @@ class CbkFile:
         other tensor (each call maps afresh)."""
         t = self.tensors_table[stored]
         dtype = DTYPES[t.dtype]
-        count = (t.end - t.begin) // _itemsize(t.dtype)
+        count = (t.end - t.begin) // itemsize(t.dtype)
         if count == 0:
             return torch.empty(t.shape, dtype=dtype)
         start = t.begin - t.begin % mmap.ALLOCATIONGRANULARITY
         try:
             mm = mmap.mmap(self._f.fileno(), t.end - start, access=mmap.ACCESS_COPY, offset=start)
         except (ValueError, OSError) as e:
-            self._fail(f"cannot map tensor {stored} (file changed since it was opened? {_one_line(e, 80)})")
-        if t.begin % _itemsize(t.dtype):  # misaligned (a foreign writer): copy the bytes
+            self._fail(f"cannot map tensor {stored} (file changed since it was opened? {one_line(e, 80)})")
+        if t.begin % itemsize(t.dtype):  # misaligned (a foreign writer): copy the bytes
             return torch.frombuffer(bytearray(mm[t.begin - start:]), dtype=dtype).reshape(t.shape)
         return torch.frombuffer(mm, dtype=dtype, count=count, offset=t.begin - start).reshape(t.shape)
 
@@ -356,8 +357,8 @@ class CbkFile:
         with mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as mv:
             for t in sorted(self.tensors_table.values(), key=lambda t: t.begin):
                 h = hashlib.sha256()
-                for i in range(t.begin, t.end, _CHUNK):
-                    with mv[i:min(i + _CHUNK, t.end)] as part:
+                for i in range(t.begin, t.end, IO_CHUNK):
+                    with mv[i:min(i + IO_CHUNK, t.end)] as part:
                         h.update(part)
                 if h.hexdigest() != self.checksums[t.name]:
                     problems.append(f"{self.path}: tensor {t.name} ({owners.get(t.name, '?')}) checksum mismatch: "
@@ -381,19 +382,14 @@ class CbkFile:
             k["weights"] += weights
             k["formats"][label] = k["formats"].get(label, 0) + 1
 
-        def numel(shape: tuple[int, ...]) -> int:
-            n = 1
-            for d in shape:
-                n *= d
-            return n
         for name in self.dense:
             t = self.tensors_table[name]
-            add(name, t.end - t.begin, numel(t.shape), t.dtype)
+            add(name, t.end - t.begin, math.prod(t.shape), t.dtype)
         for name, layer in self.layers.items():
             stored = list(layer.tensors.values()) + ([layer.bias] if layer.bias else [])
             nbytes = sum(self.tensors_table[s].end - self.tensors_table[s].begin for s in stored)
-            bias = numel(self.tensors_table[layer.bias].shape) if layer.bias else 0
-            add(name, nbytes, numel(layer.shape) + bias, format_label(layer.scheme, layer.params))
+            bias = math.prod(self.tensors_table[layer.bias].shape) if layer.bias else 0
+            add(name, nbytes, math.prod(layer.shape) + bias, format_label(layer.scheme, layer.params))
         for k in kinds.values():
             k["bits_per_weight"] = 8 * k["bytes"] / k["weights"] if k["weights"] else 0.0
         tensor_bytes = sum(k["bytes"] for k in kinds.values())
@@ -467,7 +463,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     for q in files:
         h = hashlib.sha256()
         with open(q, "rb") as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(IO_CHUNK):
                 h.update(chunk)
         if p.is_file():
             return h.hexdigest()

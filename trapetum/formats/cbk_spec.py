@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -11,7 +12,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..models.config import ModelConfig
-from ..quant.record import QuantRecord
+from ..schemes.record import QuantRecord
 from ..models.checkpoint import expected_names, expected_shapes
 
 FORMAT_NAME = "trapetum-cbk"
@@ -19,8 +20,8 @@ VERSION = 1
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 MAX_DIMS = 8
 MAX_ELEMENTS = 2**62
-_CHUNK = 64 * 2**20
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+IO_CHUNK = 64 * 2**20  # bytes per step when a file's or tensor's bytes are hashed or copied
+HEX64 = re.compile(r"[0-9a-f]{64}")  # a sha256 hex digest, as the checksums are stored
 
 DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr) for name, attr in [
@@ -35,11 +36,14 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
-def _itemsize(dtype_name: str) -> int:
+def itemsize(dtype_name: str) -> int:
+    """Bytes per element of a dtype named as safetensors names it ("F16" -> 2); KeyError if unknown."""
     return _ITEMSIZE[dtype_name]
 
 
-def _one_line(x: Any, limit: int = 120) -> str:
+def one_line(x: Any, limit: int = 120) -> str:
+    """``str(x)`` on one line (white space folded), cut to ``limit`` characters: for error messages that quote
+    what a file holds."""
     s = " ".join(str(x).split())
     return s if len(s) <= limit else s[:limit] + "..."
 
@@ -61,10 +65,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = _itemsize(self.dtype)
-        for d in self.shape:
-            n *= d
-        return n
+        return itemsize(self.dtype) * math.prod(self.shape)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def format_label(scheme: str, params: Mapping[str, Any]) -> str:
     return f"{scheme}-{layout}" if isinstance(layout, str) else scheme
 
 
-def _header_digest(trapetum_text: str, table: Mapping[str, tuple], with_offsets: bool = False) -> str:
+def header_digest(trapetum_text: str, table: Mapping[str, tuple], with_offsets: bool = False) -> str:
     """Hash of the metadata and each tensor's name, dtype and shape. Offsets are left out: a tool that
     rewrites the file with its tensors in another order (safetensors' save_file) keeps it valid.
     (``with_offsets``: the form written before 2026-11-30 02:07 UTC, still accepted on read.)"""
@@ -121,7 +122,7 @@ def _header_digest(trapetum_text: str, table: Mapping[str, tuple], with_offsets:
     return hashlib.sha256(blob.encode("ascii")).hexdigest()
 
 
-def _check_model(cfg: ModelConfig, layers: Mapping[str, LayerEntry], dense: list[str],
+def check_model(cfg: ModelConfig, layers: Mapping[str, LayerEntry], dense: list[str],
                  table: Mapping[str, TensorSpec], fail: Callable[[str], Any]) -> None:
     """Check names and shapes against the config; every stored tensor referenced exactly once."""
     if cfg.num_layers > len(table):  # bound the work below by the file's own size

@@ -15,11 +15,11 @@ import torch
 
 from .._version import __version__
 from ..models.config import ModelConfig
-from ..quant.record import QuantRecord
+from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
 from .cbk_spec import (
-    _CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, VERSION, LayerEntry, QuantSpec, TensorSpec, _check_model,
-    _header_digest, _itemsize, _one_line)
+    IO_CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, VERSION, LayerEntry, QuantSpec, TensorSpec, check_model,
+    header_digest, itemsize, one_line)
 
 _MOVE_CHUNK = 16 * 2**20  # bytes per step when commit moves the data to grow the header
 
@@ -80,7 +80,7 @@ class CbkWriter:
         try:
             return json.loads(json.dumps(x, allow_nan=False))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"cannot write {self.path}: {what} is not plain JSON ({_one_line(e, 120)})") from None
+            raise ValueError(f"cannot write {self.path}: {what} is not plain JSON ({one_line(e, 120)})") from None
 
     def update(self, *, recipe: dict | None = None, provenance: dict | None = None,
                generation: dict | None = None) -> None:
@@ -145,7 +145,7 @@ class CbkWriter:
             rel[n] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [b, e]}
         self.meta["checksums"] = {n: self._digests.get(n, "0" * 64) for n in self._rel}
         text = json.dumps(self.meta, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        header = {"__metadata__": {"trapetum": text, "trapetum_sha256": _header_digest(text, table)}, **rel}
+        header = {"__metadata__": {"trapetum": text, "trapetum_sha256": header_digest(text, table)}, **rel}
         raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         if length is not None and len(raw) <= length:
             return raw + b" " * (length - len(raw))
@@ -156,9 +156,9 @@ class CbkWriter:
 
         def fail(msg: str) -> None:
             raise ValueError(f"cannot write {self.path}: {msg}")
-        _check_model(self.config, self._layers, self.meta["dense"], self.specs, fail)
+        check_model(self.config, self._layers, self.meta["dense"], self.specs, fail)
         # Layout: descending element size keeps every tensor aligned to its element size.
-        order = sorted(self.specs, key=lambda n: -_itemsize(self.specs[n].dtype))
+        order = sorted(self.specs, key=lambda n: -itemsize(self.specs[n].dtype))
         pos = 0
         for n in order:
             self._rel[n] = (pos, pos + self.specs[n].nbytes)
@@ -193,9 +193,9 @@ class CbkWriter:
         h = hashlib.sha256()
         self._file.seek(self._offsets[stored][0])
         with memoryview(flat) as mv:
-            for i in range(0, len(mv), _CHUNK):
-                h.update(mv[i:i + _CHUNK])
-                self._file.write(mv[i:i + _CHUNK])
+            for i in range(0, len(mv), IO_CHUNK):
+                h.update(mv[i:i + IO_CHUNK])
+                self._file.write(mv[i:i + IO_CHUNK])
         self._digests[stored] = h.hexdigest()
 
     def put_dense(self, name: str, tensor: torch.Tensor) -> None:

@@ -46,7 +46,9 @@ def canonical_name(name: str) -> str | None:
     return None
 
 
-def _safetensor_files(d: Path) -> list[Path]:
+def safetensor_files(d: Path) -> list[Path]:
+    """The ``*.safetensors`` files of a HF directory (those of its index when it has one), sorted;
+    FormatError when there are none or only pickle weights."""
     index = d / "model.safetensors.index.json"
     if index.exists():
         wm = read_json(index).get("weight_map")
@@ -65,7 +67,9 @@ def _safetensor_files(d: Path) -> list[Path]:
     return files
 
 
-def _tokenizer(d: Path, gen: dict[str, Any]) -> Tokenizer | None:
+def read_tokenizer(d: Path, gen: dict[str, Any]) -> Tokenizer | None:
+    """The directory's tokenizer (``tokenizer.json``, ``tokenizer_config.json``, chat template; end-of-sequence
+    tokens also from ``gen``, its generation_config), or None without a ``tokenizer.json``."""
     tj = d / "tokenizer.json"
     if not tj.exists():
         return None
@@ -97,6 +101,9 @@ def _tokenizer(d: Path, gen: dict[str, Any]) -> Tokenizer | None:
                      chat_template=template, extra_special=extra)
 
 
+_tokenizer = read_tokenizer  # the old name, still imported by tests/aqlm_helpers.py
+
+
 def load_hf(path: str | os.PathLike) -> Checkpoint:
     d = Path(path)
     if not d.is_dir():
@@ -108,7 +115,7 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
     getters: dict[str, Callable[[], torch.Tensor]] = {}
     formats: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for f in _safetensor_files(d):
+    for f in safetensor_files(d):
         try:
             handle = safe_open(str(f), framework="pt")
             keys = list(handle.keys())
@@ -131,5 +138,5 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
                 getters[cname] = g
                 formats[cname] = dtype
             shapes[name] = tuple(sl.get_shape())
-    return Checkpoint(config=config, tensors=LazyTensors(getters, formats, shapes), tokenizer=_tokenizer(d, gen),
+    return Checkpoint(config=config, tensors=LazyTensors(getters, formats, shapes), tokenizer=read_tokenizer(d, gen),
                       source=str(d), source_format="hf", generation=gen)

@@ -37,12 +37,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import ConfigError
+from ..formats.cbk import write_cbk
+from ..formats.detect import load_checkpoint
 from ..kernels import beam_search as beam_step
+from ..schemes.record import QuantRecord
 from .additive import SCHEMES, AdditiveLinear, dequantize_aqlm, quantize_additive
-from .quantize import PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint
-from .record import QuantRecord
+from .quantize import (PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint, recipe_summary,
+                       source_provenance)
 
-__all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_to_cbk", "model_fingerprint"]
+__all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_to_cbk", "model_fingerprint",
+           "save_calibration"]
+
+CALIBRATION_CACHE = "calibration.safetensors"  # in the work directory (``<OUT>.parts``)
 
 
 @dataclass
@@ -142,18 +148,27 @@ def _load_if(path: Path, fingerprint: str) -> tuple[dict[str, torch.Tensor], dic
 
 
 def _stats(ckpt, recipe: AdditiveRecipe, work: Path, fp: str, device: str, progress: bool,
-           log) -> dict[str, torch.Tensor] | None:
+           log, mem_budget_gb: float | None) -> dict[str, torch.Tensor] | None:
     if not recipe.weighted or recipe.calib == "none":
         return None
-    cfp = _calib_fingerprint(fp, recipe)
-    path = work / "calibration.safetensors"
-    got = _load_if(path, cfp)
+    got = _load_if(work / CALIBRATION_CACHE, _calib_fingerprint(fp, recipe))
     if got is not None:
         log("calibration: reusing cached statistics")
         return got[0]
-    stats = calibration_stats(ckpt, recipe.scalar_recipe(), device=device, progress=progress, log=log)
-    _atomic_save(stats, path, {"fingerprint": cfp})
+    stats = calibration_stats(ckpt, recipe.scalar_recipe(), device=device, progress=progress, log=log,
+                              mem_budget_gb=mem_budget_gb)
+    save_calibration(work, fp, recipe, stats)
     return stats
+
+
+def save_calibration(work_dir: str | Path, fingerprint: str, recipe: AdditiveRecipe,
+                     stats: dict[str, torch.Tensor]) -> None:
+    """Store ``stats`` (float32, on the CPU) as the calibration cache of ``work_dir`` for the model of
+    ``fingerprint`` (``model_fingerprint``) and ``recipe``'s calibration settings: a run with the same model,
+    data and settings reuses them instead of calibrating (the quantizer benchmark seeds its random
+    statistics this way)."""
+    _atomic_save({k: v.float().cpu() for k, v in stats.items()}, Path(work_dir) / CALIBRATION_CACHE,
+                 {"fingerprint": _calib_fingerprint(fingerprint, recipe)})
 
 
 def _layer_seed(seed: int, name: str) -> int:
@@ -162,10 +177,11 @@ def _layer_seed(seed: int, name: str) -> int:
 
 def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | Path, *, device: str = "cpu",
                                  progress: bool = True, log: Callable[[str], None] | None = None,
-                                 stop_after: int | None = None) -> QuantizedModel:
+                                 stop_after: int | None = None, mem_budget_gb: float | None = None) -> QuantizedModel:
     """Quantize every projection of ``ckpt`` to additive codebooks (see the module docstring).
 
-    ``stop_after``: raise KeyboardInterrupt after that many layers were computed (tests of resuming)."""
+    ``stop_after``: raise KeyboardInterrupt after that many layers were computed (tests of resuming).
+    ``mem_budget_gb``: the calibration's memory budget (``quantize.calibration_stats``)."""
     from tqdm import tqdm
 
     recipe.validate()
@@ -175,7 +191,7 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fp = model_fingerprint(ckpt)
-    stats = _stats(ckpt, recipe, work, fp, device, progress, log)
+    stats = _stats(ckpt, recipe, work, fp, device, progress, log, mem_budget_gb)
     # what a layer part depends on: not the head layout (head_bits, embed_bits), computed at every run
     settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k not in ("head_bits", "embed_bits")},
                           sort_keys=True)
@@ -254,43 +270,22 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
 def quantize_additive_to_cbk(src: str | None, out: str | Path, recipe: AdditiveRecipe, *, device: str = "cpu",
                              progress: bool = True, log: Callable[[str], None] | None = None,
                              stop_after: int | None = None, keep_parts: bool = False,
-                             provenance: dict | None = None) -> tuple[Path, QuantizedModel]:
-    """Load ``src``, quantize (resuming from ``<out>.parts``), write ``out`` atomically."""
-    from ..formats.detect import load_checkpoint
-    from ..formats.cbk import write_cbk
-    from .quantize import _source_sha256
-
+                             provenance: dict | None = None,
+                             mem_budget_gb: float | None = None) -> tuple[Path, QuantizedModel]:
+    """Load ``src``, quantize (resuming from ``<out>.parts``), write ``out`` atomically. ``mem_budget_gb``:
+    the calibration's memory budget (``quantize.calibration_stats``)."""
     log = log or (lambda s: print(s, file=sys.stderr))
     ckpt = load_checkpoint(src)
     out = Path(out)
     work = out.with_name(out.name + ".parts")
     qm = quantize_additive_checkpoint(ckpt, recipe, work, device=device, progress=progress, log=log,
-                                      stop_after=stop_after)
-    prov = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format,
-            "source_sha256": _source_sha256(ckpt.source), **(provenance or {})}
-    rd = recipe.to_dict()
-    rd["bits_per_weight"] = {"projections": round(qm.bits_per_weight("projections"), 4),
-                             "all": round(qm.bits_per_weight("all"), 4)}
-    rd["layer_errors"] = {r["name"]: round(r["rel_err"], 6) for r in qm.report}
+                                      stop_after=stop_after, mem_budget_gb=mem_budget_gb)
+    prov = {**source_provenance(ckpt), **(provenance or {})}
     path = write_cbk(out, config=qm.config, dense=qm.dense, quantized=qm.quantized, tokenizer=ckpt.tokenizer,
-                     recipe=rd, provenance=prov, generation=getattr(ckpt, "generation", None) or None)
+                     recipe=recipe_summary(recipe.to_dict(), qm), provenance=prov,
+                     generation=getattr(ckpt, "generation", None) or None)
     if not keep_parts:
         shutil.rmtree(work, ignore_errors=True)
     log(f"quantized in {qm.seconds:.1f} s")
     return Path(path), qm
 
-
-def run_cli(args, device: str) -> int:
-    """``trapetum quantize SRC -o OUT.cbk --scheme aqlm-2x8|aqlm-1x16`` (uses --head-bits, --embed-bits,
-    --calib, --calib-seqs, --device, --quiet; the scalar-only options do not apply)."""
-    from ..commands.quantize import _bits_or_none
-
-    eb = getattr(args, "embed_bits", "auto")
-    recipe = AdditiveRecipe(scheme=args.scheme, head_bits=_bits_or_none(args.head_bits, "--head-bits"),
-                            embed_bits="auto" if eb == "auto" else _bits_or_none(eb, "--embed-bits"),
-                            weighted=args.calib != "none", calib=args.calib, calib_seqs=args.calib_seqs).validate()
-    path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet)
-    print(f"wrote {path}  {path.stat().st_size / 1e6:.1f} MB  {qm.bits_per_weight('projections'):.3f} bits/weight "
-          f"(projections, codebooks and scales included)  {qm.bits_per_weight('all'):.3f} bits/weight (all tensors)  "
-          f"{qm.seconds:.1f} s")
-    return 0

@@ -24,9 +24,10 @@ dropped, so it holds one block (or the embedding, or the head) plus the KV cache
 ``collect_input_stats_layerwise``. Both decoders do the same float32 operations and go through the
 same sampling code, so the tokens (and the recipe's result) do not depend on the path; the streamed
 one re-reads every block at every token step and is slow for large models (the page cache helps
-when RAM allows; ``--calib FILE`` is much faster). The budget is ``TRAPETUM_CALIB_MEM_GB`` (in GB of
-10^9 bytes) when set, else half of the free memory: ``MemAvailable`` of ``/proc/meminfo`` on the
-CPU, ``torch.cuda.mem_get_info`` on CUDA.
+when RAM allows; ``--calib FILE`` is much faster). The budget is the caller's ``budget_gb`` (in GB of
+10^9 bytes; the CLI passes ``settings.Options.calib_mem_gb``, i.e. ``TRAPETUM_CALIB_MEM_GB``) when given,
+else half of the free memory: ``MemAvailable`` of ``/proc/meminfo`` on the CPU, ``torch.cuda.mem_get_info``
+on CUDA. Nothing here reads the environment.
 
 Statistics are collected with forward pre-hooks on every projection (q/k/v/o, gate/up/down and
 lm_head): for each projection the mean over all calibration tokens of x_j^2, float64 sums,
@@ -44,14 +45,14 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..errors import ConfigError, TrapetumError
+from ..errors import TrapetumError
 from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
 
 __all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
            "collect_input_stats_layerwise", "streamed_decoder", "sampling_decoder", "model_fp32_bytes",
            "memory_budget", "MEM_ENV"]
 
-MEM_ENV = "TRAPETUM_CALIB_MEM_GB"
+MEM_ENV = "TRAPETUM_CALIB_MEM_GB"  # named in the log line: the CLI reads it into budget_gb (settings.py)
 
 
 def file_calibration_tokens(tokenizer, path: str | Path, n_seqs: int = 32, seq_len: int = 512) -> torch.Tensor:
@@ -156,7 +157,7 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
 
     from ..models.layers import RMSNorm
     from .linear import build_embedding
-    from .record import QuantRecord
+    from ..schemes.record import QuantRecord
 
     cfg = ckpt.config
     T = ckpt.tensors
@@ -339,14 +340,8 @@ def _free_bytes(device: str | torch.device) -> float:
 
 
 def memory_budget(device: str | torch.device = "cpu", budget_gb: float | None = None) -> float:
-    """Bytes the whole fp32 model may take to sample calibration text: ``budget_gb``, else
-    TRAPETUM_CALIB_MEM_GB (GB of 10^9 bytes), else half of the free memory of ``device``."""
-    if budget_gb is None and os.environ.get(MEM_ENV, "").strip():
-        env = os.environ[MEM_ENV].strip()
-        try:
-            budget_gb = float(env)
-        except ValueError:
-            raise ConfigError(f"{MEM_ENV}={env!r}: expected a number of GB") from None
+    """Bytes the whole fp32 model may take to sample calibration text: ``budget_gb`` (GB of 10^9 bytes),
+    else half of the free memory of ``device``."""
     if budget_gb is not None:
         return float(budget_gb) * 1e9
     return _free_bytes(device) / 2

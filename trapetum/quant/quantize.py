@@ -25,17 +25,17 @@ tensor is reduced to its packed codes at once. ``plan_quantization`` lists every
 ``quantize_to_cbk`` declares that plan to a streaming ``CbkWriter`` and writes each tensor as soon
 as it is produced, so it holds about one tensor of the source plus its k-means work, never the
 output (a 70B model needs no more RAM than a 7B one). ``quantize_checkpoint`` runs the same
-generator (``iter_quantized``) but keeps the output in memory, for callers that want it. Calibration from a text file runs the source one block at a time
-(``calibrate.collect_input_stats_layerwise``: one block's weights plus the calibration hidden
-states); the no-dataset default samples text from the model with the whole fp32 model when it fits
-the memory budget (half of the free memory, or TRAPETUM_CALIB_MEM_GB), else block by block with the
-same tokens (``calibrate.sampling_decoder``: bounded memory but slow; ``--calib FILE`` is faster) and
-then collects layer by layer; ``calib="none"`` skips calibration (unweighted).
+generator (``iter_quantized``) but keeps the output in memory, for callers that want it. Calibration
+from a text file runs the source one block at a time (``calibrate.collect_input_stats_layerwise``: one
+block's weights plus the calibration hidden states); the no-dataset default samples text from the model
+with the whole fp32 model when it fits the memory budget (``mem_budget_gb``, else half of the free
+memory), else block by block with the same tokens (``calibrate.sampling_decoder``: bounded memory but
+slow; ``--calib FILE`` is faster) and then collects layer by layer; ``calib="none"`` skips calibration
+(unweighted).
 """
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import sys
 import time
@@ -46,15 +46,18 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..errors import ConfigError
+from ..formats.cbk import CbkFile, CbkWriter, sha256_file
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
-from ..models.checkpoint import Checkpoint, expected_shapes
+from ..formats.detect import load_checkpoint
+from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows
 from .pack import SUPPORTED_BITS, pack_codes, packed_width
-from .record import QuantRecord
+from ..schemes.record import QuantRecord
 
 __all__ = ["Recipe", "QuantizedModel", "QuantPlan", "plan_quantization", "iter_quantized", "quantize_checkpoint",
-           "calibration_stats", "quantize_to_cbk", "parse_bits_overrides"]
+           "calibration_stats", "quantize_to_cbk", "parse_bits_overrides", "quantize_matrix", "codebook_spec",
+           "recipe_summary", "recipe_and_provenance", "source_provenance", "source_sha256"]
 
 PROJ_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -147,33 +150,34 @@ def _bits_per_weight(dense: Mapping[str, TensorSpec], quantized: Mapping[str, Qu
     for name, t in dense.items():  # projections kept dense (fp16) count too
         if which == "projections" and name.startswith("model.layers.") and name.endswith("_proj.weight"):
             nbits += t.nbytes * 8
-            nweights += _numel(t.shape)
+            nweights += math.prod(t.shape)
     if which == "all":
         for name, t in dense.items():
             nbits += t.nbytes * 8
-            nweights += _numel(t.shape)
+            nweights += math.prod(t.shape)
         for q in quantized.values():
             if q.bias is not None:
                 nbits += q.bias.nbytes * 8
     return nbits / max(1, nweights)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def source_sha256(path: str) -> str | None:
+    """Provenance of a source: hex sha256 of the file (.gguf, .cbk), None for a directory (HF, AQLM)."""
+    return sha256_file(path) if Path(path).is_file() else None
 
 
-def _source_sha256(path: str) -> str | None:
-    p = Path(path)
-    if not p.is_file():
-        return None
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
+def source_provenance(ckpt: Checkpoint) -> dict[str, Any]:
+    """The provenance every driver records: source name, source format, source sha256 (``source_sha256``)."""
+    return {"source": Path(ckpt.source).name, "source_format": ckpt.source_format,
+            "source_sha256": source_sha256(ckpt.source)}
+
+
+def recipe_summary(recipe: dict[str, Any], qm: "QuantizedModel") -> dict[str, Any]:
+    """``recipe`` (a recipe's ``to_dict()``) with what the run measured: bits per weight ("projections",
+    "all", 4 decimals) and each quantized layer's relative weight error (6 decimals)."""
+    return {**recipe, "bits_per_weight": {"projections": round(qm.bits_per_weight("projections"), 4),
+                                          "all": round(qm.bits_per_weight("all"), 4)},
+            "layer_errors": {r["name"]: round(r["rel_err"], 6) for r in qm.report}}
 
 
 def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", decoder=None,
@@ -183,8 +187,9 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
 
     Without ``decoder`` the source is never built whole unless it fits: file calibration runs one
     block at a time; sampled calibration builds the fp32 model only when its size fits the memory
-    budget (``mem_budget_gb``, else TRAPETUM_CALIB_MEM_GB, else half of the free memory), and otherwise
-    samples the same tokens block by block and collects the statistics layer by layer."""
+    budget (``mem_budget_gb`` GB of 10^9 bytes, else half of the free memory; the CLI passes
+    ``settings.Options.calib_mem_gb``), and otherwise samples the same tokens block by block and collects
+    the statistics layer by layer."""
     from . import calibrate
 
     if not recipe.weighted or recipe.calib == "none":
@@ -214,7 +219,7 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
 _POST_CHUNK = 1 << 21  # elements per step of packing and error measurement (~70 MB of float64 work)
 
 
-def _quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
+def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
                      bias: torch.Tensor | None) -> tuple[QuantRecord, dict[str, float]]:
     """k-means, then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)|| row chunk by
     row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
@@ -248,7 +253,7 @@ def _quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recip
 
 
 def codebook_spec(shape: tuple[int, int], bits: int, bias: bool) -> QuantSpec:
-    """The spec ``_quantize_matrix`` produces for a [out, in] weight (kept in step with it; the
+    """The spec ``quantize_matrix`` produces for a [out, in] weight (kept in step with it; the
     writer refuses a record that differs from its declaration)."""
     out, inp = shape
     return QuantSpec("codebook", (out, inp), {"bits": bits},
@@ -433,7 +438,7 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     shape, Wf = list(W.shape), W.float()
                     if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
                         W = src = None
-                    rec, err = _quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b)
+                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b)
                     del Wf
                     row = {"name": j.out, "bits": j.bits, "shape": shape, **err,
                            "seconds": time.perf_counter() - t0}
@@ -459,16 +464,19 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
 
 def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu",
                         stats: dict[str, torch.Tensor] | None = None, progress: bool = True,
-                        log: Callable[[str], None] | None = None, layers: bool = True) -> QuantizedModel:
-    """Quantize every projection of ``ckpt`` per ``recipe`` (calibration stats computed if needed),
-    keeping the whole output in memory (``quantize_to_cbk`` streams it to a file instead).
-    ``layers=False``: only the final norm, the embedding and the LM head (see ``plan_quantization``)."""
+                        log: Callable[[str], None] | None = None, layers: bool = True,
+                        mem_budget_gb: float | None = None) -> QuantizedModel:
+    """Quantize every projection of ``ckpt`` per ``recipe`` (calibration stats computed if needed, with
+    ``mem_budget_gb`` as in ``calibration_stats``), keeping the whole output in memory (``quantize_to_cbk``
+    streams it to a file instead). ``layers=False``: only the final norm, the embedding and the LM head
+    (see ``plan_quantization``)."""
     recipe.validate()
     log = log or (lambda s: print(s, file=sys.stderr))
     t_start = time.perf_counter()
     plan = plan_quantization(ckpt, recipe, layers=layers)
     if stats is None and recipe.weighted and recipe.calib != "none":
-        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
+        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
+                                  mem_budget_gb=mem_budget_gb)
     dense: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantRecord] = {}
     report: list[dict[str, Any]] = []
@@ -482,15 +490,10 @@ def quantize_checkpoint(ckpt: Checkpoint, recipe: Recipe, *, device: str = "cpu"
     return QuantizedModel(plan.config, dense, quantized, report, time.perf_counter() - t_start)
 
 
-def _recipe_and_provenance(ckpt: Checkpoint, recipe: Recipe, qm: QuantizedModel) -> tuple[dict, dict]:
-    """The file's recipe (with bits per weight and per-layer errors) and provenance."""
-    prov = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format,
-            "source_sha256": _source_sha256(ckpt.source), "quantize_seconds": round(qm.seconds, 2)}
-    rd = recipe.to_dict()
-    rd["bits_per_weight"] = {"projections": round(qm.bits_per_weight("projections"), 4),
-                             "all": round(qm.bits_per_weight("all"), 4)}
-    rd["layer_errors"] = {r["name"]: round(r["rel_err"], 6) for r in qm.report}
-    return rd, prov
+def recipe_and_provenance(ckpt: Checkpoint, recipe: Recipe, qm: QuantizedModel) -> tuple[dict, dict]:
+    """The file's recipe (``recipe_summary``) and provenance (``source_provenance`` and the duration) as
+    ``quantize_to_cbk`` writes them, for a run that kept its output in memory."""
+    return recipe_summary(recipe.to_dict(), qm), {**source_provenance(ckpt), "quantize_seconds": round(qm.seconds, 2)}
 
 
 def _header_reserve(plan: QuantPlan) -> int:
@@ -504,23 +507,22 @@ def _header_reserve(plan: QuantPlan) -> int:
 
 def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recipe, *, device: str = "cpu",
                     progress: bool = True, log: Callable[[str], None] | None = None,
-                    stats: dict[str, torch.Tensor] | None = None) -> tuple[Path, QuantizedModel]:
+                    stats: dict[str, torch.Tensor] | None = None,
+                    mem_budget_gb: float | None = None) -> tuple[Path, QuantizedModel]:
     """Load ``src`` (HF dir, .gguf, .cbk source, a loaded Checkpoint; None = default model),
     quantize, and stream every tensor into ``out`` as it is produced (written atomically).
+    ``mem_budget_gb``: the calibration's memory budget (``calibration_stats``).
 
     Memory stays about one tensor of work however large the model. The returned QuantizedModel's
     ``dense`` and ``quantized`` are read back lazily from the written file (memory-mapped)."""
-    from ..formats.detect import load_checkpoint
-    from ..formats.cbk import CbkFile, CbkWriter
-    from ..models.checkpoint import LazyTensors
-
     recipe.validate()
     log = log or (lambda s: print(s, file=sys.stderr))
     ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
     t_start = time.perf_counter()
     plan = plan_quantization(ckpt, recipe)
     if stats is None and recipe.weighted and recipe.calib != "none":
-        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log)
+        stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
+                                  mem_budget_gb=mem_budget_gb)
     report: list[dict[str, Any]] = []
     prov0 = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format}
     writer = CbkWriter(out, config=plan.config, tokenizer=ckpt.tokenizer, recipe=recipe.to_dict(), provenance=prov0,
@@ -540,7 +542,7 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
                 report.append(row)
             del x
         summary = QuantizedModel(plan.config, {}, {}, report, time.perf_counter() - t_start, plan)
-        rd, prov = _recipe_and_provenance(ckpt, recipe, summary)
+        rd, prov = recipe_and_provenance(ckpt, recipe, summary)
         writer.update(recipe=rd, provenance=prov)
     path = writer.path
     if writer.header_moved_bytes:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 6 device runs. Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session6.sh
+# Session 6 device runs. Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/sessions/gpu_session6.sh
 # PART=a: the quantizer's Triton beam step: its GPU tests, one 11008x4096 projection with the torch step and the
 #   Triton step (scripts/profile_quantizer.py), then the whole Llama-2-7B shape 2x8 quantizer run (bench quantize,
 #   parts kept in the ignored out/q7b: run PART=q again on a warm device to resume if the budget cuts it).
@@ -15,7 +15,7 @@ OUT=${OUT:-out/gpu-session6}
 PART=${PART:-a}
 BUDGET_S=${BUDGET_S:-570}
 [ "$PART" = a ] || [ "$PART" = q ] && SKIP_BUILD=1
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/../gpu_common.sh"
 quant_full() {
   timeout "$(budget 560 5)" python3 -m trapetum.eval.bench_quantize --shape llama2-7b --scheme aqlm-2x8 --device cuda \
     --work out/q7b > "$L/quant.log" 2>&1; echo "quantizer rc=$? ($(since))"; cp "$L/quant.log" "$OUT/quant_$(date +%s).log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GEMV kernel work (about 3 minutes of a device call): GPU correctness tests of every mma variant,
 # the GEMV table (all variants vs cuBLAS), ncu counters per variant. Writes $OUT/best_variant,
-# which scripts/gpu_suite.sh then uses. Usage on the device: bash scripts/gpu_kernels.sh
+# which scripts/gpu_suite.sh then uses. Usage on the device: bash scripts/sessions/gpu_kernels.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu}

@@ -2,7 +2,7 @@
 
 Builds the tiny llama3 model with random 2x8 projections (as tests/test_engine_gpu.py's PDL test), decodes
 6 graph steps per TRAPETUM_PDL mode (two fresh engines per mode) and prints which modes agree bitwise.
-    python scripts/pdl_diag.py
+    python scripts/sessions/pdl_diag.py
 """
 import os
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import trapetum  # noqa: E402
 from tests.tiny_models import build, randomize_additive  # noqa: E402
 from trapetum.runtime.engine import GpuEngine  # noqa: E402

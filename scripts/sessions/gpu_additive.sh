@@ -5,7 +5,7 @@
 # decode benchmark for aqlm-2x8 and aqlm-1x16. Every step has a timeout drawn from one deadline.
 # Writes 6 files under $OUT (build.log, pytest.log, kernels.log, kernels.json, e2e.log, summary.md)
 # and prints the summary table last.
-# Usage on the device: OUT=out/gpu-additive bash scripts/gpu_additive.sh
+# Usage on the device: OUT=out/gpu-additive bash scripts/sessions/gpu_additive.sh
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 OUT=${OUT:-out/gpu-additive}

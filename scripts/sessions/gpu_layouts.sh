@@ -4,9 +4,9 @@
 # the canonical layout. Builds both extensions, runs the layout tests, the kernel tables, the end-to-end
 # decode (Llama-2-7B 4-bit v7 / v11, Llama-2-70B 2x8), ncu counters of the 2x8 / 1x16 / 4-bit kernels,
 # then the rest of the GPU tests with the time left. Every step has a timeout drawn from one deadline.
-# Logs: $OUT/logs.tgz; the tables are printed last. Usage on the device: OUT=... bash scripts/gpu_layouts.sh
+# Logs: $OUT/logs.tgz; the tables are printed last. Usage on the device: OUT=... bash scripts/sessions/gpu_layouts.sh
 OUT=${OUT:-out/gpu-layouts}
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/../gpu_common.sh"
 
 timeout "$(budget 90 420)" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py tests/test_additive_kernels.py \
   -k "tile or tiled or packed or cuda_random or bitwise or graph or host or mixed or real_shapes" > "$L/pytest_quick.log" 2>&1

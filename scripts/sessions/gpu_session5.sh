@@ -10,11 +10,11 @@
 # PART=d: decode with the default attention (RoPE fused into the split kernel, merge kernel), the quantizer profile
 # at 65536-vector blocks with the two-stage selection, the attention / engine / 2x8 GPU tests.
 # PART=e: the 2x8 / engine GPU tests and 70B 2x8 decode after the Packed2x8 launch-helper refactor.
-# Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/gpu_session5.sh
+# Logs: $OUT/logs.tgz; tables printed last. Usage on the device: PART=a OUT=... bash scripts/sessions/gpu_session5.sh
 OUT=${OUT:-out/gpu-session5}
 PART=${PART:-a}
 BUDGET_S=${BUDGET_S:-570}
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/../gpu_common.sh"
 if [ "$PART" = a ]; then
   timeout "$(budget 90 400)" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gemv.py -k "tiled" -x \
     > "$L/pytest_gemv.log" 2>&1; echo "gemv tests: $(tail -1 "$L/pytest_gemv.log") ($(since))"

@@ -2,9 +2,9 @@
 # Session 4, one device call: programmatic dependent launch (cuda/pdl.cuh, kernels/pdl.py). Builds both
 # extensions, runs the PDL on/off bitwise tests and the graph/ownership tests, then Llama-2-7B decode
 # (fp16 and 4-bit) and Llama-2-70B 2x8 with TRAPETUM_PDL=1 and =0 in the same call.
-# Logs: $OUT/logs.tgz; tables printed last. Usage on the device: OUT=... bash scripts/gpu_pdl.sh
+# Logs: $OUT/logs.tgz; tables printed last. Usage on the device: OUT=... bash scripts/sessions/gpu_pdl.sh
 OUT=${OUT:-out/gpu-pdl}
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/../gpu_common.sh"
 python3 -c "import triton; from trapetum.kernels import pdl; import torch; print('triton', triton.__version__, 'pdl', pdl.enabled(torch.device('cuda')))" | tee "$L/pdl.txt"
 timeout "$(budget 150 330)" python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_additive_kernels.py \
   tests/test_kernels_gemv.py tests/test_kernels_fused.py tests/test_dense_gemv.py tests/test_kernels_attention.py \

@@ -1,6 +1,6 @@
 """CPU emulation of the GPU engine's prefill arithmetic, to choose a precise-prefill scheme.
 
-    python scripts/precise_prefill_emulation.py MODEL [MODEL ...]
+    python scripts/sessions/precise_prefill_emulation.py MODEL [MODEL ...]
 
 For each model (GGUF / .cbk / HF directory) and each prompt of scripts/gpu_agreement.py: the relative
 error ||emulated - cpu||/||cpu|| of the prompt logits (every position) against the CPU fp32 reference
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # scripts/, repo
 from gpu_agreement import PROMPTS
 
 os.environ["TRITON_INTERPRET"] = "0"  # the engine's kernels run their torch fallbacks on the CPU
