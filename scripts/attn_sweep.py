@@ -1,6 +1,7 @@
-"""Sweep the split-KV decode-attention configs (trapetum.kernels.attention.CANDIDATE_CONFIGS) on CUDA.
+"""Sweep the split-KV decode-attention configs (trapetum.kernels.attn_configs.CANDIDATE_CONFIGS) on CUDA.
 
     python scripts/attn_sweep.py --out DIR [--configs NAME,...] [--shapes SHAPE,...] [--replays N] [--jobs N]
+                                 [--rows M]
 
 Shapes (cache T_max = 4096, length as a device tensor, as the engine runs it): MHA 32/32x128 and
 GQA 32/8x128 at 1024 and 4096 positions, 8/4x256 (Gemma-2-2B), 4/1x256 and 9/3x64 (SmolLM2) at 4096.
@@ -10,15 +11,17 @@ Two figures per config: "us" is decode_attention (split kernel + merge kernel ov
 the fused kernel), "fused us" is decode_attention_fused, what the engine's decode step runs (RoPE of the
 new token and its KV append inside the split kernel, then the merge kernel: two launches). The caches hold
 the new token's roped k/v
-before timing (rope_kv_append), so both read the same K/V and the fused calls rewrite the same bits.
+before timing (rope_kv_append), so both read the same K/V and the fused calls rewrite the same bits. With --rows M
+a third figure, "rows us": attention_rows of M new tokens at length - M .. length - 1 (a speculative verify's
+attention: one launch pair for the M rows; checked bitwise against M decode calls before timing).
 Per shape and config: each output is checked against the float64 reference (rel. error < 2e-3, and a
 second call bitwise equal) before timing; configs that break
 the static rule (config_fits) are skipped. Timing: >= 20 calls captured in one CUDA graph, each call on another of several cache
 copies (2-64 copies, >= 256 MB of K/V read between two reads of one copy where 64 copies allow it:
 5x the H200's 50 MB L2, so K/V come from HBM); median over
-timed replays of replay time / calls (PDL off: each launch's full cost; off for the checks too, so that each
+timed replays of replay time / calls (PDL off, kopts: each launch's full cost; off for the checks too, so that each
 kernel variant compiles once). GB/s = K+V bytes of `length` positions / time (of "us"). The row "seq" is the
-sequential kernel (TRAPETUM_ATTN=seq) for reference; "*" marks what choose_config picks.
+sequential kernel (kernels/experimental/attention_seq.py) for reference; "*" marks what choose_config picks.
 Compiling is most of the run (per config: the split kernel plain and fused for each group size, and two merge
 kernels): --jobs N (default 8 on CUDA) first compiles the configs in N worker processes into Triton's on-disk
 cache (--compile-only runs one such worker), then the run loads them from there.
@@ -49,8 +52,13 @@ if "--cpu-smoke" in sys.argv:  # Triton picks the interpreter when the kernels a
 import torch
 
 from trapetum.eval.bench_kernels import graph_time_calls  # noqa: E402
-from trapetum.kernels import attention as at
-from trapetum.kernels import fused as fu
+from trapetum.kernels import attention as at  # noqa: E402
+from trapetum.kernels import attn_configs as ac  # noqa: E402
+from trapetum.kernels import fused as fu  # noqa: E402
+from trapetum.kernels.experimental import attention_seq as seq  # noqa: E402
+from trapetum.settings import KernelOptions  # noqa: E402
+
+PDL_OFF = KernelOptions(pdl="off")  # as graph_time_calls times: the checks compile the timed kernels
 
 T_MAX = 4096
 ROTATE_BYTES = 256 * 2**20
@@ -105,7 +113,7 @@ def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
     qn, kn, vn, ks, vs, outs, pos, cos, sin, ref, ws = inputs
     n_copies = len(ks)
     res = {}
-    kw = dict(scale=qn[0].shape[1] ** -0.5, workspace=ws, config=cfg)
+    kw = dict(scale=qn[0].shape[1] ** -0.5, workspace=ws, config=cfg, kopts=PDL_OFF)
     try:
         y = at.decode_attention_fused(qn[0], kn[0], vn[0], ks[0], vs[0], pos, cos, sin, out=outs[0], **kw).clone()
         y2 = at.decode_attention_fused(qn[0], kn[0], vn[0], ks[0], vs[0], pos, cos, sin, out=outs[0], **kw)
@@ -124,8 +132,37 @@ def _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev):
     row.update(res)
 
 
-def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX):
-    """Check and time each config (None: the sequential kernel) at one shape; replays=0: check only (one cache)."""
+def _time_rows(row, cfg, inputs, rows, n_calls, replays, dev):
+    """Check (bitwise against `rows` decode calls) and time attention_rows of `rows` tokens into row["rows_*"]."""
+    qn, kn, vn, ks, vs, outs, pos, cos, sin, ref, ws = inputs
+    hq, d = qn[0].shape
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    qkv = [torch.randn(rows, hq + 2 * kn[0].shape[0], d, device=dev, generator=gen).half() for _ in range(len(ks))]
+    hkv = kn[0].shape[0]
+    q, k, v = ([x[:, a:b] for x in qkv] for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+    p0 = torch.tensor([int(pos) + 1 - rows], dtype=torch.int32, device=dev)
+    out = torch.empty(rows, hq, d, device=dev, dtype=torch.float16)
+    kw = dict(scale=d ** -0.5, config=cfg, kopts=PDL_OFF)
+    wsr = at.attention_workspace(hq, d, ks[0].shape[1], dev, config=cfg, rows=rows)
+    try:
+        kc, vc = ks[0].clone(), vs[0].clone()
+        y = at.attention_rows(q[0], k[0], v[0], kc, vc, p0, cos, sin, out=out, workspace=wsr, **kw).clone()
+        kc2, vc2 = ks[0].clone(), vs[0].clone()
+        same = all(torch.equal(y[r], at.decode_attention_fused(q[0][r], k[0][r], v[0][r], kc2, vc2, p0 + r, cos, sin,
+                                                                 **kw)) for r in range(rows))
+        row["rows_status"] = "ok" if same and torch.equal(kc, kc2) and torch.equal(vc, vc2) else "NOT BITWISE"
+    except Exception as e:  # a compile / launch failure is a result too
+        row["rows_status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        return
+    if row["rows_status"] == "ok" and replays:
+        calls = [(lambda i=i % len(ks): at.attention_rows(q[i], k[i], v[i], ks[i], vs[i], p0, cos, sin, out=out,
+                                                           workspace=wsr, **kw)) for i in range(n_calls)]
+        row["rows_us"] = graph_time_calls(calls, replays=replays, warmup=2)
+
+
+def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_MAX, verify_rows=0):
+    """Check and time each config (None: the sequential kernel) at one shape; replays=0: check only (one cache);
+    verify_rows > 1: attention_rows of that many tokens too."""
     g = hq // hkv
     scale = d ** -0.5
     kv_bytes = 2 * hkv * length * d * 2
@@ -159,10 +196,17 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
         if cfg is not None:
             inputs = (qn, kn, vn, ks, vs, outs, pos, cos, sin, ref, ws)
             _time_fused(row, cfg, fused_seen, inputs, n_calls, replays, dev)
-        kw = dict(scale=scale, workspace=ws, split=cfg is not None, config=cfg)
+            if verify_rows > 1 and length >= verify_rows:
+                _time_rows(row, cfg, inputs, verify_rows, n_calls, replays, dev)
+        if cfg is None:
+            def attend(q, k, v, out):
+                return seq.decode_attention_seq(q, k, v, ln, scale=scale, out=out)
+        else:
+            def attend(q, k, v, out, cfg=cfg, ws=ws):
+                return at.decode_attention(q, k, v, ln, scale=scale, workspace=ws, config=cfg, out=out, kopts=PDL_OFF)
         try:
-            y = at.decode_attention(qs[0], ks[0], vs[0], ln, out=outs[0], **kw).clone()
-            y2 = at.decode_attention(qs[0], ks[0], vs[0], ln, out=outs[0], **kw)
+            y = attend(qs[0], ks[0], vs[0], outs[0]).clone()
+            y2 = attend(qs[0], ks[0], vs[0], outs[0])
             if dev == "cuda":
                 torch.cuda.synchronize()
         except Exception as e:  # a compile / launch failure is a result too
@@ -174,8 +218,7 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
         if not replays:
             row["status"] = "ok (not timed)"
             continue
-        calls = [(lambda i=i % n_copies, kw=kw: at.decode_attention(qs[i], ks[i], vs[i], ln, out=outs[i], **kw))
-                 for i in range(n_calls)]
+        calls = [(lambda i=i % n_copies, f=attend: f(qs[i], ks[i], vs[i], outs[i])) for i in range(n_calls)]
         row["us"] = graph_time_calls(calls, replays=replays, warmup=2)
         row["GBps"] = kv_bytes / row["us"] / 1e3
     timed = [r for r in rows if "us" in r and r["config"] != "seq"]
@@ -189,29 +232,31 @@ def sweep_shape(name, hq, hkv, d, length, configs, replays, dev="cuda", t_max=T_
 
 
 def shape_table(res):
-    """One row per config: us (split + merge kernel), fused us (the engine's decode_attention_fused), GB/s of us, the
-    larger rel. error of the two; status 'ok' or what went wrong."""
+    """One row per config: us (split + merge kernel), fused us (the engine's decode_attention_fused), rows us (with
+    --rows), GB/s of us, the larger rel. error of the two; status 'ok' or what went wrong."""
     lines = [(f"### {res['shape']}  (K+V {res['kv_bytes'] / 1e6:.1f} MB read; {res['cache_copies']} cache copies, "
               f"{res['calls_per_graph']} calls per graph)"),
-             "| config | us | fused us | GB/s | rel err | status |", "|---|---|---|---|---|---|"]
+             "| config | us | fused us | rows us | GB/s | rel err | status |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         mark = (" *" if r["chosen"] else "") + (" (best)" if r["config"] == res["best"] else "") + \
             (" (best fused)" if r["config"] == res["best_fused"] else "")
         us = f"{r['us']:.2f}" if "us" in r else "-"
         fus = f"{r['fused_us']:.2f}" if "fused_us" in r else "-"
+        rus = f"{r['rows_us']:.2f}" if "rows_us" in r else "-"
         gb = f"{r['GBps']:,.0f}" if "GBps" in r else "-"
         errs = [r[k] for k in ("rel_err", "fused_rel_err") if k in r]
         er = f"{max(errs):.1e}" if errs else "-"
         fst = r.get("fused_status", r["status"])
         st = r["status"] if fst == r["status"] else f"{r['status']}; fused: {fst}"
-        lines.append(f"| {r['config']}{mark} | {us} | {fus} | {gb} | {er} | {st} |")
+        st += f"; rows: {r['rows_status']}" if r.get("rows_status", "ok") != "ok" else ""
+        lines.append(f"| {r['config']}{mark} | {us} | {fus} | {rus} | {gb} | {er} | {st} |")
     return "\n".join(lines)
 
 
 def summary_table(results):
     lines = ["| shape | legacy us | chosen (*) us | best config | best us | best GB/s | chosen (*) fused us | "
              "best fused config | best fused us |", "|---|---|---|---|---|---|---|---|---|"]
-    legacy = at.LEGACY_CONFIG.name
+    legacy = ac.LEGACY_CONFIG.name
     for res in results:
         by = {r["config"]: r for r in res["rows"]}
         def f(n, key="us", by=by):
@@ -223,14 +268,14 @@ def summary_table(results):
     return "\n".join(lines)
 
 
-def precompile(configs, shapes, jobs):
+def precompile(configs, shapes, jobs, rows):
     """Compile the configs' kernels for the shapes in `jobs` worker processes (--compile-only: the same checks, one
     cache copy, no timing) into Triton's on-disk cache, from which this process then loads them. A worker that
     fails only costs time: this process compiles what is missing and reports any error itself."""
     t = time.time()
     groups = [g for g in (configs[i::jobs] for i in range(jobs)) if g]
     procs = [subprocess.Popen([sys.executable, __file__, "--compile-only", "--configs", ",".join(c.name for c in g),
-                               "--shapes", ",".join(s[0] for s in shapes)],
+                               "--shapes", ",".join(s[0] for s in shapes), "--rows", str(rows)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for g in groups]
     rcs = [p.wait() for p in procs]
     print(f"(compiled in {len(procs)} processes, {time.time() - t:.1f} s; exit codes {rcs})\n", flush=True)
@@ -242,6 +287,7 @@ def main() -> int:
     ap.add_argument("--configs", help="comma-separated config names (default: all candidates)")
     ap.add_argument("--shapes", help="comma-separated shape names, substrings, or LABEL-HQ/HKVxD@LENGTH (default: all)")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=0, help="also time attention_rows of M tokens (a verify; M >= 2)")
     ap.add_argument("--jobs", type=int, default=8, help="processes that compile the kernels first (CUDA; 1: none)")
     ap.add_argument("--compile-only", action="store_true", help="check the configs without timing (a --jobs worker)")
     ap.add_argument("--list", action="store_true", help="print the shapes and candidate configs and exit")
@@ -255,7 +301,7 @@ def main() -> int:
         if not (hkv >= 1 and hq % hkv == 0 and 1 <= length <= t_max):
             print(f"attn_sweep: shape {name}: needs Hq a multiple of Hkv and 1 <= length <= {t_max}", file=sys.stderr)
             return 2
-    configs = list(at.CANDIDATE_CONFIGS)
+    configs = list(ac.CANDIDATE_CONFIGS)
     for d, g, hkv in {(d, hq // hkv, hkv) for _, hq, hkv, d, _ in shapes}:  # the chooser's picks are timed too
         c = at.choose_config(d, g, t_max, hkv)
         if c not in configs:
@@ -271,17 +317,15 @@ def main() -> int:
         print("attn_sweep: needs a CUDA GPU (or --cpu-smoke)", file=sys.stderr)
         return 2
     t0 = time.time()
-    if dev == "cuda":
-        os.environ["TRAPETUM_PDL"] = "0"  # as graph_time_calls times: the checks compile the timed kernels
-        if a.jobs > 1 and not a.compile_only:
-            precompile(configs, shapes, min(a.jobs, len(configs)))
+    if dev == "cuda" and a.jobs > 1 and not a.compile_only:
+        precompile(configs, shapes, min(a.jobs, len(configs)), a.rows)
     replays = 0 if a.compile_only or dev != "cuda" else a.replays
     configs = ([] if a.compile_only else [None]) + configs  # None: the sequential kernel ("seq")
     import triton
     results = []
     for name, hq, hkv, d, length in shapes:
         t = time.time()
-        res = sweep_shape(name, hq, hkv, d, length, configs, replays, dev, t_max)
+        res = sweep_shape(name, hq, hkv, d, length, configs, replays, dev, t_max, verify_rows=a.rows)
         results.append(res)
         if dev == "cuda":
             torch.cuda.empty_cache()  # the shape's caches are gone with sweep_shape's frame
@@ -295,7 +339,9 @@ def main() -> int:
     print(summary)
     statuses = [(res["shape"], r["config"], r[k]) for res in results for r in res["rows"]
                 for k in ("status", "fused_status") if k in r]
-    bad = [s for s in statuses if s[2] in ("WRONG", "NOT REPRODUCIBLE", "COUNTERS NOT RESET")]
+    statuses += [(res["shape"], r["config"], r["rows_status"]) for res in results for r in res["rows"]
+                 if "rows_status" in r]
+    bad = [s for s in statuses if s[2] in ("WRONG", "NOT REPRODUCIBLE", "NOT BITWISE")]
     errors = [s for s in statuses if s[2].startswith("error")]
     for b in bad + errors:
         print("FAILED:" if b in bad else "ERROR:", *b)
@@ -305,8 +351,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter smoke test)", "torch": torch.__version__, "triton": triton.__version__,
                 "python": platform.python_version(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "replays": a.replays, "rotate_bytes": ROTATE_BYTES, "seconds": time.time() - t0,
-                "env": {k: os.environ[k] for k in ("TRAPETUM_ATTN",) if k in os.environ}}
+                "replays": a.replays, "rotate_bytes": ROTATE_BYTES, "seconds": time.time() - t0, "rows": a.rows}
         (out / "attn_sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         (out / "attn_sweep.md").write_text("\n\n".join(shape_table(r) for r in results) + "\n\n## Summary\n"
                                           + summary + "\n")

@@ -14,7 +14,7 @@ since() { echo "$(( $(date +%s) - t0 )) s"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$L/gpu.txt"
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
 python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build4.log" 2>&1 &
-python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag._load_ext() is not None, ag._EXT_ERR" > "$L/build2.log" 2>&1 &
+python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag.EXT.load() is not None, ag.EXT.error()" > "$L/build2.log" 2>&1 &
 wait
 echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
 fi

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from tiny_models import build
 from trapetum.formats.aqlm import _quant_config, write_aqlm_dir
-from trapetum.quant.additive import index_to_codes, quantize_additive
+from trapetum.kernels.additive_layout import index_to_codes
+from trapetum.quant.additive import quantize_additive
 from trapetum.formats.hf import _tokenizer
 
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

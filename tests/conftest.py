@@ -8,7 +8,16 @@ at call time).
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def torch_fallbacks(monkeypatch, request):
+    """The kernels' torch fallbacks on the CPU (TRITON_INTERPRET=0 for the test), except in tests whose name says
+    "interpreter" (they run the real Triton code, usually in a subprocess). Engine tests use it for speed."""
+    if not torch.cuda.is_available() and "interpreter" not in request.node.name:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")

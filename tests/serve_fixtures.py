@@ -129,13 +129,21 @@ def _stop_all() -> None:
 
 
 def start_fake(*, queue: int = 64, token_delay: float = 0.01, load_delay: float = 0.0, models: int = 1,
-               context: int = 256, api_key: str | None = None, wait: bool = True) -> ServerProcess:
+               context: int = 256, api_key: str | None = None, wait: bool = True,
+               templates: list[str | None] | None = None, extra: list[str] = ()) -> ServerProcess:
+    """``templates[i]``: a chat template that model i renders (through trapetum's renderer) before answering;
+    ``extra``: more arguments (--template-timeout S, --header-timeout S, --body-timeout S, --allowed-host H)."""
     port = free_port()
     argv = [sys.executable, str(Path(__file__).resolve()), "fake", "--port", str(port), "--queue", str(queue),
             "--token-delay", str(token_delay), "--load-delay", str(load_delay), "--models", str(models),
-            "--context", str(context)]
+            "--context", str(context), *extra]
     if api_key:
         argv += ["--api-key", api_key]
+    if templates:
+        f = tempfile.NamedTemporaryFile("w", prefix="trapetum-templates-", suffix=".json", delete=False)
+        json.dump(templates, f)
+        f.close()
+        argv += ["--templates", f.name]
     srv = ServerProcess(argv, port, api_key)
     return srv.wait_ready() if wait else srv
 
@@ -170,7 +178,7 @@ class FakeModel:
     context_size: int = 256
     path: str = "fake://model"
     config: dict = field(default_factory=dict)
-    tokenizer: object = None
+    tokenizer: object = None        # a trapetum Tokenizer with a chat template: encode_chat renders it
 
     def info(self) -> dict:
         return {"family": "fake", "parameters": 0, "context": self.context_size}
@@ -179,7 +187,10 @@ class FakeModel:
         return len(prompt.split()) + 1
 
     def encode_chat(self, messages) -> list[int]:
-        text = " ".join(f"<{m['role']}> {m['content']}" for m in messages) + " <assistant>"
+        if self.tokenizer is not None:
+            text = self.tokenizer.apply_chat_template(messages)
+        else:
+            text = " ".join(f"<{m['role']}> {m['content']}" for m in messages) + " <assistant>"
         return list(range(self.count_tokens(text)))
 
     def stream(self, prompt, settings=None, *, cancel=None, **kw):
@@ -226,17 +237,36 @@ def _main_fake(argv: list[str]) -> None:
     p.add_argument("--models", type=int, default=1)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--api-key", default=None)
+    p.add_argument("--templates", default=None, help="JSON file: a list of chat templates (or null), one per model")
+    p.add_argument("--template-timeout", type=float, default=5.0)
+    p.add_argument("--header-timeout", type=float, default=10.0)
+    p.add_argument("--body-timeout", type=float, default=30.0)
+    p.add_argument("--allowed-host", action="append", default=None)
     a = p.parse_args(argv)
+    templates = json.loads(Path(a.templates).read_text()) if a.templates else []
+
+    def tokenizer(template):
+        if template is None:
+            return None
+        from tokenizers import Tokenizer as HF
+        from tokenizers.models import WordLevel
+
+        from trapetum.tokenizer import TemplateLimits, Tokenizer
+        return Tokenizer(HF(WordLevel({"<unk>": 0}, unk_token="<unk>")), bos_token=None, eos_tokens=[],
+                         chat_template=template, source=f"fake-{template[:10]}.gguf",
+                         template_limits=TemplateLimits(timeout_s=a.template_timeout))
 
     def loader(i):
         def load():
             time.sleep(a.load_delay)
             return FakeModel(name=f"fake-{chr(ord('a') + i)}", token_delay=a.token_delay * (1 + i),
-                             context_size=a.context)
+                             context_size=a.context,
+                             tokenizer=tokenizer(templates[i] if i < len(templates) else None))
         return load
 
-    specs = [ModelSpec(loader=loader(i)) for i in range(a.models)]
-    run(specs, port=a.port, max_waiting=a.queue, api_key=a.api_key, access_log=False)
+    specs = [ModelSpec(loader=loader(i)) for i in range(max(a.models, len(templates)))]
+    run(specs, port=a.port, max_waiting=a.queue, api_key=a.api_key, access_log=False,
+        header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, allowed_hosts=a.allowed_host)
 
 
 def sse_events(lines) -> list:

@@ -28,6 +28,14 @@ BENCH_GEMV_4BIT = [(4096, 4096), (4096, 11008), (11008, 4096), (4096, 14336), (1
                    (8192, 28672), (28672, 8192)]
 BENCH_GEMV_8BIT = [(4096, 32000)]
 
+# Multi-row (speculative verify) GEMVs: activation row counts and the real shapes of the batch-invariance tests.
+ROWS = tuple(range(1, 17))
+ROWS_GEMV_4BIT = [(4096, 4096), (4096, 11008), (11008, 4096)]  # in x out (plain + residual)
+ROWS_GATE_UP_4BIT = [(4096, 11008)]  # in x F: the interleaved [gate; up] matrix has 2 x F rows
+ROWS_GEMV_8BIT = [(4096, 32000), (4096, 128256)]  # LM heads of Llama-2 and Llama-3
+# Odd shapes for the CPU (interpreter) invariance tests: (in, out); 8-bit needs no padding, 2/4-bit pack a tail.
+ROWS_ODD_CPU = [(97, 53), (1, 3), (257, 17)]
+
 # Attention: (Hq, Hkv, D) of real models
 ATTN_HEADS = {"llama-2-7b": (32, 32, 128), "llama-3-8b": (32, 8, 128), "gemma-2-2b": (8, 4, 256),
               "qwen2.5-0.5b": (14, 2, 64), "llama-2-70b": (64, 8, 128)}

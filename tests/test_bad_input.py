@@ -124,3 +124,42 @@ def test_not_a_model_file(tmp_path):
     f = tmp_path / "notes.txt"
     f.write_text("hello")
     assert_user_error(cli("info", f), "notes.txt", "not a model")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("rope_theta", "abc", "rope_theta"), ("rope_theta", [1], "rope_theta"), ("num_hidden_layers", 10**9, "num_hidden_layers"),
+    ("num_hidden_layers", True, "num_hidden_layers"), ("rope_scaling", [["type", "linear"]], "rope_scaling"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 4}, "high_freq"),
+    ("rope_scaling", {"rope_type": "linear"}, "factor"), ("layer_types", [1, 2], "layer_types"),
+    ("num_key_value_heads", "2", "num_key_value_heads"), ("rms_norm_eps", -1.0, "rms_norm_eps"),
+    ("max_position_embeddings", 2**40, "max_position_embeddings"), ("hidden_act", ["silu"], "hidden_act"),
+    ("tie_word_embeddings", "no", "tie_word_embeddings"), ("head_dim", 3, "rotary"),
+    ("rope_parameters", {"rope_theta": "x"}, "rope_parameters.rope_theta"),
+])
+def test_hostile_config_values(llama_dir, tmp_path, field, value, fragment):
+    """Issue 21 (3): every config.json value is type- and range-checked (ModelConfig.validate, config_from_hf),
+    in process (ConfigError naming the file and field) before anything is sized by it."""
+    from trapetum.errors import TrapetumError
+    from trapetum.formats.hf import load_hf
+    d = copy_dir(llama_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    if field.startswith("rope_"):
+        cfg.pop("rope_parameters", None)      # transformers 5's form would take precedence over the classic keys
+    cfg[field] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TrapetumError, match=fragment) as e:
+        load_hf(d)
+    assert str(e.value).startswith(str(d / "config.json")) and "\n" not in str(e.value)
+
+
+def test_hostile_tokenizer_config(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    build("llama2", d, tokenizer=True)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    tc["chat_template"] = 12345
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    assert_user_error(cli("generate", d, "hi", "--chat", "--max-new-tokens", "1"), "tokenizer_config.json",
+                      "chat_template")
+    (d / "tokenizer_config.json").write_text("[" * 100000 + "]" * 100000)
+    assert_user_error(cli("info", d), "tokenizer_config.json", "nested")

@@ -2,12 +2,13 @@
 import torch
 
 import trapetum.eval.bench_e2e as bench_e2e
+import trapetum.eval.random_model as random_model
 from trapetum.cli import main
 from trapetum.eval.bench_quantize import run
 
 
 def test_bench_quantize_tiny_shape(monkeypatch, capsys):
-    monkeypatch.setitem(bench_e2e.SHAPES, "tiny-test", dict(
+    monkeypatch.setitem(random_model.SHAPES, "tiny-test", dict(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=256))
     r = run("tiny-test", "cpu", None, layers=2)
@@ -23,7 +24,7 @@ def test_bench_quantize_additive_tiny_shape(monkeypatch, capsys, tmp_path):
     import json
 
     import trapetum
-    monkeypatch.setitem(bench_e2e.SHAPES, "tiny-test", dict(
+    monkeypatch.setitem(random_model.SHAPES, "tiny-test", dict(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=256))
     out = tmp_path / "m.cbk"
@@ -52,7 +53,7 @@ def test_bench_quantize_additive_resumes_a_killed_run(monkeypatch, capsys, tmp_p
     import pytest
     import trapetum
     from trapetum.eval.bench_quantize import work_cbk
-    monkeypatch.setitem(bench_e2e.SHAPES, "tiny-test", dict(
+    monkeypatch.setitem(random_model.SHAPES, "tiny-test", dict(
         family="llama", vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=256))
     small = dict(iters=1, beam=1, kmeans_iters=2)

@@ -58,7 +58,7 @@ def to_gguf_name(name: str, arch: str) -> str:
 
 def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], meta_over: dict | None = None,
                qtypes: dict[str, "gguf.GGMLQuantizationType"] | None = None, convert: bool = True,
-               tokenizer: dict | None = None, **over) -> Path:
+               tokenizer: dict | None = None, extra_tensors: dict[str, np.ndarray] | None = None, **over) -> Path:
     """Write a GGUF the way llama.cpp's converter would (permute, +1 norms, fuse) from HF tensors."""
     s = {**TINY, **over}
     w = gguf.GGUFWriter(str(path), arch)
@@ -89,6 +89,7 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], meta_over:
             p = f"blk.{i}."
             out[p + "attn_qkv.weight"] = np.concatenate([out.pop(p + f"attn_{x}.weight") for x in "qkv"])
             out[p + "ffn_up.weight"] = np.concatenate([out.pop(p + "ffn_gate.weight"), out.pop(p + "ffn_up.weight")])
+    out.update(extra_tensors or {})      # written as given (e.g. rope_freqs.weight)
     for n, t in out.items():
         qt = (qtypes or {}).get(n)
         if qt is None:
@@ -399,7 +400,8 @@ def test_config_from_gguf_direct():
     meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 2,
             "llama.attention.head_count": 4, "llama.feed_forward_length": 128, "llama.vocab_size": 100,
             "llama.attention.sliding_window": 32, "general.name": "Mistral tiny"}
-    c = config_from_gguf(meta, {"output.weight": (100, 64)}, {}, "x.gguf")
+    shapes = {"output.weight": (100, 64), "blk.0.attn_q.weight": (64, 64), "blk.1.attn_q.weight": (64, 64)}
+    c = config_from_gguf(meta, shapes, {}, "x.gguf")
     assert c.family == "mistral" and c.layer_types == ["sliding", "sliding"] and c.sliding_window == 32
     assert c.num_kv_heads == 4 and c.head_dim == 16 and not c.tie_word_embeddings
     with pytest.raises(ConfigError, match="x.gguf.*block_count"):

@@ -1,9 +1,10 @@
 """Split-KV decode attention vs float64 and vs the same-dtype torch computation; the fused RoPE + KV append +
-attention kernel (decode_attention_fused) vs float64 and vs rope_kv_append + decode_attention."""
+attention kernel (decode_attention_fused) vs float64 and vs rope_kv_append + decode_attention. The experimental
+variants (kernels/experimental: the sequential kernel, the inline merge) are checked beside the production path
+(_attend / _attend_fused pick one). Configs: test_kernels_attention_configs.py; rows: test_kernels_attention_rows*."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 
 import pytest
@@ -11,8 +12,39 @@ import torch
 
 from kernels_conftest import DEVICE, ON_GPU, attention as at, fused as fu, rel_err, requires_cuda
 from shapes import ATTN_HEADS
+from trapetum.kernels import attn_configs as ac
+from trapetum.kernels.experimental import attention_inline as inline
+from trapetum.kernels.experimental import attention_seq as seq
+from trapetum.settings import KernelOptions
 
 N_RANDOM = 45
+PDL_OFF = KernelOptions(pdl="off")
+
+
+def _workspace(hq, d, tmax, hkv=None, config=None):
+    """A workspace both paths take: the inline merge's (m, l, o, counters); the merge kernel path uses its m, l, o."""
+    return inline.inline_workspace(hq, d, tmax, DEVICE, hkv=hkv, config=config)
+
+
+def _ws3(ws):
+    return None if ws is None else at.AttnWorkspace(*ws[:3])
+
+
+def _attend(q, kc, vc, length, *, inline_merge=False, split=True, workspace=None, **kw):
+    """decode_attention (split + merge kernel), the inline merge (inline_merge) or the sequential kernel (not
+    split)."""
+    if not split:
+        return seq.decode_attention_seq(q, kc, vc, length, **kw)
+    if inline_merge:
+        return inline.decode_attention_inline(q, kc, vc, length, workspace=workspace, **kw)
+    return at.decode_attention(q, kc, vc, length, workspace=_ws3(workspace), **kw)
+
+
+def _attend_fused(q, k, v, kc, vc, pos, cos, sin, *, inline_merge=False, workspace=None, **kw):
+    """decode_attention_fused (split + merge kernel) or its inline-merge variant."""
+    if inline_merge:
+        return inline.decode_attention_fused_inline(q, k, v, kc, vc, pos, cos, sin, workspace=workspace, **kw)
+    return at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, workspace=_ws3(workspace), **kw)
 
 
 def _case(seed):
@@ -48,7 +80,7 @@ def test_attention_random_shapes(seed):
     ln = torch.tensor([length], dtype=torch.int32, device=DEVICE) if as_tensor else length
     outs = {}
     for split in (True, False):
-        y = at.decode_attention(q, k, v, ln, split=split, **kw)
+        y = _attend(q, k, v, ln, split=split, **kw)
         outs[split] = y
         assert rel_err(y, ref) < 2e-3, (split, rel_err(y, ref))
         # issue 4: at most 2x the error of the same-dtype torch computation against fp32
@@ -127,112 +159,9 @@ def test_attention_merge_in_several_steps(window):
     q, k, v = _inputs(hq, hkv, d, tmax, gen, amp=2.0)
     for length in (tmax, tmax - 30, 3 * cfg.chunk + 1):
         kw = dict(scale=d ** -0.5, window=window)
-        y = at.decode_attention(q, k, v, length, split=True, config=cfg, **kw).double()
+        y = at.decode_attention(q, k, v, length, config=cfg, **kw).double()
         ref = at.decode_attention_reference(q, k, v, length, **kw)
         assert rel_err(y, ref) < 2e-3, (length, rel_err(y, ref))
-
-
-# ----------------------------------------------------------------------------- configs
-HEAD_DIMS = (64, 80, 96, 128, 160, 192, 256)
-SMEM_LIMIT = 227 * 1024  # sm_90 (H100/H200) shared memory per block
-
-
-def test_smem_model_never_below_measured():
-    """The rule's model against shared memory Triton 3.6 allocated for sm_90 (ahead-of-time compile
-    with the launch specialization): (block_n, D, stages, inner loop, G) -> bytes. (128, 256, 3, True)
-    is the sequential kernel at 128-position chunks that exceeded shared memory on the H200."""
-    measured = {(64, 128, 1, False, 1): 20, (128, 128, 1, False, 4): 36, (64, 256, 1, False, 2): 40,
-                (128, 256, 1, False, 1): 72, (64, 128, 2, True, 1): 38, (64, 128, 3, True, 4): 70,
-                (64, 256, 2, True, 2): 74, (64, 256, 3, True, 7): 138, (32, 128, 3, True, 1): 37,
-                (128, 256, 2, True, 2): 140, (128, 256, 3, True, 2): 268, (128, 128, 1, False, 64): 80,
-                (64, 256, 1, False, 64): 96, (64, 256, 3, True, 64): 224}
-    for (bn, d, st, loop, g), kib in measured.items():
-        assert at.smem_estimate(bn, d, st, loop, g) >= kib << 10, (bn, d, st, loop, g)
-    assert at.SMEM_BUDGET <= SMEM_LIMIT
-
-
-@pytest.mark.parametrize("d", HEAD_DIMS)
-def test_chooser_stays_inside_resources(d):
-    bd = max(16, 1 << (d - 1).bit_length())
-    for g in (1, 2, 3, 4, 7, 8, 16, 64):
-        for t_max, hkv in itertools.product((1, 63, 64, 1000, 4096, 32768, 131072), (None, 1, 8, 32, 64)):
-            cfg = at.choose_config(d, g, t_max, hkv)
-            assert at.config_fits(cfg, d, g), (d, g, t_max, cfg)
-            loop = cfg.chunk > cfg.block_n
-            assert at.smem_estimate(cfg.block_n, d, cfg.stages, loop, g) <= at.SMEM_BUDGET
-            if bd > 128:  # 128-position tiles only at BLOCK_D <= 128 (or with 8 warps: no spills)
-                assert cfg.block_n <= 64 or cfg.warps >= 8, cfg
-            assert cfg.chunk % cfg.block_n == 0
-    # the sequential kernel (fixed 64-position steps, 3 stages) too, up to G = 16 (at G = 64 and
-    # D = 256 it measured 224 KiB: inside the 227 KiB limit, outside the model's budget)
-    for g in (1, 2, 4, 8, 16):
-        assert at.smem_estimate(at.CHUNK, d, at.SEQ_STAGES, True, g) <= at.SMEM_BUDGET
-
-
-def test_rule_rejects_known_bad_configs():
-    assert not at.config_fits(at.AttnConfig(chunk=128, block_n=128, warps=4), 256)  # ptxas spilled
-    assert at.config_fits(at.AttnConfig(chunk=128, block_n=128, warps=8), 256)
-    assert not at.config_fits(at.AttnConfig(chunk=256, block_n=128, stages=3), 256)  # 268 KiB
-    assert not at.config_fits(at.AttnConfig(chunk=96, block_n=32), 128)  # chunk not a power of 2
-    assert not at.config_fits(at.AttnConfig(chunk=32, block_n=64), 128)  # chunk < block_n
-    assert not at.config_fits(at.AttnConfig(merge_d=8), 128)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = _inputs(4, 2, 256, 16, gen)
-    with pytest.raises(ValueError, match="config"):
-        at.decode_attention(q, k, v, 5, scale=0.1, config=at.AttnConfig(chunk=128, block_n=128))
-
-
-@pytest.mark.parametrize("cfg", at.CANDIDATE_CONFIGS, ids=lambda c: c.name)
-def test_candidate_configs_match_reference(cfg):
-    """Every config the sweep may time, at small shapes: GQA with a window that starts inside a chunk
-    and inside a block (tensor length), MHA at D = 80 with softcap (int length)."""
-    gen = torch.Generator().manual_seed(11)
-    tmax = 600
-    cases = ((3, 1, 64, tmax - 37, 100, None, True), (1, 1, 80, tmax, None, 30.0, False))
-    for hq, hkv, d, length, window, softcap, as_tensor in cases:
-        assert at.config_fits(cfg, d, hq // hkv)
-        q, k, v = _inputs(hq, hkv, d, tmax, gen, amp=2.0)
-        kw = dict(scale=d ** -0.5, window=window, softcap=softcap)
-        ln = torch.tensor([length], dtype=torch.int32, device=DEVICE) if as_tensor else length
-        y = at.decode_attention(q, k, v, ln, split=True, config=cfg, **kw)
-        ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), length, **kw)
-        assert rel_err(y, ref) < 2e-3, (cfg.name, hq, hkv, d, rel_err(y, ref))
-
-
-def test_workspace_sizing():
-    """attention_workspace sizes for the config decode_attention uses; without a group size (the
-    engine's call) for the smallest chunk the chooser picks for any group size of Hq heads."""
-    for hq, d, tmax in ((32, 128, 4096), (8, 256, 4096), (9, 64, 1000), (14, 80, 65)):
-        m, l, o, counters = at.attention_workspace(hq, d, tmax, "cpu")
-        bd = max(16, 1 << (d - 1).bit_length())
-        nch = max(at._n_chunks(at.choose_config(d, g, tmax, hq // g), tmax) for g in range(1, hq + 1) if hq % g == 0)
-        assert m.shape == l.shape == (hq, nch) and o.shape == (hq, nch, bd)
-        assert m.dtype == l.dtype == o.dtype == torch.float32
-        assert counters.dtype == torch.int32 and counters.shape == (hq,) and not counters.any()
-        for hkv in (hkv for hkv in range(1, hq + 1) if hq % hkv == 0):
-            need = at._n_chunks(at.choose_config(d, hq // hkv, tmax, hkv), tmax)
-            assert at.attention_workspace(hq, d, tmax, "cpu", hkv=hkv)[0].shape[1] == need <= nch
-        cfg = at.AttnConfig(chunk=256, block_n=64, stages=2)
-        assert at.attention_workspace(hq, d, tmax, "cpu", config=cfg)[2].shape == (hq, -(-tmax // 256), bd)
-
-
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
-def test_engine_style_workspace(hq, hkv):
-    """The engine allocates the workspace once without a group size and passes it with a tensor length;
-    a workspace too small for the config raises instead of writing out of bounds."""
-    gen = torch.Generator().manual_seed(3)
-    d, tmax, length = 64, 300, 257
-    q, k, v = _inputs(hq, hkv, d, tmax, gen, amp=2.0)
-    ws = at.attention_workspace(hq, d, tmax, DEVICE)
-    out = torch.empty(hq, d, dtype=torch.float16, device=DEVICE)
-    ln = torch.tensor([length], dtype=torch.int32, device=DEVICE)
-    at.decode_attention(q, k, v, ln, scale=d ** -0.5, out=out, workspace=ws, split=True)
-    ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), length, scale=d ** -0.5)
-    assert rel_err(out, ref) < 2e-3
-    small = at.attention_workspace(hq, d, tmax, DEVICE, config=at.AttnConfig(chunk=512, block_n=64))
-    with pytest.raises(ValueError, match="workspace"):
-        at.decode_attention(q, k, v, ln, scale=d ** -0.5, out=out, workspace=small, split=True,
-                            config=at.AttnConfig(chunk=64, block_n=64))
 
 
 # ----------------------------------------------------------------------------- adaptive chunks (splits)
@@ -294,7 +223,7 @@ def test_split_configs_random(seed):
     ref32 = at.decode_attention_torch(q.cpu(), k.cpu(), v.cpu(), length, dtype=torch.float32, **kw)
     err16 = rel_err(at.decode_attention_torch(q.cpu(), k.cpu(), v.cpu(), length, dtype=torch.float16, **kw), ref32)
     ln = torch.tensor([length], dtype=torch.int32, device=DEVICE) if as_tensor else length
-    ws = at.attention_workspace(hq, d, tmax, DEVICE, config=cfg)
+    ws = _workspace(hq, d, tmax, config=cfg)
     assert ws.m.shape[1] == min(cfg.splits, -(-tmax // cfg.chunk))
     n = _n_split_chunks(cfg, length, window)
     assert 1 <= n <= ws.m.shape[1]
@@ -302,8 +231,7 @@ def test_split_configs_random(seed):
     for inline_merge in (False, True, False):
         for buf in ws[:3]:
             buf.fill_(float("nan"))
-        outs.append(at.decode_attention(q, k, v, ln, split=True, config=cfg, workspace=ws, inline_merge=inline_merge,
-                                        **kw))
+        outs.append(_attend(q, k, v, ln, config=cfg, workspace=ws, inline_merge=inline_merge, **kw))
         assert not ws.counters.any()
         assert ws.m[:, n:].isnan().all() and not ws.m[:, :n].isnan().any(), (cfg.name, length, window, n)
     y = outs[0]
@@ -311,45 +239,6 @@ def test_split_configs_random(seed):
     assert rel_err(y, ref32) <= 2 * err16 + 1e-4, (cfg.name, rel_err(y, ref32), err16)
     assert torch.equal(outs[2], y)  # bitwise reproducible
     _assert_same_as_unfused(outs[1], y)  # inline merge: same chunk steps, same order
-
-
-def test_split_config_rule_and_names():
-    """config_fits takes splits of 1..64 (powers of two) and applies the inner loop's shared memory to them even
-    when chunk == block_n (their chunks grow with the length); the name shows P."""
-    cfg = at.AttnConfig(splits=8, chunk=64, block_n=64, stages=3, merge_chunks=64, merge_d=32)
-    assert cfg.name == "p8c64b64s3-w4-m64w4d32"
-    assert at.AttnConfig(splits=8, chunk=128, block_n=128, warps=8, stages=2, merge_chunks=64,
-                         merge_d=32).name == "p8c128b128s2-w8-m64w4d32"
-    assert at.AttnConfig(chunk=64, block_n=64, stages=3).name == "c64-w4-m16w4dall"  # no split: unchanged
-    for p in (1, 2, 4, 8, 16, 32, 64):
-        assert at.config_fits(dataclasses.replace(cfg, splits=p), 128)
-    for p in (-1, 3, 12, 128):
-        assert not at.config_fits(dataclasses.replace(cfg, splits=p), 128)
-    # 3 stages of 64x256 tiles for 64 query heads: over the budget with the loop, inside it as one tile
-    assert not at.config_fits(cfg, 256, 64)
-    assert at.config_fits(dataclasses.replace(cfg, splits=0), 256, 64)
-    assert len({c.name for c in at.CANDIDATE_CONFIGS}) == len(at.CANDIDATE_CONFIGS)
-
-
-def test_split_workspace_sizing(monkeypatch):
-    """A split config's workspace holds min(P, ceil(T_max / chunk)) chunks per head; the engine's call (no config,
-    no group size) covers a split config returned by the chooser, and a too small workspace raises."""
-    cfg = at.AttnConfig(splits=8, chunk=16, block_n=16, stages=2, merge_chunks=64, merge_d=16)
-    for tmax, nch in ((1, 1), (40, 3), (128, 8), (4096, 8)):
-        ws = at.attention_workspace(4, 64, tmax, "cpu", config=cfg)
-        assert ws.m.shape == (4, nch) and ws.o.shape == (4, nch, 64), tmax
-    monkeypatch.setattr(at, "choose_config", lambda d, g, t_max, hkv=None, strict=True: cfg if g == 2 else at.LEGACY_CONFIG)
-    assert at.attention_workspace(4, 64, 4096, "cpu").m.shape[1] == 64  # LEGACY (g = 1, 4): 4096 / 64
-    assert at.attention_workspace(4, 64, 100, "cpu").m.shape[1] == 7  # the split config (g = 2): 100 / 16
-    gen = torch.Generator().manual_seed(2)
-    q, k, v = _inputs(4, 2, 64, 100, gen, amp=2.0)
-    ws = at.attention_workspace(4, 64, 100, DEVICE)
-    ln = torch.tensor([77], dtype=torch.int32, device=DEVICE)
-    y = at.decode_attention(q, k, v, ln, scale=0.125, workspace=ws, split=True)  # the chooser's split config
-    assert rel_err(y, at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), 77, scale=0.125)) < 2e-3
-    small = at.attention_workspace(4, 64, 100, DEVICE, config=dataclasses.replace(cfg, splits=4))
-    with pytest.raises(ValueError, match="workspace"):
-        at.decode_attention(q, k, v, ln, scale=0.125, workspace=small, split=True, config=cfg)
 
 
 @requires_cuda
@@ -362,25 +251,25 @@ def test_split_configs_real_heads_gpu(model):
     gen = torch.Generator().manual_seed(9)
     q, k, v = _inputs(hq, hkv, d, 4096, gen, amp=2.0)
     qn, kn, vn, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 4096, gen)
-    ws = at.attention_workspace(hq, d, 4096, "cuda")
-    for cfg in (c for c in at.CANDIDATE_CONFIGS if c.splits and at.config_fits(c, d, hq // hkv)):
+    ws = _workspace(hq, d, 4096)
+    for cfg in (c for c in ac.CANDIDATE_CONFIGS if c.splits and at.config_fits(c, d, hq // hkv)):
         for length in (1, 63, 64, 65, 255, 256, 257, 1000, 1024, 4095, 4096):
             ln = torch.tensor([length], dtype=torch.int32, device="cuda")
             for window in (None, 1000):
                 kw = dict(scale=d ** -0.5, window=window)
                 ref = at.decode_attention_reference(q, k, v, length, **kw)
-                y = at.decode_attention(q, k, v, ln, config=cfg, split=True, workspace=ws, **kw)
+                y = _attend(q, k, v, ln, config=cfg, workspace=ws, **kw)
                 assert rel_err(y, ref) < 2e-3, (cfg.name, length, window, rel_err(y, ref))
-                assert torch.equal(at.decode_attention(q, k, v, ln, config=cfg, split=True, workspace=ws, **kw), y)
+                assert torch.equal(_attend(q, k, v, ln, config=cfg, workspace=ws, **kw), y)
                 fref = _fused_reference(qn, kn, vn, kc, vc, length - 1, cos, sin, **kw)
                 y_unf, kc_unf, vc_unf = _unfused(qn, kn, vn, kc, vc, length - 1, cos, sin, config=cfg, **kw)
                 for inline_merge in (False, True):
                     kc2, vc2 = kc.clone(), vc.clone()
                     fkw = dict(kw, config=cfg, workspace=ws, inline_merge=inline_merge)
-                    yf = at.decode_attention_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw)
+                    yf = _attend_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw)
                     assert torch.equal(kc2, kc_unf) and torch.equal(vc2, vc_unf)
                     assert rel_err(yf, fref) < 2e-3 and rel_err(yf, y_unf) < 1e-3, (cfg.name, length, window)
-                    assert torch.equal(at.decode_attention_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw), yf)
+                    assert torch.equal(_attend_fused(qn, kn, vn, kc2, vc2, ln - 1, cos, sin, **fkw), yf)
                     assert not ws.counters.any()
 
 
@@ -393,12 +282,11 @@ def test_candidate_configs_real_heads_gpu(model):
     ln = torch.tensor([4000], dtype=torch.int32, device="cuda")
     for window in (None, 1000):
         ref = at.decode_attention_reference(q, k, v, 4000, scale=d ** -0.5, window=window)
-        for cfg in at.CANDIDATE_CONFIGS:
+        for cfg in ac.CANDIDATE_CONFIGS:
             if at.config_fits(cfg, d, hq // hkv):
-                y = at.decode_attention(q, k, v, ln, scale=d ** -0.5, window=window, config=cfg, split=True)
+                y = at.decode_attention(q, k, v, ln, scale=d ** -0.5, window=window, config=cfg)
                 assert rel_err(y, ref) < 2e-3, (cfg.name, window)
-                assert torch.equal(at.decode_attention(q, k, v, ln, scale=d ** -0.5, window=window, config=cfg,
-                                                       split=True), y)
+                assert torch.equal(at.decode_attention(q, k, v, ln, scale=d ** -0.5, window=window, config=cfg), y)
 
 
 # ----------------------------------------------------------------------------- fused RoPE + append + attention
@@ -444,7 +332,7 @@ def _unfused(q, k, v, kc, vc, pos, cos, sin, **kw):
     """rope_kv_append + decode_attention (merge kernel) on copies: (output, k cache, v cache)."""
     qr, kc2, vc2 = q.clone(), kc.clone(), vc.clone()
     fu.rope_kv_append(qr, k, v, kc2, vc2, pos, cos, sin)
-    return at.decode_attention(qr, kc2, vc2, pos + 1, split=True, **kw), kc2, vc2
+    return at.decode_attention(qr, kc2, vc2, pos + 1, **kw), kc2, vc2
 
 
 def _assert_same_as_unfused(y, y_unfused):
@@ -462,10 +350,10 @@ def _run_fused(q, k, v, kc, vc, pos, cos, sin, as_tensor, **kw):
     The inline merge unless kw says otherwise (the merge kernel path is also in the engine's and switch tests)."""
     kw.setdefault("inline_merge", True)
     p = torch.tensor([pos], dtype=torch.int32, device=DEVICE) if as_tensor else pos
-    ws = at.attention_workspace(q.shape[0], q.shape[1], kc.shape[1], DEVICE, hkv=kc.shape[0], config=kw.get("config"))
-    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
+    ws = _workspace(q.shape[0], q.shape[1], kc.shape[1], hkv=kc.shape[0], config=kw.get("config"))
+    y = _attend_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw)
     assert not ws.counters.any()
-    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
+    assert torch.equal(_attend_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **kw), y)
     assert not ws.counters.any()
     return y
 
@@ -507,7 +395,7 @@ def _split_configs():
     """The candidate configs, one per distinct split kernel (merge_d and merge_warps only shape the merge
     kernel), plus a merge of 2 chunks per step (a 7-chunk cache takes 4 steps)."""
     seen = {}
-    for c in at.CANDIDATE_CONFIGS + (at.AttnConfig(chunk=64, block_n=64, merge_chunks=2),):
+    for c in ac.CANDIDATE_CONFIGS + (at.AttnConfig(chunk=64, block_n=64, merge_chunks=2),):
         seen.setdefault((c.splits, c.chunk, c.block_n, c.warps, c.stages, c.merge_chunks), c)
     return list(seen.values())
 
@@ -575,7 +463,7 @@ def test_fused_split_chunk_boundaries(pos, window):
 def test_inline_merge_in_column_slices(monkeypatch):
     """With a small register budget the last program merges each head in several column slices
     (BLOCK_DM < BLOCK_D): same result as the merge kernel."""
-    monkeypatch.setattr(at, "MERGE_REGS", 4)  # 4 * 32 * 4 warps / 16 chunks per step = 32 columns of 128
+    monkeypatch.setattr(inline, "MERGE_REGS", 4)  # 4 * 32 * 4 warps / 16 chunks per step = 32 columns of 128
     gen = torch.Generator().manual_seed(21)
     q, k, v, kc, vc, cos, sin = _fused_inputs(4, 2, 128, 128, 200, gen)
     y_unf, _, _ = _unfused(q, k, v, kc, vc, 150, cos, sin, scale=0.1)
@@ -593,13 +481,13 @@ def test_rope_and_inline_merge_switch_independently(inline_merge):
     pos = torch.tensor([140], device=DEVICE)
     kw = dict(scale=0.125, window=100)
     y_unf, kc_unf, _ = _unfused(q, k, v, kc, vc, 140, cos, sin, **kw)
-    ws = at.attention_workspace(8, 64, 150, DEVICE)
+    ws = _workspace(8, 64, 150)
     if inline_merge:
         qr = q.clone()
         fu.rope_kv_append(qr, k, v, kc, vc, pos, cos, sin)
-        y = at.decode_attention(qr, kc, vc, pos + 1, workspace=ws, inline_merge=True, **kw)
+        y = _attend(qr, kc, vc, pos + 1, workspace=ws, inline_merge=True, **kw)
     else:
-        y = at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, workspace=ws, inline_merge=False, **kw)
+        y = _attend_fused(q, k, v, kc, vc, pos, cos, sin, workspace=ws, inline_merge=False, **kw)
     assert torch.equal(kc.cpu(), kc_unf.cpu()) and not ws.counters.any()
     _assert_same_as_unfused(y, y_unf)
 
@@ -619,12 +507,14 @@ def test_fused_attention_bad_arguments_raise():
         at.decode_attention_fused(q, k, v, kc, vc, 3, cos.double(), sin, **kw)
     with pytest.raises(ValueError, match="window"):
         at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, window=0, **kw)
-    ws = at.attention_workspace(4, 64, 16, DEVICE)
+    ws = _workspace(4, 64, 16)
     with pytest.raises(ValueError, match="workspace"):
-        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws[:3], **kw)
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws[:2], **kw)
+    with pytest.raises(ValueError, match="workspace"):
+        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws, **kw)  # 4 fields: the inline one's
     with pytest.raises(ValueError, match="counters"):
-        at.decode_attention_fused(q, k, v, kc, vc, 3, cos, sin, workspace=ws._replace(counters=ws.counters[:1]),
-                                  inline_merge=True, **kw)  # the counters are the inline merge's
+        inline.decode_attention_fused_inline(q, k, v, kc, vc, 3, cos, sin,
+                                             workspace=ws._replace(counters=ws.counters[:1]), **kw)
 
 
 # ----------------------------------------------------------------------------- fused, GPU, full size
@@ -632,7 +522,7 @@ def test_fused_attention_bad_arguments_raise():
 @pytest.mark.parametrize("inline_merge", [False, True])
 @pytest.mark.parametrize("model", list(ATTN_HEADS))
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 128, 1024, 4095, 4096])
-def test_fused_attention_real_heads_gpu(model, length, inline_merge, monkeypatch):
+def test_fused_attention_real_heads_gpu(model, length, inline_merge):
     hq, hkv, d = ATTN_HEADS[model]
     gen = torch.Generator().manual_seed(length)
     q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 4096, gen)
@@ -642,18 +532,20 @@ def test_fused_attention_real_heads_gpu(model, length, inline_merge, monkeypatch
     ref = _fused_reference(q, k, v, kc, vc, pos, cos, sin, **kw)
     y_unf, kc_unf, vc_unf = _unfused(q, k, v, kc, vc, pos, cos, sin, **kw)
     p = torch.tensor([pos], dtype=torch.int32, device="cuda")
-    ws = at.attention_workspace(hq, d, 4096, "cuda")
-    y = at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw)
+    ws = _workspace(hq, d, 4096)
+    y = _attend_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw)
     assert torch.equal(kc, kc_unf) and torch.equal(vc, vc_unf)
     assert rel_err(y, ref) < 2e-3 and rel_err(y, y_unf) < 1e-3
     for _ in range(10):  # bitwise reproducible whichever program arrives last
-        assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
+        assert torch.equal(_attend_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
     assert not ws.counters.any()
-    monkeypatch.setenv("TRAPETUM_PDL", "0")  # programmatic dependent launch changes nothing
-    assert torch.equal(at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, **fkw), y)
+    # programmatic dependent launch changes nothing
+    assert torch.equal(_attend_fused(q, k, v, kc, vc, p, cos, sin, workspace=ws, kopts=PDL_OFF, **fkw), y)
+    if not inline_merge:  # the q rotation in registers has rope_kv_append's FMAs: the unfused path's bits
+        assert torch.equal(y, y_unf)
 
 
-SPLIT_CANDIDATES = [c for c in at.CANDIDATE_CONFIGS if c.splits]
+SPLIT_CANDIDATES = [c for c in ac.CANDIDATE_CONFIGS if c.splits]
 
 
 @requires_cuda
@@ -668,12 +560,12 @@ def test_fused_attention_cuda_graph_gpu(window, inline_merge, cfg):
     gen = torch.Generator().manual_seed(1)
     q, k, v, kc, vc, cos, sin = _fused_inputs(hq, hkv, d, d, 2048, gen)
     pos = torch.tensor([100], dtype=torch.int32, device="cuda")
-    ws = at.attention_workspace(hq, d, 2048, "cuda")  # the engine's: large enough for the split configs too
+    ws = _workspace(hq, d, 2048)  # the engine's: large enough for the split configs too
     out = torch.empty(hq, d, dtype=torch.float16, device="cuda")
     kw = dict(scale=d ** -0.5, window=window, config=cfg)
 
     def call():
-        at.decode_attention_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, inline_merge=inline_merge, **kw)
+        _attend_fused(q, k, v, kc, vc, pos, cos, sin, out=out, workspace=ws, inline_merge=inline_merge, **kw)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -689,36 +581,7 @@ def test_fused_attention_cuda_graph_gpu(window, inline_merge, cfg):
         torch.cuda.synchronize()
         assert not ws.counters.any(), p
         replayed = out.clone()
-        assert torch.equal(replayed, at.decode_attention_fused(q, k, v, kc, vc, p, cos, sin, inline_merge=inline_merge,
+        assert torch.equal(replayed, _attend_fused(q, k, v, kc, vc, p, cos, sin, inline_merge=inline_merge,
                                                                **kw)), p
         ref = _fused_reference(q, k, v, kc, vc, p, cos, sin, scale=d ** -0.5, window=window)  # slot p: roped k
         assert rel_err(replayed, ref) < 2e-3, p
-
-
-def test_named_config_from_the_environment(monkeypatch):
-    """TRAPETUM_ATTN_CONFIG names a candidate for launches without a config (read at each call); an unknown
-    name or one that breaks the rule for the launch's head dim is an error naming the variable; workspace
-    sizing (strict=False) falls back to the default where the named config does not fit."""
-    split = next(c for c in at.CANDIDATE_CONFIGS if c.splits == 8 and c.block_n == 64)
-    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", split.name)
-    assert at.choose_config(128, 1, 4096) == split
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = _inputs(4, 2, 64, 100, gen, amp=2.0)
-    ln = torch.tensor([90], dtype=torch.int32, device=DEVICE)
-    y = at.decode_attention(q, k, v, ln, scale=0.125, split=True)
-    ref = at.decode_attention_reference(q.cpu(), k.cpu(), v.cpu(), 90, scale=0.125)
-    assert rel_err(y, ref) < 2e-3
-    assert torch.equal(y, at.decode_attention(q, k, v, ln, scale=0.125, config=split))
-    big = next(c for c in at.CANDIDATE_CONFIGS if c.splits == 8 and c.block_n == 128)
-    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", big.name)
-    assert not at.config_fits(big, 256, 1)
-    with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG.*does not fit"):
-        at.choose_config(256, 1, 4096)
-    assert at.choose_config(256, 1, 4096, strict=False) == at._default_config(256, 1, 4096)
-    monkeypatch.delenv("TRAPETUM_ATTN_CONFIG")
-    # the default: 8 length-adaptive splits with >= 32 kv heads (MHA 32x128), fixed 64-position chunks otherwise
-    assert at.choose_config(128, 1, 4224, 32) == at.SPLIT8_CONFIG
-    assert at.choose_config(128, 4, 4224, 8).splits == 0 and at.choose_config(128, 1, 4224).splits == 0
-    monkeypatch.setenv("TRAPETUM_ATTN_CONFIG", "c7-nonsense")
-    with pytest.raises(ValueError, match="TRAPETUM_ATTN_CONFIG: unknown config 'c7-nonsense'"):
-        at.choose_config(128, 1, 4096)

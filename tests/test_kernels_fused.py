@@ -8,6 +8,9 @@ import torch
 
 from kernels_conftest import DEVICE, ON_GPU, TOL, fused as fu, rel_err, requires_cuda
 from shapes import AWKWARD, MODELS
+from trapetum.settings import KernelOptions
+
+PDL_OFF = KernelOptions(pdl="off")
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -118,3 +121,31 @@ def test_fused_real_shapes_gpu(model):
     fu.rope_kv_append(q, k, k, kc, vc, torch.tensor([4095], device="cuda"), cos, sin)
     pos = torch.tensor([4095])
     assert rel_err(q, fu.rope_reference(q0[None].cpu(), pos, cos.cpu(), sin.cpu())[0]) < TOL[torch.float16]
+    # programmatic dependent launch (kopts) changes nothing
+    assert torch.equal(fu.rmsnorm(x, w, 1e-5, kopts=PDL_OFF), fu.rmsnorm(x, w, 1e-5))
+    q1, kc1, vc1 = q0.clone(), kc.clone(), vc.clone()
+    fu.rope_kv_append(q1, k, k, kc1, vc1, torch.tensor([4095], device="cuda"), cos, sin, kopts=PDL_OFF)
+    assert torch.equal(q1, q) and torch.equal(kc1, kc) and torch.equal(vc1, vc)
+
+
+def test_fused_kernel_options_and_torch_fallback(monkeypatch):
+    """kopts reach the launches (PDL off: the same bits); without Triton (TRITON_INTERPRET=0 on the CPU) the torch
+    paths give the references."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 100, generator=gen).half().to(DEVICE)
+    w = torch.randn(100, generator=gen).half().to(DEVICE)
+    y = fu.rmsnorm(x, w, 1e-6)
+    assert torch.equal(fu.rmsnorm(x, w, 1e-6, kopts=PDL_OFF), y)
+    q = torch.randn(2, 4, 32, generator=gen).half().to(DEVICE)
+    k = torch.randn(2, 2, 32, generator=gen).half().to(DEVICE)
+    kc = torch.zeros(2, 10, 32, dtype=torch.float16, device=DEVICE)
+    cos, sin = fu.rope_tables(10, 16, device=DEVICE)
+    q1, kc1, vc1 = q.clone(), kc.clone(), kc.clone()
+    fu.rope_kv_append(q1, k, k, kc1, vc1, 3, cos, sin, kopts=PDL_OFF)
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert rel_err(fu.rmsnorm(x, w, 1e-6), fu.rmsnorm_reference(x, w, 1e-6)) < TOL[torch.float16]
+        q2, kc2, vc2 = q.clone(), kc.clone(), kc.clone()
+        fu.rope_kv_append(q2, k, k, kc2, vc2, 3, cos, sin)
+        assert rel_err(q2, q1) < TOL[torch.float16] and rel_err(kc2, kc1) < TOL[torch.float16]
+        assert torch.equal(vc2, vc1)

@@ -15,9 +15,19 @@ import trapetum
 from tests.kernels_conftest import requires_cuda
 from tests.tiny_models import FAMILIES, build, build_cbk, build_families
 from trapetum.errors import ConfigError, UnsupportedError
+from trapetum.formats.detect import load_checkpoint
 from trapetum.runtime import precise as P
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
+from trapetum.schemes.base import residual16
+from trapetum.settings import Options
+
+ENV = "TRAPETUM_PREFILL"
+
+
+def engine(ckpt, max_len, precise=False, **opts):
+    """The engine on the CPU (torch fallbacks), default or precise prefill."""
+    return GpuEngine(ckpt, max_len, device="cpu", options=Options(prefill="precise" if precise else "default", **opts))
 
 # Tiny random models: the default prefill is 5e-4..2e-3 from the reference (fp16 weights and
 # activations), the precise one ~1e-6 (fp32 rounding of the reference itself).
@@ -33,7 +43,7 @@ def rel(a, b):
 @pytest.fixture(autouse=True)
 def torch_fallbacks(monkeypatch, request):
     """Kernels' torch fallbacks on the CPU; no TRAPETUM_PREFILL from the caller's environment."""
-    monkeypatch.delenv(P.ENV, raising=False)
+    monkeypatch.delenv(ENV, raising=False)
     if not torch.cuda.is_available() and "interpreter" not in request.node.name:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
 
@@ -66,9 +76,7 @@ def test_linear_is_fp32_accurate_where_fp16_is_not():
     w = (torch.randn(40, 96, generator=g) * 0.1).half()
     b = torch.randn(40, generator=g).half()
     exact = x.double() @ w.double().T + b.double()
-    pp = P.PrecisePrefill.__new__(P.PrecisePrefill)
-    pp.res = {}
-    y = pp.linear(x, w, b)
+    y = P.precise_linear(x, w, b)
     assert y.dtype == torch.float32
     for r in range(5):  # row by row: each row has its own scale
         assert rel(y[r], exact[r]) < 1e-6
@@ -79,8 +87,8 @@ def test_residual_restores_non_fp16_weights():
     g = torch.Generator().manual_seed(2)
     w32 = torch.randn(24, 64, generator=g) * 0.05
     w16 = w32.half()
-    assert P.residual16(w16.float(), w16) is None and P.residual16(w16, w16) is None
-    lo = P.residual16(w32, w16)
+    assert residual16(w16.float(), w16) is None and residual16(w16, w16) is None
+    lo = residual16(w32, w16)
     assert lo.dtype == torch.float16
     back = w16.double() + lo.double() / P.LO_SCALE
     assert rel(back, w32.double()) < 1e-7 < rel(w16, w32)
@@ -94,9 +102,8 @@ def test_precise_prefill_matches_reference(tiny, family):
     m = tiny[family]
     ids = ids_for(20)
     ref = m.logits(ids)
-    fast = GpuEngine(m.decoder, 48)
-    prec = GpuEngine(m.decoder, 48, precise_prefill=True)
-    assert fast.precise is None and prec.precise is not None
+    fast = engine(m.checkpoint, 48)
+    prec = engine(m.checkpoint, 48, precise=True)
     d = rel(fast.prefill(ids, all_logits=True), ref)
     p = rel(prec.prefill(ids, all_logits=True), ref)
     assert p < PRECISE_TOL, (family, p, d)
@@ -110,7 +117,7 @@ def test_precise_prefill_then_decode(tiny, family):
     m = tiny[family]
     ids = ids_for(20, seed=4)  # (seed 3 has a 1e-4 top-2 tie in gemma2's decode: fp16 steps may flip it)
     ref = m.logits(ids)
-    eng = GpuEngine(m.decoder, 48, precise_prefill=True)
+    eng = engine(m.checkpoint, 48, precise=True)
     assert rel(eng.prefill(ids[:-4]), ref[-5]) < PRECISE_TOL
     tol = DEFAULT_TOL.get(family, 2e-3)
     for i, t in enumerate(ids[-4:]):
@@ -125,22 +132,25 @@ def test_precise_prefill_unfused(tiny):
     m = tiny["qwen2"]  # qkv biases: their residuals too
     ids = ids_for(16, seed=4)
     ref = m.logits(ids)
-    eng = GpuEngine(m.decoder, 32, fuse=False, precise_prefill=True)
+    eng = engine(m.checkpoint, 32, precise=True, fuse=False)
     assert rel(eng.prefill(ids, all_logits=True), ref) < PRECISE_TOL
 
 
 def test_precise_prefill_fp16_exact_weights(tmp_path):
-    """A decoder whose weights are fp16 numbers needs no residuals (the .cbk / fp16-source case)."""
+    """A checkpoint whose weights are fp16 numbers needs no residuals (the .cbk / fp16-source case)."""
     build("llama3", tmp_path)
+    ck = load_checkpoint(tmp_path)
+    ck.tensors = {n: t.half().float() for n, t in ck.tensors.items()}
     m = trapetum.load(tmp_path)
-    for prm in m.decoder.parameters():
-        prm.data = prm.data.half().float()
+    m.checkpoint = ck
+    m._decoder = None
     ids = ids_for(18, seed=5)
     ref = m.logits(ids)
-    eng = GpuEngine(m.decoder, 32, precise_prefill=True)
-    assert eng.precise.res == {} and eng.precise.embed_lo is None
+    eng = engine(ck, 32, precise=True)
+    projs = [eng.model.head] + [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.down)]
+    assert all(p.lo is None and p.bias_lo is None for p in projs) and eng.model.embed_lo is None
     p = rel(eng.prefill(ids, all_logits=True), ref)
-    d = rel(GpuEngine(m.decoder, 32).prefill(ids, all_logits=True), ref)
+    d = rel(engine(ck, 32).prefill(ids, all_logits=True), ref)
     assert p < PRECISE_TOL < DEFAULT_FLOOR < d
 
 
@@ -151,10 +161,10 @@ def test_precise_prefill_quantized_cbk(tmp_path, family):
     m = trapetum.load(out)
     ids = ids_for(20, seed=6)
     ref = m.logits(ids)
-    eng = GpuEngine(m.decoder, 40, precise_prefill=True)
-    assert type(eng.head).__name__ == "CodebookProj" and eng.precise.res == {}
+    eng = engine(m.checkpoint, 40, precise=True)
+    assert eng.model.head.kind == "codebook" and eng.model.head.lo is None and eng.model.embed_lo is None
     p = rel(eng.prefill(ids, all_logits=True), ref)
-    d = rel(GpuEngine(m.decoder, 40).prefill(ids, all_logits=True), ref)
+    d = rel(engine(m.checkpoint, 40).prefill(ids, all_logits=True), ref)
     assert p < PRECISE_TOL, (p, d)
     assert DEFAULT_FLOOR < d < DEFAULT_TOL.get(family, 2e-3), (p, d)
 
@@ -164,18 +174,18 @@ def test_precise_prefill_scores_windows_like_the_reference(tiny):
     m = tiny["mistral"]  # sliding window 8 < the window
     w = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(7))
     ref, n = window_nll(m.decoder, w)
-    pre, n1 = window_nll(GpuEngine(m.decoder, 64, precise_prefill=True), w)
+    pre, n1 = window_nll(engine(m.checkpoint, 64, precise=True), w)
     assert n == n1 == 39 and abs(pre - ref) / n < 1e-6
 
 
 def test_precise_prefill_refuses_additive_projections(tmp_path):
     from tests.aqlm_helpers import make_aqlm_dir
     m = trapetum.load(make_aqlm_dir(tmp_path, random_codes=True))
-    eng = GpuEngine(m.decoder, 16)  # the default engine runs them (GateUp passes no mm to AdditiveProj)
-    assert type(eng.layers[0].gate_up.joint).__name__ == "AdditiveProj"
+    eng = engine(m.checkpoint, 16)  # the default engine runs them
+    assert eng.model.layers[0].attention.qkv.kind == "additive"
     assert torch.isfinite(eng.prefill([5, 6, 7])).all()
     with pytest.raises(UnsupportedError, match="additive"):
-        GpuEngine(m.decoder, 16, precise_prefill=True)
+        engine(m.checkpoint, 16, precise=True)
 
 
 def test_precise_prefill_under_triton_interpreter(tmp_path):
@@ -187,13 +197,14 @@ def test_precise_prefill_under_triton_interpreter(tmp_path):
 import torch, trapetum
 from tests.tiny_models import build
 from trapetum.runtime.engine import GpuEngine
+from trapetum.settings import Options
 build("llama3", {str(tmp_path)!r})
 m = trapetum.load({str(tmp_path)!r})
 ids = list(range(5, 19))
 ref = m.logits(ids)
 rel = lambda a, b: float((a - b).norm() / b.norm())
-d = rel(GpuEngine(m.decoder, 16).prefill(ids, all_logits=True), ref)
-eng = GpuEngine(m.decoder, 16, precise_prefill=True)
+d = rel(GpuEngine(m.checkpoint, 16, device="cpu").prefill(ids, all_logits=True), ref)
+eng = GpuEngine(m.checkpoint, 16, device="cpu", options=Options(prefill="precise"))
 p = rel(eng.prefill(ids[:-1], all_logits=True), ref[:-1])
 assert p < {PRECISE_TOL} and {DEFAULT_FLOOR} < d < 2e-3, (p, d)
 eng.set_position(ids[-1], 13)
@@ -202,7 +213,7 @@ assert rel(eng.logits, ref[-1]) < 2e-3
 print("ok", p, d)
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop(P.ENV, None)
+    env.pop(ENV, None)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
@@ -210,21 +221,23 @@ print("ok", p, d)
 
 # ----------------------------------------------------------------------------- the switch
 def test_env_switch(tiny, monkeypatch):
-    dec = tiny["llama2"].decoder
-    for v, on in (("precise", True), ("PRECISE", True), ("default", False), ("", False)):
-        monkeypatch.setenv(P.ENV, v)
-        assert (GpuEngine(dec, 8).precise is not None) is on, v
-    monkeypatch.setenv(P.ENV, "precise")
-    assert GpuEngine(dec, 8, precise_prefill=False).precise is None  # the argument wins
-    monkeypatch.setenv(P.ENV, "default")
-    assert GpuEngine(dec, 8, precise_prefill=True).precise is not None
+    """TRAPETUM_PREFILL is read by settings at the edge (trapetum.load); the argument wins over it."""
+    path = tiny["llama2"].path
+    for v, mode in (("precise", "precise"), ("PRECISE", "precise"), ("default", "default"), ("", "default"),
+                    ("exact", "exact")):
+        monkeypatch.setenv(ENV, v)
+        assert Options.from_env().prefill == mode, v
+    monkeypatch.setenv(ENV, "precise")
+    assert trapetum.load(path, precise_prefill=False).options.prefill == "default"
+    monkeypatch.setenv(ENV, "default")
+    assert trapetum.load(path, precise_prefill=True).options.prefill == "precise"
 
 
 @pytest.mark.parametrize("bad", ["1", "fp32", "precise,fast", "on"])
 def test_env_switch_rejects_bad_values(tiny, monkeypatch, bad):
-    monkeypatch.setenv(P.ENV, bad)
-    with pytest.raises(ConfigError, match=rf"TRAPETUM_PREFILL must be one of default, precise .*{bad!r}"):
-        GpuEngine(tiny["llama2"].decoder, 8)
+    monkeypatch.setenv(ENV, bad)
+    with pytest.raises(ConfigError, match=rf"TRAPETUM_PREFILL: expected one of default, precise, exact, got {bad!r}"):
+        Options.from_env()
     with pytest.raises(ConfigError, match="TRAPETUM_PREFILL"):
         trapetum.load(tiny["llama2"].path)
 
@@ -268,7 +281,7 @@ def test_gpu_precise_prefill_matches_reference(gpu_pairs, family):
     ref = cpu.logits(ids)
     fast = trapetum.load(d, device="cuda")
     prec = trapetum.load(d, device="cuda", precise_prefill=True)
-    assert prec.dtype == torch.float32 and prec.runner.precise is not None and fast.runner.precise is None
+    assert prec.precise_prefill and prec.runner.options.prefill == "precise" and fast.runner.options.prefill == "default"
     dft = rel(fast.runner.prefill(ids, all_logits=True), ref)
     p = rel(prec.runner.prefill(ids, all_logits=True), ref)
     assert p < 2e-5 and p < dft / 10, (family, p, dft)
@@ -291,10 +304,10 @@ def test_gpu_precise_prefill_cbk(tmp_path):
 @requires_cuda
 def test_gpu_env_switch_and_fp32_output_gemm(gpu_pairs, monkeypatch):
     _, d = gpu_pairs["llama3"]
-    monkeypatch.setenv(P.ENV, "precise")
+    monkeypatch.setenv(ENV, "precise")
     m = trapetum.load(d, device="cuda")
-    assert m.precise_prefill and m.dtype == torch.float32 and m.runner.precise is not None
-    monkeypatch.setenv(P.ENV, "bogus")
+    assert m.precise_prefill and m.runner.options.prefill == "precise"
+    monkeypatch.setenv(ENV, "bogus")
     with pytest.raises(ConfigError, match="TRAPETUM_PREFILL"):
         trapetum.load(d, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -1,14 +1,25 @@
-"""CodebookLinear: forward == dequantize() @ x, dequantize exactness, build_linear validation, RTN."""
+"""The schemes' reference modules: CodebookLinear forward == dequantize() @ x, dequantize exactness, record
+validation (FormatError naming the tensor), RTN; the registry's dispatch."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from trapetum.errors import FormatError
-from trapetum.quant.linear import CodebookLinear, build_embedding, build_linear
-from trapetum.quant.pack import pack_codes, packed_width
+from trapetum.kernels.pack import pack_codes, packed_width
+from trapetum.quant.kmeans import codebook_linear
+from trapetum.quant.rtn import rtn_linear
+from trapetum.schemes import registry
 from trapetum.schemes.record import QuantRecord
-from trapetum.quant.rtn import RTNLinear, rtn_bits_per_weight
+from trapetum.schemes.rtn import rtn_bits_per_weight
+
+
+def build_linear(record, name="?"):
+    return registry.reference_linear(record, None, name, dtype=None, device=None)
+
+
+def build_embedding(record):
+    return registry.reference_embedding(record)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
@@ -34,7 +45,7 @@ def test_dequantize_exact_and_forward(bits, shape):
 
 def test_from_weight_and_record_round_trip():
     W = torch.randn(32, 100)
-    m = CodebookLinear.from_weight(W, 4, importance=torch.rand(100))
+    m = codebook_linear(W, 4, importance=torch.rand(100))
     m2 = build_linear(m.to_record())
     assert torch.equal(m.dequantize(), m2.dequantize())
     assert float((m.dequantize() - W).norm() / W.norm()) < 0.15
@@ -59,7 +70,7 @@ def test_from_weight_and_record_round_trip():
     (lambda r: r.tensors.update(codebook=torch.full((8, 16), float("nan")).half()), "non-finite"),
 ])
 def test_build_linear_rejects_malformed(mutate, msg):
-    m = CodebookLinear.from_weight(torch.randn(8, 20), 4)
+    m = codebook_linear(torch.randn(8, 20), 4)
     r = m.to_record()
     mutate(r)
     with pytest.raises(FormatError, match=msg):
@@ -69,7 +80,7 @@ def test_build_linear_rejects_malformed(mutate, msg):
 def test_rtn_int4_g128():
     g = torch.Generator().manual_seed(0)
     W = torch.randn(16, 300, generator=g)
-    m = RTNLinear.from_weight(W, 4, 128)
+    m = rtn_linear(W, 4, 128)
     D = m.dequantize()
     # every group's values are on its 16-level grid, and the error is at most half a step
     step = ((W[:, :128].amax(1).clamp(min=0) - W[:, :128].amin(1).clamp(max=0)) / 15)
@@ -80,3 +91,13 @@ def test_rtn_int4_g128():
     m2 = build_linear(m.to_record())
     assert torch.equal(m2.dequantize(), D)
     assert abs(rtn_bits_per_weight(4, 128) - (4 + 20 / 128)) < 1e-12
+
+
+def test_registry_maps_weights_to_schemes():
+    from trapetum.schemes.codebook import CODEBOOK
+    from trapetum.schemes.dense import DENSE
+    assert registry.scheme_of(torch.zeros(2, 2)) is DENSE
+    assert registry.scheme_of(codebook_linear(torch.randn(8, 20), 4).to_record()) is CODEBOOK
+    assert set(registry.SCHEMES) == {"dense", "codebook", "aqlm", "rtn"}
+    with pytest.raises(FormatError, match="unknown quantization scheme 'dense'"):
+        registry.scheme_of(QuantRecord("dense", (2, 2)))

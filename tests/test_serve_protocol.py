@@ -237,8 +237,12 @@ def test_cors_origins_and_api_key_in_process():
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
         r = c.get("/v1/models", headers={"Origin": "http://ui.example"})
         assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "http://ui.example"
+        r = c.get("/v1/models", headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert r.status_code == 200
+        # another web origin is refused outright (issue 21: a page must not drive the API), with no CORS grant
         r = c.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
-        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+        assert "access-control-allow-origin" not in r.headers
 
 
 def test_sse_keepalive_while_waiting(monkeypatch):

@@ -103,18 +103,19 @@ def build_cbk(family: str, tmp_path, iters: int = 5) -> Path:
     return out
 
 
-def randomize_additive(decoder, fmt: str = "aqlm-2x8", seed: int = 0):
-    """Replace every attention and MLP projection of a (CUDA) Llama-style decoder with random AQLM
-    projections of the same shape (``bench_e2e.random_additive``, seeded): a 2-bit model without a quantizer
-    run. Returns the decoder."""
+def additive_checkpoint(family: str, path, fmt: str = "aqlm-2x8", seed: int = 0, device: str = "cuda"):
+    """A tiny ``family`` checkpoint saved at ``path`` whose attention and MLP projections are replaced by random AQLM
+    records of the same shapes (eval/random_model.random_aqlm, seeded): a 2-bit model without a quantizer run."""
     import torch
 
-    from trapetum.eval.bench_e2e import random_additive
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    for blk in decoder.model.layers:
-        for parent, names in ((blk.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (blk.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for nm in names:
-                old = getattr(parent, nm)
-                setattr(parent, nm, random_additive(old.out_features, old.in_features, fmt, "cuda", g))
-    return decoder
+    from trapetum.eval.random_model import random_aqlm
+    from trapetum.formats.detect import load_checkpoint
+    build(family, path)
+    ck = load_checkpoint(path)
+    g = torch.Generator(device=device).manual_seed(seed)
+    tensors = dict(ck.tensors.items())
+    for name, t in list(tensors.items()):
+        if name.endswith("_proj.weight"):
+            tensors[name] = random_aqlm(t.shape[0], t.shape[1], fmt, device, g)
+    ck.tensors = tensors
+    return ck

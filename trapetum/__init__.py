@@ -1,5 +1,5 @@
 """Trapetum: compress LLM checkpoints into .cbk codebook files and run them fast."""
-from ._version import __version__
+from ._version import __version__  # noqa: F401  (trapetum.__version__)
 
 from .errors import TrapetumError, FormatError, ConfigError, UnsupportedError  # noqa: F401
 

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import Counter
@@ -17,67 +18,82 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import FormatError, TrapetumError, UnsupportedError
+from .errors import TrapetumError, UnsupportedError
 from .formats.detect import default_model_path, load_checkpoint
 from .models.checkpoint import Checkpoint
 from .models.decoder import Decoder
+from .models.families import overflows_fp16
+from .models.schema import expected_shapes
 from .runtime.generate import Completion, ReferenceRunner, StreamEvent, stream_tokens
 from .runtime.sampling import GenerationSettings
+from .settings import Options
 
 __all__ = ["load", "load_checkpoint", "Model", "GenerationSettings", "Completion", "StreamEvent",
-           "default_model_path"]
+           "default_model_path", "Options"]
 
 
 ENGINE_MAX_LEN = 8192  # KV cache positions the GPU engine allocates (at most the model's context)
 
 
-def default_dtype(ckpt: Checkpoint, device: str) -> torch.dtype:
-    """fp32 on the CPU; fp16 on CUDA, where the engine runs (its kernels are fp16). The torch
-    reference path on CUDA (TRAPETUM_ENGINE=reference) runs Gemma in bf16, whose activations
-    can overflow fp16."""
+def default_dtype(ckpt: Checkpoint, device: str, options: Options) -> torch.dtype:
+    """fp32 on the CPU; fp16 on CUDA, where the engine runs (its kernels are fp16). The torch reference path on
+    CUDA (Options.engine = "reference") runs families whose activations overflow fp16 in bf16."""
     if device == "cpu":
         return torch.float32
-    if os.environ.get("TRAPETUM_ENGINE", "gpu") == "reference" and ckpt.config.family.startswith("gemma"):
+    if options.engine == "reference" and overflows_fp16(ckpt.config):
         return torch.bfloat16
     return torch.float16
 
 
 class Model:
-    """A loaded model: tokenizer + decoder + a runner; not thread-safe (one generation at a time)."""
+    """A loaded model: tokenizer + a runner (the GPU engine on CUDA, the reference decoder otherwise); not
+    thread-safe (one generation at a time).
+
+    ``options`` (default: ``Options.from_env()``, the TRAPETUM_* switches) choose the engine's kernels and modes;
+    ``precise_prefill`` overrides ``options.prefill`` (True: "precise", False: "default")."""
 
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_context: int | None = None, precise_prefill: bool | None = None, keep_reference: bool = False):
-        from .runtime.precise import precise_enabled
+                 max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
             raise UnsupportedError(f"device {device!r} is not supported (cpu, cuda)")
+        options = options or Options.from_env()
+        if precise_prefill is not None:
+            options = options.replace(prefill="precise" if precise_prefill else "default")
+        self.options = options
         self.checkpoint = ckpt
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.path = ckpt.source
         self.name = Path(ckpt.source).name
         self.device = device
-        # precise prefill (GPU engine; the CPU path is fp32 already): the decoder stays in fp32, so that
-        # the engine reads the source's exact dequantized weights (runtime/precise.py)
-        self.precise_prefill = precise_enabled(precise_prefill) and device.startswith("cuda")
-        self.dtype = dtype or (torch.float32 if self.precise_prefill else default_dtype(ckpt, device))
+        on_engine = device.startswith("cuda") and options.engine == "gpu"
+        # the precise prefill belongs to the GPU engine (the CPU reference is fp32 already)
+        self.precise_prefill = on_engine and options.prefill == "precise"
+        self.dtype = dtype or default_dtype(ckpt, device, options)
         self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
         if device.startswith("cuda"):
             self.context_size = min(self.context_size, ENGINE_MAX_LEN)
-        self.decoder = Decoder.from_checkpoint(ckpt, dtype=self.dtype, device=device).eval()
-        # on CUDA the engine takes over the codes it keeps in its own layouts (tiled / interleaved /
-        # packed) unless keep_reference: the reference decoder then refuses forward() (logits() uses the engine)
-        self.keep_reference = keep_reference
-        self.runner = self._runner()
-
-    def _runner(self):
-        """The GPU engine on CUDA (TRAPETUM_ENGINE=reference keeps the torch reference path)."""
-        if self.device.startswith("cuda") and os.environ.get("TRAPETUM_ENGINE", "gpu") != "reference":
+        self._decoder = None
+        if on_engine:
             from .runtime.engine import GpuEngine
-            return GpuEngine(self.decoder, max_len=min(self.context_size, ENGINE_MAX_LEN),
-                             precise_prefill=self.precise_prefill, own_weights=not self.keep_reference)
-        return ReferenceRunner(self.decoder)
+            self.runner = GpuEngine(ckpt, self.context_size, device=device, options=options)
+        else:
+            self.runner = ReferenceRunner(self.decoder)
+
+    @property
+    def engine(self):
+        """The GPU engine, or None on the reference path."""
+        return None if isinstance(self.runner, ReferenceRunner) else self.runner
+
+    @property
+    def decoder(self) -> Decoder:
+        """The torch reference decoder (built on first use when the GPU engine runs the model: a second copy
+        of the weights, for checks and tools)."""
+        if self._decoder is None:
+            self._decoder = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
+        return self._decoder
 
     # -- prompts ---------------------------------------------------------------------------
     def _need_tokenizer(self):
@@ -128,29 +144,24 @@ class Model:
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
-        """Prompt logits [T, V] (float32) in one prefill (the GPU engine's once it owns the codes)."""
-        if self.decoder.released is not None:
-            return self.runner.logits_for(ids).float().cpu()
+        """Prompt logits [T, V] (float32) in one prefill (the GPU engine's on CUDA)."""
+        if self.engine is not None:
+            return self.engine.logits_for(ids).float().cpu()
         t = torch.tensor([ids], dtype=torch.long, device=self.device)
         return self.decoder(t)[0].float().cpu()
 
     # -- description -----------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        info = describe(self.checkpoint, self.decoder)
-        if self.decoder.released is not None:  # the engine's copies replaced the decoder's codes
-            info["memory_loaded_weights_bytes"] = self.runner.weight_bytes()
-        return info
+        if self.engine is not None:
+            info = describe(self.checkpoint)
+            info["memory_loaded_weights_bytes"] = self.engine.weight_bytes()
+            return info
+        return describe(self.checkpoint, self.decoder)
 
 
 def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
     cfg = ckpt.config
-    from .models.checkpoint import expected_shapes
-    n_params = 0
-    for name, shp in expected_shapes(cfg).items():
-        n = 1
-        for d in shp:
-            n *= d
-        n_params += n
+    n_params = sum(math.prod(shp) for shp in expected_shapes(cfg).values())
     formats = Counter(ckpt.tensor_formats().values())
     weight_bytes = None
     if decoder is not None:
@@ -178,16 +189,13 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
-         max_context: int | None = None, precise_prefill: bool | None = None, keep_reference: bool = False) -> Model:
+         max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
-    ``precise_prefill`` (GPU engine; default: TRAPETUM_PREFILL, else off): prompt passes at the CPU fp32
-    reference's accuracy (prompt logits ~1e-5 from it instead of ~1e-3), for evaluation and perplexity;
-    2-3x the prefill GEMM work, and the decoder is kept in fp32 (more memory for dense sources).
-    Decode steps are unchanged.
-
-    ``keep_reference`` (CUDA): keep the reference decoder usable. By default the GPU engine takes over
-    the codes it stores in its own kernel layouts (the decoder's copies are freed, so a model's codes
-    are held once), and ``Model.logits`` runs on the engine."""
+    On CUDA the GPU engine is built from the checkpoint tensor by tensor (its weights held once, in the kernels'
+    layouts); ``options`` (default ``Options.from_env()``) pick its kernels and modes (trapetum/settings.py).
+    ``precise_prefill`` (GPU engine; default: ``options.prefill``): prompt passes at the CPU fp32 reference's
+    accuracy (prompt logits ~1e-5 from it instead of ~1e-3), for evaluation and perplexity; 2-3x the prefill
+    GEMM work. Decode steps are unchanged."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
-                 precise_prefill=precise_prefill, keep_reference=keep_reference)
+                 precise_prefill=precise_prefill, options=options)

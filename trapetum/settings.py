@@ -23,6 +23,7 @@ means the default; anything else is a ConfigError naming the variable.
 | TRAPETUM_TRITON_GATHER   | kernels.triton_gather      | on, off: tl.gather in the Triton codebook GEMV     |
 | TRAPETUM_AQLM_LAYOUT     | kernels.aqlm_layout        | slices, rows: 2x8 codes in the engine              |
 | TRAPETUM_AQLM_BPS        | kernels.aqlm_blocks_per_sm | 2, or 1..8: blocks per SM of the 2x8 CUDA kernel   |
+| TRAPETUM_API_KEY         | ServeEnv.api_key           | the API key of ``trapetum serve`` (not an Options) |
 """
 from __future__ import annotations
 
@@ -151,6 +152,19 @@ class Options:
                    engine=parse_choice("TRAPETUM_ENGINE", g("TRAPETUM_ENGINE"), ENGINES),
                    calib_mem_gb=_parse_number("TRAPETUM_CALIB_MEM_GB", g("TRAPETUM_CALIB_MEM_GB"), float, 1e-3, 1e6),
                    kernels=kernels)
+
+
+@dataclass(frozen=True)
+class ServeEnv:
+    """What ``trapetum serve`` takes from the environment: ``TRAPETUM_API_KEY``, the API key (so that it is not
+    on the command line, where ``ps`` shows it to every user of the machine). Unset or empty: none."""
+    api_key: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServeEnv":
+        env = os.environ if environ is None else environ
+        key = (env.get("TRAPETUM_API_KEY") or "").strip()
+        return cls(api_key=key or None)
 
 
 def _pdl(value: str | None) -> str:

@@ -236,6 +236,8 @@ inline size_t __cvta_generic_to_shared(const void* p) {
 }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
+inline float __fmul_rn(float a, float b) { return a * b; }  // host float arithmetic rounds to nearest (no FMA)
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __shfl_xor_sync(unsigned mask, float v, int m) {
   CHECK(mask == 0xffffffffu, "shuffle mask");
   emu::threads[emu::cur].f = v;
@@ -412,12 +414,17 @@ static void check_lane_maps() {
 // ----------------------------------------------------------------------------- 2. the kernels on the CPU
 struct Problem {
   std::vector<int> Ns;
-  int G;
-  std::vector<float> x;                        // fp16 values
+  int G, R = 1;                                // R activation rows
+  std::vector<float> x;                        // fp16 values [R][8 G]
   std::vector<std::vector<uint16_t>> cbh;      // per part fp16 [2, 256, 8]
   std::vector<std::vector<uint8_t>> canon;     // per part [N][G][2]
-  std::vector<uint16_t> scales, bias, res;     // all rows
+  std::vector<uint16_t> scales, bias, res;     // all rows; res [R][all rows]
   bool has_bias, has_res;
+  int rows() const {
+    int n = 0;
+    for (int N : Ns) n += N;
+    return n;
+  }
 };
 
 static uint16_t h16(float v) {
@@ -432,14 +439,13 @@ static float f16(uint16_t u) {
   return __half2float(h);
 }
 
-static Problem make_problem(std::vector<int> Ns, int G, unsigned seed) {
+static Problem make_problem(std::vector<int> Ns, int G, unsigned seed, int R = 1) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   Problem pr;
-  pr.Ns = Ns, pr.G = G;
-  pr.x.resize(8 * G);
+  pr.Ns = Ns, pr.G = G, pr.R = R;
+  pr.x.resize((size_t)R * 8 * G);
   for (auto& v : pr.x) v = f16(h16(nd(rng)));
-  int rows = 0;
   for (int N : Ns) {
     std::vector<uint16_t> cb(2 * 256 * 8);
     for (auto& v : cb) v = h16(nd(rng));
@@ -447,16 +453,25 @@ static Problem make_problem(std::vector<int> Ns, int G, unsigned seed) {
     std::vector<uint8_t> c((size_t)N * G * 2);
     for (auto& v : c) v = rng() & 0xff;
     pr.canon.push_back(c);
-    rows += N;
   }
   pr.has_bias = rng() & 1, pr.has_res = rng() & 1;
   if (Ns.size() == 2 && Ns[0] == Ns[1]) pr.has_res = 0;  // a gate/up pair: launch() also runs the act reductions
-  for (int i = 0; i < rows; ++i) {
+  for (int i = 0; i < pr.rows(); ++i) {
     pr.scales.push_back(h16(0.01f + 0.05f * std::abs(nd(rng))));
     pr.bias.push_back(h16(nd(rng)));
-    pr.res.push_back(h16(nd(rng)));
   }
+  for (int i = 0; i < R * pr.rows(); ++i) pr.res.push_back(h16(nd(rng)));
   return pr;
+}
+
+// Activation row t of pr alone (R = 1): what a one-row launch gets.
+static Problem row_of(const Problem& pr, int t) {
+  Problem one = pr;
+  const int n = pr.rows();
+  one.R = 1;
+  one.x.assign(pr.x.begin() + (size_t)t * 8 * pr.G, pr.x.begin() + (size_t)(t + 1) * 8 * pr.G);
+  one.res.assign(pr.res.begin() + (size_t)t * n, pr.res.begin() + (size_t)(t + 1) * n);
+  return one;
 }
 
 // The codes of part q as the launcher gets them: canonical bytes, or pack_2x8's "slices" layout.
@@ -478,13 +493,15 @@ static std::vector<uint8_t> code_buffer(const Problem& pr, int q, bool packed, l
 }
 
 struct Result {
-  std::vector<uint16_t> y;
-  std::vector<float> partial;  // valid entries only, [part][slice][row]
+  std::vector<uint16_t> y;     // [R][all rows]
+  std::vector<uint16_t> act[2];  // gate/up pairs: [R][N] of act = 1, 2
+  std::vector<float> partial;  // valid entries only, [R][part][slice][row]
 };
 
-// One launch (the main kernel on `grid` blocks, then the reduction), as the torch launcher sets it up.
+// One launch (the main kernel on `grid` code ranges x R activation rows, then the reduction), as the torch
+// launcher sets it up.
 static Result launch(const Problem& pr, bool packed, int grid) {
-  const int P = (int)pr.Ns.size(), G = pr.G, nslices = (G + kSlice - 1) / kSlice;
+  const int P = (int)pr.Ns.size(), G = pr.G, nslices = (G + kSlice - 1) / kSlice, R = pr.R;
   std::vector<long long> meta(kMetaCols * P);
   std::vector<std::vector<uint8_t>> bufs;
   for (int q = 0; q < P; ++q) bufs.push_back(code_buffer(pr, q, packed, &meta[kMetaCols * q]));
@@ -496,8 +513,8 @@ static Result launch(const Problem& pr, bool packed, int grid) {
   const PartTotals tot = fill_parts(p.part, P, meta.data(), cptr.data(), cb.data(), nslices);
   constexpr int kGuard = 64;
   const float sentinel = -1234.5f;
-  std::vector<float> partial(tot.floats + 2 * kGuard, sentinel);
-  std::vector<uint16_t> y(tot.rows + 2 * kGuard, 0xBEEF);
+  std::vector<float> partial(R * tot.floats + 2 * kGuard, sentinel);
+  std::vector<uint16_t> y(R * tot.rows + 2 * kGuard, 0xBEEF);
   std::vector<uint16_t> xh;
   for (float v : pr.x) xh.push_back(h16(v));
   emu::readable.clear();
@@ -507,7 +524,7 @@ static Result launch(const Problem& pr, bool packed, int grid) {
   emu::readable.push_back({pr.scales.data(), pr.scales.size() * 2});
   emu::readable.push_back({pr.bias.data(), pr.bias.size() * 2});
   emu::readable.push_back({pr.res.data(), pr.res.size() * 2});
-  emu::readable.push_back({partial.data() + kGuard, tot.floats * sizeof(float)});  // the reduction reads these
+  emu::readable.push_back({partial.data() + kGuard, R * tot.floats * sizeof(float)});  // the reduction reads these
   p.x = reinterpret_cast<const half*>(xh.data());
   p.scales = reinterpret_cast<const half*>(pr.scales.data());
   p.bias = reinterpret_cast<const half*>(pr.bias.data());
@@ -516,96 +533,112 @@ static Result launch(const Problem& pr, bool packed, int grid) {
   p.partial = partial.data() + kGuard;
   p.nparts = P, p.G = G, p.nslices = nslices, p.has_bias = pr.has_bias, p.has_res = pr.has_res;
   p.units = tot.units;
-  const int blocks = (int)std::min<long long>(grid, p.units);
+  p.rows = R, p.floats = tot.floats, p.y_stride = tot.rows, p.res_stride = tot.rows;
+  const int blocks = (int)std::min<long long>(grid, p.units) * R;
   for (int b = 0; b < blocks; ++b)
     emu::run_block(kThreads, make_uint3(b, 0, 0), make_uint3(blocks, 1, 1),
                    [&] { packed ? aqlm_2x8_kernel<true>(p) : aqlm_2x8_kernel<false>(p); });
   Result res;
-  for (int q = 0; q < P; ++q)
-    for (int sl = 0; sl < nslices; ++sl)
-      for (int row = 0; row < pr.Ns[q]; ++row) {
-        const float v = p.partial[p.part[q].partial0 + (size_t)sl * kUnitRows * p.part[q].groups + row];
-        CHECK(v != sentinel && !std::isnan(v), "partial part %d slice %d row %d not written", q, sl, row);
-        res.partial.push_back(v);
-      }
-  const int rblocks = (int)((tot.rows + kReduceRows - 1) / kReduceRows);
-  for (int b = 0; b < rblocks; ++b)
-    emu::run_block(kThreads, make_uint3(b, 0, 0), make_uint3(rblocks, 1, 1), [&] { aqlm_2x8_reduce_kernel(p); });
+  for (int t = 0; t < R; ++t)
+    for (int q = 0; q < P; ++q)
+      for (int sl = 0; sl < nslices; ++sl)
+        for (int row = 0; row < pr.Ns[q]; ++row) {
+          const Part2x8& Pq = p.part[q];
+          const float v = p.partial[t * tot.floats + Pq.partial0 + (size_t)sl * kUnitRows * Pq.groups + row];
+          CHECK(v != sentinel && !std::isnan(v), "partial row %d part %d slice %d row %d not written", t, q, sl, row);
+          res.partial.push_back(v);
+        }
+  const auto reduce = [&](int nrows) {
+    const int rblocks = (nrows + kReduceRows - 1) / kReduceRows;
+    for (int t = 0; t < R; ++t)
+      for (int b = 0; b < rblocks; ++b)
+        emu::run_block(kThreads, make_uint3(b, t, 0), make_uint3(rblocks, R, 1), [&] { aqlm_2x8_reduce_kernel(p); });
+  };
+  reduce((int)tot.rows);
   for (int i = 0; i < kGuard; ++i) {
-    CHECK(partial[i] == sentinel && partial[kGuard + tot.floats + i] == sentinel, "partial guard overwritten");
-    CHECK(y[i] == 0xBEEF && y[kGuard + tot.rows + i] == 0xBEEF, "y guard overwritten");
+    CHECK(partial[i] == sentinel && partial[kGuard + R * tot.floats + i] == sentinel, "partial guard overwritten");
+    CHECK(y[i] == 0xBEEF && y[kGuard + R * tot.rows + i] == 0xBEEF, "y guard overwritten");
   }
-  res.y.assign(y.begin() + kGuard, y.begin() + kGuard + tot.rows);
+  res.y.assign(y.begin() + kGuard, y.begin() + kGuard + R * tot.rows);
   // a gate/up pair: the reduction with act = 1, 2 writes act(gate) * up of the fp16 rows just checked
   if (P == 2 && pr.Ns[0] == pr.Ns[1] && !pr.has_res) {
     const int n = pr.Ns[0];
     for (int act = 1; act <= 2; ++act) {
-      std::vector<uint16_t> y2(n + 2 * kGuard, 0xBEEF);
+      std::vector<uint16_t> y2(R * n + 2 * kGuard, 0xBEEF);
       p.y = reinterpret_cast<half*>(y2.data() + kGuard);
-      p.act = act;
-      const int ablocks = (n + kReduceRows - 1) / kReduceRows;
-      for (int b = 0; b < ablocks; ++b)
-        emu::run_block(kThreads, make_uint3(b, 0, 0), make_uint3(ablocks, 1, 1), [&] { aqlm_2x8_reduce_kernel(p); });
-      for (int i = 0; i < kGuard; ++i) CHECK(y2[i] == 0xBEEF && y2[kGuard + n + i] == 0xBEEF, "act %d: y guard", act);
-      for (int f = 0; f < n; ++f) {
-        const float want = trapetum_act::apply(act, f16(res.y[f])) * f16(res.y[n + f]);
-        CHECK(y2[kGuard + f] == h16(want), "act %d row %d: not act(gate) * up of the fp16 rows", act, f);
-      }
+      p.act = act, p.y_stride = n;
+      reduce(n);
+      for (int i = 0; i < kGuard; ++i)
+        CHECK(y2[i] == 0xBEEF && y2[kGuard + R * n + i] == 0xBEEF, "act %d: y guard", act);
+      for (int t = 0; t < R; ++t)
+        for (int f = 0; f < n; ++f) {
+          const float want = trapetum_act::apply(act, f16(res.y[t * tot.rows + f])) * f16(res.y[t * tot.rows + n + f]);
+          CHECK(y2[kGuard + t * n + f] == h16(want), "act %d row %d, %d: not act(gate) * up of the fp16 rows", act, t,
+                f);
+        }
+      res.act[act - 1].assign(y2.begin() + kGuard, y2.begin() + kGuard + R * n);
     }
-    p.act = 0;
+    p.act = 0, p.y_stride = tot.rows;
   }
   // the reduction's order, on the host: quarter q adds slices q, q + 4, ..; then (s0 + s1) + (s2 + s3)
-  for (long long grow = 0; grow < tot.rows; ++grow) {
-    const Part2x8 Pr = part_of_row(p.part, P, grow);
-    const int row = int(grow - Pr.row0);
-    float qs[4];
-    for (int q4 = 0; q4 < 4; ++q4) {
-      float acc = 0.f;
-      for (int sl = q4; sl < nslices; sl += 4) acc += p.partial[Pr.partial0 + (size_t)sl * kUnitRows * Pr.groups + row];
-      qs[q4] = acc;
+  for (int t = 0; t < R; ++t)
+    for (long long grow = 0; grow < tot.rows; ++grow) {
+      const Part2x8 Pr = part_of_row(p.part, P, grow);
+      const int row = int(grow - Pr.row0);
+      float qs[4];
+      for (int q4 = 0; q4 < 4; ++q4) {
+        float acc = 0.f;
+        for (int sl = q4; sl < nslices; sl += 4)
+          acc += p.partial[t * tot.floats + Pr.partial0 + (size_t)sl * kUnitRows * Pr.groups + row];
+        qs[q4] = acc;
+      }
+      float v = ((qs[0] + qs[1]) + (qs[2] + qs[3])) * f16(pr.scales[grow]);
+      if (pr.has_bias) v += f16(pr.bias[grow]);
+      if (pr.has_res) v += f16(pr.res[t * tot.rows + grow]);
+      CHECK(h16(v) == res.y[t * tot.rows + grow], "row %d, %lld: y is not the fixed-order sum of its partials", t,
+            grow);
     }
-    float v = ((qs[0] + qs[1]) + (qs[2] + qs[3])) * f16(pr.scales[grow]);
-    if (pr.has_bias) v += f16(pr.bias[grow]);
-    if (pr.has_res) v += f16(pr.res[grow]);
-    CHECK(h16(v) == res.y[grow], "row %lld: y is not the fixed-order sum of its partials", grow);
-  }
   return res;
 }
 
 // Every partial sum against float64 (error <= 1e-5 of the sum of its terms' magnitudes: a single wrong
-// lookup is ~1e-2 of it), y against float64 (fp16 output: 2e-3 relative over the vector).
+// lookup is ~1e-2 of it), y against float64 (fp16 output: 2e-3 relative over the vector), every row.
 static void check_against_reference(const Problem& pr, const Result& got, const char* what) {
-  const int G = pr.G, nslices = (G + kSlice - 1) / kSlice;
-  size_t k = 0, row0 = 0;
+  const int G = pr.G, nslices = (G + kSlice - 1) / kSlice, n = pr.rows();
+  size_t k = 0;
   double num = 0, den = 0, worst = 0;
-  for (size_t q = 0; q < pr.Ns.size(); ++q) {
-    const int N = pr.Ns[q];
-    std::vector<double> acc(N, 0.0);
-    for (int sl = 0; sl < nslices; ++sl)
+  for (int t = 0; t < pr.R; ++t) {
+    const float* x = pr.x.data() + (size_t)t * 8 * G;
+    size_t row0 = 0;
+    for (size_t q = 0; q < pr.Ns.size(); ++q) {
+      const int N = pr.Ns[q];
+      std::vector<double> acc(N, 0.0);
+      for (int sl = 0; sl < nslices; ++sl)
+        for (int row = 0; row < N; ++row) {
+          double ref = 0, mag = 1e-30;
+          for (int g = sl * kSlice; g < std::min(G, (sl + 1) * kSlice); ++g)
+            for (int m = 0; m < 2; ++m) {
+              const uint8_t c = pr.canon[q][((size_t)row * G + g) * 2 + m];
+              double tv = 0;
+              for (int d = 0; d < 8; ++d) tv += (double)f16(pr.cbh[q][(m * 256 + c) * 8 + d]) * x[8 * g + d];
+              ref += tv, mag += std::abs(tv);
+            }
+          const double e = std::abs(got.partial[k] - ref) / mag;
+          CHECK(e < 1e-5, "%s: x row %d part %zu slice %d row %d: partial %.8g, float64 %.8g", what, t, q, sl, row,
+                got.partial[k], ref);
+          worst = std::max(worst, e);
+          ++k;
+          acc[row] += ref;
+        }
       for (int row = 0; row < N; ++row) {
-        double ref = 0, mag = 1e-30;
-        for (int g = sl * kSlice; g < std::min(G, (sl + 1) * kSlice); ++g)
-          for (int m = 0; m < 2; ++m) {
-            const uint8_t c = pr.canon[q][((size_t)row * G + g) * 2 + m];
-            double t = 0;
-            for (int d = 0; d < 8; ++d) t += (double)f16(pr.cbh[q][(m * 256 + c) * 8 + d]) * pr.x[8 * g + d];
-            ref += t, mag += std::abs(t);
-          }
-        const double e = std::abs(got.partial[k] - ref) / mag;
-        CHECK(e < 1e-5, "%s: part %zu slice %d row %d: partial %.8g, float64 %.8g", what, q, sl, row, got.partial[k],
-              ref);
-        worst = std::max(worst, e);
-        ++k;
-        acc[row] += ref;
+        double ref = acc[row] * f16(pr.scales[row0 + row]);
+        if (pr.has_bias) ref += f16(pr.bias[row0 + row]);
+        if (pr.has_res) ref += f16(pr.res[(size_t)t * n + row0 + row]);
+        const double v = f16(got.y[(size_t)t * n + row0 + row]);
+        num += (v - ref) * (v - ref), den += ref * ref;
       }
-    for (int row = 0; row < N; ++row) {
-      double ref = acc[row] * f16(pr.scales[row0 + row]);
-      if (pr.has_bias) ref += f16(pr.bias[row0 + row]);
-      if (pr.has_res) ref += f16(pr.res[row0 + row]);
-      const double v = f16(got.y[row0 + row]);
-      num += (v - ref) * (v - ref), den += ref * ref;
+      row0 += N;
     }
-    row0 += N;
   }
   const double rel = std::sqrt(num / den);
   CHECK(rel < 2e-3, "%s: y rel err %.2e", what, rel);
@@ -622,6 +655,27 @@ static void run_case(std::vector<int> Ns, int G, int grid, unsigned seed) {
   CHECK(a.partial == b.partial && a.y == b.y, "packed and canonical layouts differ bitwise");
   const Result c = launch(pr, true, grid / 3 + 1);
   CHECK(a.partial == c.partial && a.y == c.y, "packed layout: grid %d and %d differ bitwise", grid, grid / 3 + 1);
+}
+
+// Batch invariance: each activation row of an R-row launch (other rows random) has exactly the bits of the
+// one-row launch of that row, outputs and gate/up activations included.
+static void run_rows_case(std::vector<int> Ns, int G, int grid, int R, bool packed, unsigned seed) {
+  const Problem pr = make_problem(Ns, G, seed, R);
+  printf("rows=%d parts=%zu N0=%d G=%d grid=%d %s\n", R, Ns.size(), Ns[0], G, grid, packed ? "packed" : "canonical");
+  const Result all = launch(pr, packed, grid);
+  check_against_reference(pr, all, "all rows");
+  const int n = pr.rows();
+  for (int t = 0; t < R; ++t) {
+    const Result one = launch(row_of(pr, t), packed, grid);
+    CHECK(std::equal(one.y.begin(), one.y.end(), all.y.begin() + (size_t)t * n), "row %d of %d: y differs bitwise", t,
+          R);
+    const size_t np = one.partial.size();
+    CHECK(std::equal(one.partial.begin(), one.partial.end(), all.partial.begin() + t * np),
+          "row %d of %d: partials differ bitwise", t, R);
+    for (int a = 0; a < 2; ++a)
+      CHECK(std::equal(one.act[a].begin(), one.act[a].end(), all.act[a].begin() + t * one.act[a].size()),
+            "row %d of %d: act %d differs bitwise", t, R, a + 1);
+  }
 }
 
 int main(int argc, char** argv) {
@@ -644,6 +698,14 @@ int main(int argc, char** argv) {
                                                 {17, 17}};
   const int grids[] = {7, 1, 264, 3, 2, 5};
   for (size_t i = 0; i < (quick ? 1 : multi.size()); ++i) run_case(multi[i], 40 + 64 * (int)i, grids[i], seed++);
+  // several activation rows: every row the one-row launch's bits (q/k/v- and gate/up-like parts, both layouts)
+  run_rows_case({100, 37, 37}, 104, 5, 3, true, seed++);
+  run_rows_case({48, 48}, 64, 3, 5, false, seed++);
+  if (!quick) {
+    run_rows_case({300}, 72, 2, 2, false, seed++);
+    run_rows_case({33, 33}, 40, 7, 16, true, seed++);
+    run_rows_case({9, 1, 20}, 8, 1000, 4, true, seed++);
+  }
   printf(fails ? "FAILED (%d)\n" : "all ok\n", fails);
   return fails != 0;
 }

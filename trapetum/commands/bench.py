@@ -69,7 +69,7 @@ def _suite(args) -> int:
     from ..eval.bench_kernels import run_all
     import json
 
-    from ..kernels.additive_gemv import bench as bench_additive, bench_table
+    from ..eval.bench_additive import bench as bench_additive, bench_table
     out = Path(args.out)
     k = run_all(str(out / "kernels"), quick=False, command=f"trapetum bench suite --out {args.out}")
     rows = bench_additive(backends=("cuda",))  # 2-bit GEMVs against cuBLAS in the same process
@@ -92,7 +92,7 @@ def _quantize(args) -> int:
     import torch
 
     from ..errors import TrapetumError
-    from ..eval.bench_e2e import SHAPES
+    from ..eval.random_model import SHAPES
     from ..eval.bench_quantize import run, work_cbk
     if args.shape not in SHAPES:
         raise TrapetumError(f"--shape: unknown shape {args.shape!r} (known: {', '.join(sorted(SHAPES))})")

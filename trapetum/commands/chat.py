@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from ..chat_template import ChatTemplateError
 from ._common import add_device, add_sampling, apply_threads, settings_from
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
@@ -51,5 +52,9 @@ def run(args) -> int:
                     sys.stdout.flush()
         except KeyboardInterrupt:
             print(" [interrupted]")
+        except ChatTemplateError as e:  # e.g. the template refuses this turn: say so, keep the conversation
+            print(f"trapetum: error: {e}", file=sys.stderr, flush=True)
+            messages.pop()
+            continue
         print(flush=True)
         messages.append({"role": "assistant", "content": "".join(answer)})

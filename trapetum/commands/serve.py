@@ -32,7 +32,13 @@ def register(subparsers) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (the page asks for it)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (the page asks for it); visible to every "
+                        "user of the machine in ps: prefer --api-key-file or TRAPETUM_API_KEY")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (its first line); TRAPETUM_API_KEY also sets it")
+    p.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
+                   help="answer requests whose Host header is NAME, besides localhost, 127.0.0.1 and ::1 on a "
+                        "loopback bind (repeatable); other Host names get 403 (DNS rebinding)")
     p.add_argument("--queue", type=_positive, default=64, metavar="N",
                    help="requests allowed to wait per engine; past it, 429 with Retry-After (default 64)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
@@ -67,14 +73,51 @@ def run(args) -> int:
                                 "or one per model")
     if not 0 <= args.port <= 65535:
         raise TrapetumError(f"--port must be in 0..65535, got {args.port}")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    api_key = _api_key(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"trapetum: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "machine can use the models", file=sys.stderr)
     specs = [ModelSpec.parse(m, d) for m, d in zip(models, devices)]
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
             raise TrapetumError(f"{s.path}: file not found")
-    serve(specs, host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.queue,
+    serve(specs, host=args.host, port=args.port, api_key=api_key, max_waiting=args.queue,
           max_body=args.max_body, log_level=args.log_level, access_log=not args.no_access_log,
-          threads=args.threads, cors_origins=args.cors_origin)
+          threads=args.threads, cors_origins=args.cors_origin, allowed_hosts=args.allowed_host)
     return 0
+
+
+MAX_KEY_FILE = 4096
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else --api-key-file, else TRAPETUM_API_KEY (settings.ServeEnv); at most one of the two options."""
+    from ..settings import ServeEnv
+
+    if args.api_key is not None and args.api_key_file is not None:
+        raise TrapetumError("give --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        print("trapetum: warning: --api-key is visible to every user of this machine (ps); prefer "
+              "--api-key-file FILE or TRAPETUM_API_KEY", file=sys.stderr)
+        key = args.api_key
+    elif args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, "rb") as f:
+                raw = f.read(MAX_KEY_FILE + 1)
+        except OSError as e:
+            raise TrapetumError(f"{args.api_key_file}: cannot read the API key file ({e.strerror or e})") from None
+        if len(raw) > MAX_KEY_FILE:
+            raise TrapetumError(f"{args.api_key_file}: larger than {MAX_KEY_FILE} bytes; expected one line, the key")
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise TrapetumError(f"{args.api_key_file}: the API key file is not UTF-8 text") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise TrapetumError(f"{args.api_key_file}: the API key file is empty")
+    else:
+        key = ServeEnv.from_env().api_key
+    if key is not None and (not key.strip() or any(c.isspace() or not c.isprintable() for c in key)
+                            or not key.isascii()):
+        raise TrapetumError("the API key must be printable ASCII without spaces")
+    return key

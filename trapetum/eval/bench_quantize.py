@@ -40,7 +40,7 @@ from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
 from ..kernels import beam_search as beam_step
 from ..models.config import ModelConfig
 from ..quant.quantize import PROJ_SUFFIXES, Recipe, quantize_to_cbk
-from .bench_e2e import SHAPES
+from .random_model import SHAPES
 
 
 def random_checkpoint(cfg: ModelConfig, device: str) -> Checkpoint:

@@ -69,6 +69,7 @@ from ..models.checkpoint import Checkpoint, LazyTensors
 from .cbk_spec import (
     DTYPES, FORMAT_NAME, HEX64, IO_CHUNK, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry, StoredTensor,
     TensorSpec, check_model, format_label, header_digest, itemsize, one_line)
+from .cbk_meta import check_generation, check_provenance, check_recipe, check_tokenizer
 from .cbk_spec import DTYPE_NAMES, FLOAT_DTYPES, QuantSpec  # noqa: F401  (re-exported: the format's public names)
 from .cbk_write import CbkWriter, write_cbk  # noqa: F401  (the writer is part of this module's API)
 
@@ -229,6 +230,10 @@ class CbkFile:
         for key in ("tokenizer", "recipe", "provenance", "generation"):
             if meta.get(key) is not None and not isinstance(meta[key], dict):
                 fail(f"{key} must be an object or null")
+        for key, check in (("tokenizer", check_tokenizer), ("recipe", check_recipe),
+                           ("provenance", check_provenance), ("generation", check_generation)):
+            if meta.get(key) is not None:
+                check(meta[key], fail)
         self.meta = meta
         # config
         if not isinstance(meta["config"], dict):
@@ -286,10 +291,8 @@ class CbkFile:
         self.tokenizer = None
         tk = meta.get("tokenizer")
         if tk is not None:
-            if not isinstance(tk.get("tokenizer_json"), str):
-                fail("tokenizer has no tokenizer_json string")
             try:
-                self.tokenizer = Tokenizer.from_dict(tk)
+                self.tokenizer = Tokenizer.from_dict(tk, source=str(self.path))
             except Exception as e:  # tokenizers raises plain Exception on a bad tokenizer.json
                 fail(f"tokenizer does not load: {one_line(e, 160)}")
         self.recipe = meta.get("recipe")
@@ -342,7 +345,8 @@ class CbkFile:
                           generation=dict(self.generation), meta=meta)
 
     def verify(self) -> list[str]:
-        """Recompute every tensor's sha256; one line per problem (empty list: the file is intact)."""
+        """Recompute every tensor's sha256, then check the contents a load would refuse (``_check_contents``); one
+        line per problem (empty list: the file is intact)."""
         problems = []
         try:
             if os.stat(self.path).st_size != self.file_bytes:
@@ -363,6 +367,32 @@ class CbkFile:
                 if h.hexdigest() != self.checksums[t.name]:
                     problems.append(f"{self.path}: tensor {t.name} ({owners.get(t.name, '?')}) checksum mismatch: "
                                     f"recorded {self.checksums[t.name][:16]}..., computed {h.hexdigest()[:16]}...")
+        if not problems:
+            problems += self._check_contents()
+        return problems
+
+    def _check_contents(self) -> list[str]:
+        """What a load would refuse after the checksums match: each quantized layer through its scheme's check
+        (params, tensor dtypes and shapes, finite codebooks), and dense float tensors finite."""
+        from ..schemes.registry import SCHEMES, scheme_of
+
+        problems = []
+        for name, layer in self.layers.items():
+            if layer.scheme not in SCHEMES or layer.scheme == "dense":
+                continue        # a scheme this build does not read: refused by name at load, not corrupt
+            try:
+                rec = self.record(name)
+                scheme_of(rec).check(rec, name)
+            except FormatError as e:
+                problems.append(f"{self.path}: {one_line(e, 200)}")
+            except Exception as e:  # noqa: BLE001 -- a scheme's check that trips on odd params is a problem too
+                problems.append(f"{self.path}: quantized layer {name} is malformed ({type(e).__name__}: "
+                                f"{one_line(e, 120)})")
+        for name in self.dense:
+            t = self.tensor(name).reshape(-1)
+            if t.is_floating_point() and not all(bool(torch.isfinite(t[i:i + IO_CHUNK]).all())
+                                                 for i in range(0, t.numel(), IO_CHUNK)):
+                problems.append(f"{self.path}: dense tensor {name} holds NaN or infinite values")
         return problems
 
     def size_breakdown(self) -> dict[str, Any]:

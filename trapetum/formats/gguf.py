@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
-from ..models.config import ModelConfig
+from ..models.config import LIMITS, ModelConfig
 from ..models.checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
 
 GGUF_MAGIC = b"GGUF"
+FP16_MAX = 65504.0
 
 # GGUF architecture -> fixed quirk flags (values read from metadata are filled in by config_from_gguf).
 GGUF_ARCHS: dict[str, dict[str, Any]] = {
@@ -184,18 +185,22 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
+        if key in meta:
+            raise FormatError(f"{where}: corrupt GGUF: metadata key {key[:80]!r} appears twice")
         meta[key] = _value(cur, cur.unpack("I"), key)
     infos = []
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.unpack("I")
-        if n_dims > 8:
-            raise FormatError(f"{where}: corrupt GGUF: tensor {name} has {n_dims} dimensions")
+        if not 1 <= n_dims <= 8:
+            raise FormatError(f"{where}: corrupt GGUF: tensor {name[:80]} has {n_dims} dimensions (1 to 8)")
         dims = [cur.unpack("Q") for _ in range(n_dims)]
+        if 0 in dims:
+            raise FormatError(f"{where}: corrupt GGUF: tensor {name[:80]} has a zero dimension {dims}")
         raw_type, offset = cur.unpack("I"), cur.unpack("Q")
         infos.append((name, dims, raw_type, offset))
     align = meta.get("general.alignment", 32)
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+    if isinstance(align, bool) or not isinstance(align, int) or not 0 < align <= 1 << 20 or align & (align - 1):
         raise FormatError(f"{where}: corrupt GGUF: general.alignment = {align!r}")
     start = -(-cur.pos // align) * align
     tensors, seen = [], set()
@@ -259,10 +264,13 @@ def _llama3_scaling(factors: np.ndarray, theta: float, rotary_dim: int, where: s
     long ones, ``1/((1-s)/factor + s)`` between, with s = (orig/wavelen - low)/(high - low) linear in
     the frequency. Two in-between points give the line; low_freq_factor = 1 as in every Llama-3.x.
     """
-    f = np.asarray(factors, dtype=np.float64)
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.size != rotary_dim // 2 or not f.size:   # before anything is sized by rotary_dim
+        raise ConfigError(f"{where}: rope_freqs has {f.size} entries, expected {rotary_dim // 2} "
+                          f"(half the rotary dimension {rotary_dim})")
+    if not np.isfinite(f).all() or (f <= 0).any():
+        raise ConfigError(f"{where}: rope_freqs holds values that are not positive finite numbers")
     freqs = theta ** (-np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
-    if f.shape != freqs.shape:
-        raise ConfigError(f"{where}: rope_freqs has {f.size} entries, expected {freqs.size}")
     factor = float(f.max())
     if factor <= 1.0 + 1e-6:
         return {}
@@ -305,23 +313,45 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     def g(key: str, kind: type = int, default: Any = None, required: bool = False):
         return _get(meta, f"{arch}.{key}", kind, where, default, required)
 
-    D = g("embedding_length", required=True)
-    L = g("block_count", required=True)
-    H = g("attention.head_count", required=True)
-    I = g("feed_forward_length", required=True)
-    Hkv = g("attention.head_count_kv", default=H)
-    if not H or not D:
-        raise ConfigError(f"{where}: {arch}.attention.head_count and embedding_length must be positive")
-    hd = g("attention.key_length", default=D // H)
-    rot = g("rope.dimension_count", default=hd)
+    def dim(key: str, limit: str, default: Any = None, required: bool = False) -> int:
+        """A count or size: a positive integer within the sane limit (checked before anything uses it)."""
+        v = g(key, default=default, required=required)
+        if v is None:
+            raise ConfigError(f"{where}: GGUF metadata has no {arch}.{key!r}")
+        if not 0 < v <= LIMITS[limit]:
+            raise ConfigError(f"{where}: GGUF metadata {arch}.{key} = {v} must be in 1..{LIMITS[limit]}")
+        return v
+
+    def real(key: str, default: float | None) -> float | None:
+        v = g(key, float, default)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"{where}: GGUF metadata {arch}.{key} = {v!r} must be a positive finite number")
+        return v
+
+    D = dim("embedding_length", "hidden_size", required=True)
+    L = dim("block_count", "num_layers", required=True)
+    if L > len(tensor_shapes):  # every block has tensors: the file bounds the count
+        raise ConfigError(f"{where}: GGUF metadata {arch}.block_count = {L}, but the file has only "
+                          f"{len(tensor_shapes)} tensors")
+    H = dim("attention.head_count", "num_heads", required=True)
+    I = dim("feed_forward_length", "intermediate_size", required=True)
+    Hkv = dim("attention.head_count_kv", "num_kv_heads", default=H)
+    hd = dim("attention.key_length", "head_dim", default=max(D // H, 1))
+    rot = dim("rope.dimension_count", "head_dim", default=hd)
+    if rot > hd:
+        raise ConfigError(f"{where}: GGUF metadata {arch}.rope.dimension_count = {rot} is larger than the head "
+                          f"dimension {hd}")
     tokens = meta.get("tokenizer.ggml.tokens")
-    V = g("vocab_size", default=len(tokens) if isinstance(tokens, list) and tokens else None)
-    if V is None and "token_embd.weight" in tensor_shapes:
+    if f"{arch}.vocab_size" in meta:
+        V = dim("vocab_size", "vocab_size")
+    elif isinstance(tokens, list) and tokens:
+        V = len(tokens)
+    elif "token_embd.weight" in tensor_shapes:
         V = tensor_shapes["token_embd.weight"][0]
-    if V is None:
+    else:
         raise ConfigError(f"{where}: cannot tell the vocabulary size (no tokens, no token_embd.weight)")
-    theta = g("rope.freq_base", float, 10000.0)
-    eps = g("attention.layer_norm_rms_epsilon", float, 1e-6)
+    theta = real("rope.freq_base", 10000.0)
+    eps = real("attention.layer_norm_rms_epsilon", 1e-6)
     name = str(meta.get("general.name") or "")
     family = q["family"]
     if arch == "llama" and "mistral" in name.lower():
@@ -333,14 +363,15 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     if kind and kind != "none":
         if kind != "linear":
             raise UnsupportedError(f"{where}: RoPE scaling type {kind!r} is not supported (linear, llama3)")
-        scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor", float, 1.0)}
+        scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", 1.0)}
     if "rope_freqs.weight" in config_tensors:
         scaling = _llama3_scaling(config_tensors["rope_freqs.weight"](), theta, rot, where) or scaling
     if "rope_factors_long.weight" in config_tensors:
         raise UnsupportedError(f"{where}: Phi-3 'longrope' RoPE scaling is not supported")
 
     # attention pattern
-    window = g("attention.sliding_window", default=None)
+    window = dim("attention.sliding_window", "max_position_embeddings") \
+        if f"{arch}.attention.sliding_window" in meta else None
     pattern = q.get("sliding_pattern")
     if pattern == "alternate":  # Gemma-2: even layers slide
         layer_types = ["sliding" if i % 2 == 0 else "full" for i in range(L)]
@@ -366,19 +397,19 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     if family in ("gemma2", "gemma3"):
         # query_pre_attn_scalar: head_dim, except the 27B models (hidden/heads), as llama.cpp does
         big = (family == "gemma2" and L == 46) or (family == "gemma3" and L == 62)
-        attn_scale = float(D // H if big else hd) ** -0.5
+        attn_scale = float(max(D // H, 1) if big else hd) ** -0.5
     attn_softcap = final_softcap = None
     if family == "gemma2":
-        attn_softcap = g("attn_logit_softcapping", float, 50.0)
-        final_softcap = g("final_logit_softcapping", float, 30.0)
+        attn_softcap = real("attn_logit_softcapping", 50.0)
+        final_softcap = real("final_logit_softcapping", 30.0)
     elif family == "gemma3":
-        final_softcap = g("final_logit_softcapping", float, None)
+        final_softcap = real("final_logit_softcapping", None)
 
     has_bias = any(k.endswith(".attn_q.bias") for k in tensor_shapes)
     cfg = ModelConfig(
         family=family, vocab_size=V, hidden_size=D, intermediate_size=I, num_layers=L, num_heads=H,
         num_kv_heads=Hkv, head_dim=hd,
-        max_position_embeddings=g("context_length", default=4096),
+        max_position_embeddings=dim("context_length", "max_position_embeddings", default=4096),
         rms_norm_eps=eps,
         hidden_act=q.get("hidden_act", "silu"),
         norm_offset=q.get("norm_offset", 0.0),
@@ -429,6 +460,11 @@ def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], tor
         a = np.asarray(a, dtype=np.float32)
         if not a.flags.writeable or not a.flags.c_contiguous:  # F32 comes back as a view of the mapped file
             a = np.array(a, dtype=np.float32, order="C")
+        # NaN weights, or weights past the fp16 range the GPU engine stores them in, make NaN logits: refused
+        # here, naming the tensor (no real checkpoint comes near: weights are within a few hundred)
+        if a.size and not float(np.abs(a).max()) <= FP16_MAX:
+            raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) holds NaN, infinite or "
+                              f"out-of-range values (beyond +-{FP16_MAX:g})")
         return torch.from_numpy(a).reshape(shape)
     return load
 

@@ -23,6 +23,12 @@ from tokenizers.models import BPE
 from ..errors import FormatError, UnsupportedError
 from ..tokenizer import Tokenizer
 
+# Bounds on the vocabulary, checked before the merges are derived (deriving costs the sum of the squared piece
+# lengths): real vocabularies have ~260k pieces at most, of a few dozen characters.
+MAX_TOKENS = 1 << 22
+MAX_PIECE_CHARS = 1024
+MAX_VOCAB_CHARS = 64 << 20
+
 # llama.cpp token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -149,17 +155,25 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> Tokenizer:
     arch = meta.get("general.architecture")
     model = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:16]):
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
         raise FormatError(f"{where}: tokenizer.ggml.tokens is missing or not a list of strings")
+    if len(tokens) > MAX_TOKENS:
+        raise FormatError(f"{where}: tokenizer.ggml.tokens has {len(tokens)} tokens, past the limit of {MAX_TOKENS}")
+    longest = max(map(len, tokens))
+    if longest > MAX_PIECE_CHARS or sum(map(len, tokens)) > MAX_VOCAB_CHARS:
+        raise FormatError(f"{where}: tokenizer.ggml.tokens holds a piece of {longest} characters or more than "
+                          f"{MAX_VOCAB_CHARS} characters in all (limits {MAX_PIECE_CHARS} and {MAX_VOCAB_CHARS})")
     types = meta.get("tokenizer.ggml.token_type") or []
-    if types and len(types) != len(tokens):
+    if not isinstance(types, list) or (types and len(types) != len(tokens)):
         raise FormatError(f"{where}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in types):
+        raise FormatError(f"{where}: tokenizer.ggml.token_type must be a list of integers")
 
     def special(key: str) -> str | None:
         i = meta.get(f"tokenizer.ggml.{key}_token_id")
         if i is None:
             return None
-        if not isinstance(i, int) or not 0 <= i < len(tokens):
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokens):
             raise FormatError(f"{where}: tokenizer.ggml.{key}_token_id = {i!r} is outside the vocabulary")
         return tokens[i]
 
@@ -169,14 +183,16 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> Tokenizer:
 
     if model == "gpt2":
         merges = meta.get("tokenizer.ggml.merges")
-        if not isinstance(merges, list):
-            raise FormatError(f"{where}: byte-level (gpt2) vocabulary without tokenizer.ggml.merges")
+        if not isinstance(merges, list) or not all(isinstance(m, str) and m.count(" ") == 1 for m in merges):
+            raise FormatError(f"{where}: byte-level (gpt2) vocabulary without tokenizer.ggml.merges (a list of "
+                              "'left right' strings)")
         tk = _byte_level(tokens, merges, meta.get("tokenizer.ggml.pre"))
         add_bos = bool(add_bos)
     elif model == "llama":
         scores = meta.get("tokenizer.ggml.scores")
         gemma = str(arch).startswith("gemma")
-        if not gemma and (not isinstance(scores, list) or len(scores) != len(tokens)):
+        if not gemma and (not isinstance(scores, list) or len(scores) != len(tokens)
+                          or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores)):
             raise FormatError(f"{where}: SentencePiece (llama) vocabulary without one score per token")
         prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True)) and not gemma
         tk = _sentencepiece(tokens, scores, gemma, prefix, unk, phi3=arch == "phi3")
@@ -219,6 +235,7 @@ def tokenizer_from_gguf(meta: dict[str, Any], where: str) -> Tokenizer:
             eos_tokens.append(t)
     extra = {k: v for k, v in (("unk_token", unk), ("pad_token", pad)) if v is not None}
     template = meta.get("tokenizer.chat_template")
-    return Tokenizer(tk, bos_token=bos, eos_tokens=eos_tokens,
-                     chat_template=template if isinstance(template, str) and template else None,
-                     extra_special=extra)
+    if template is not None and not isinstance(template, str):
+        raise FormatError(f"{where}: tokenizer.chat_template must be a string")
+    return Tokenizer(tk, bos_token=bos, eos_tokens=eos_tokens, chat_template=template or None,
+                     extra_special=extra, source=where)

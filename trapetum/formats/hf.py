@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from ..errors import FormatError
+from ..jsondepth import MAX_DEPTH, nesting_depth
 from ..models.families import config_from_hf, split_fused
 from ..tokenizer import Tokenizer
 from ..models.checkpoint import Checkpoint, LazyTensors
@@ -21,19 +22,56 @@ from ..models.checkpoint import Checkpoint, LazyTensors
 # Prefixes under which multimodal / wrapped checkpoints keep the text decoder.
 PREFIXES = ("language_model.model.", "model.language_model.", "language_model.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+MAX_JSON_BYTES = 64 << 20       # config.json, tokenizer_config.json, index files: far below this
+MAX_TEMPLATE_BYTES = 1 << 20    # a chat template (the largest real ones are ~20 KB)
+
+
+def _read_text(path: Path, limit: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except FileNotFoundError:
+        raise FormatError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise FormatError(f"{path}: is a directory, not a file") from None
+    except OSError as e:
+        raise FormatError(f"{path}: cannot read ({e.strerror or e})") from None
+    if len(raw) > limit:
+        raise FormatError(f"{path}: larger than the {limit >> 20} MiB this reader accepts")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    text = _read_text(path, MAX_JSON_BYTES)
+    if nesting_depth(text) > MAX_DEPTH:
+        raise FormatError(f"{path}: JSON nested more than {MAX_DEPTH} levels deep")
     try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"{path}: file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON ({e})") from None
+        d = json.loads(text)
+    except ValueError as e:     # JSONDecodeError, and integers with too many digits
+        raise FormatError(f"{path}: not valid JSON ({' '.join(str(e).split())[:120]})") from None
     if not isinstance(d, dict):
         raise FormatError(f"{path}: expected a JSON object")
     return d
+
+
+def chat_template_of(tc: dict[str, Any], where: Path) -> str | None:
+    """The ``chat_template`` of a tokenizer_config.json: a string, or a list of {"name", "template"} objects
+    (named templates: the one named "default"); FormatError naming the field for anything else."""
+    t = tc.get("chat_template")
+    if t is None or isinstance(t, str):
+        return t or None
+    if isinstance(t, list):
+        for i, entry in enumerate(t):
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) \
+                    or not isinstance(entry.get("template"), str):
+                raise FormatError(f"{where}: chat_template[{i}] must be an object with string 'name' and "
+                                  "'template'")
+        return next((e["template"] for e in t if e["name"] == "default"), None)
+    raise FormatError(f"{where}: chat_template must be a string or a list of named templates, "
+                      f"not {type(t).__name__}")
 
 
 def canonical_name(name: str) -> str | None:
@@ -77,28 +115,35 @@ def read_tokenizer(d: Path, gen: dict[str, Any]) -> Tokenizer | None:
         tk = HFTokenizer.from_file(str(tj))
     except Exception as e:  # tokenizers raises its own Exception type
         raise FormatError(f"{tj}: cannot parse tokenizer ({e})") from None
-    tc = read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
+    tcp = d / "tokenizer_config.json"
+    tc = read_json(tcp) if tcp.exists() else {}
 
-    def tok_str(v: Any) -> str | None:
+    def tok_str(key: str) -> str | None:
+        v = tc.get(key)
         if isinstance(v, dict):
-            return v.get("content")
-        return v if isinstance(v, str) else None
+            v = v.get("content")
+        if v is not None and not isinstance(v, str):
+            raise FormatError(f"{tcp}: {key} must be a string or an object with a string 'content'")
+        return v
 
-    template = tc.get("chat_template")
-    if isinstance(template, list):  # named templates: take "default"
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    template = chat_template_of(tc, tcp)
     jinja = d / "chat_template.jinja"
     if template is None and jinja.exists():
-        template = jinja.read_text(encoding="utf-8")
-    eos = [tok_str(tc.get("eos_token"))]
+        template = _read_text(jinja, MAX_TEMPLATE_BYTES) or None
+    if template is not None and len(template) > MAX_TEMPLATE_BYTES:
+        raise FormatError(f"{tcp}: chat_template is longer than {MAX_TEMPLATE_BYTES} characters")
+    eos = [tok_str("eos_token")]
     ids = gen.get("eos_token_id")
     for i in (ids if isinstance(ids, list) else [ids] if ids is not None else []):
-        t = tk.id_to_token(int(i))
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise FormatError(f"{d / 'generation_config.json'}: eos_token_id must be an integer or a list of "
+                              f"integers, got {' '.join(str(i).split())[:40]!r}")
+        t = tk.id_to_token(i) if 0 <= i < 1 << 32 else None
         if t is not None:
             eos.append(t)
-    extra = {k: tok_str(tc.get(k)) for k in ("unk_token", "pad_token") if tok_str(tc.get(k))}
-    return Tokenizer(tk, bos_token=tok_str(tc.get("bos_token")), eos_tokens=[e for e in dict.fromkeys(eos) if e],
-                     chat_template=template, extra_special=extra)
+    extra = {k: v for k in ("unk_token", "pad_token") if (v := tok_str(k))}
+    return Tokenizer(tk, bos_token=tok_str("bos_token"), eos_tokens=[e for e in dict.fromkeys(eos) if e],
+                     chat_template=template, extra_special=extra, source=str(d))
 
 
 _tokenizer = read_tokenizer  # the old name, still imported by tests/aqlm_helpers.py

@@ -23,9 +23,9 @@ Ties inside the Triton kernel go to the lower index. Deterministic: no atomics, 
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .triton_util import triton_ok
 
 try:
     import triton
@@ -77,7 +77,7 @@ def candidates_reference(v, h, C, cand):
 
 
 def use_triton(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1")
+    return triton_ok(device)
 
 
 if triton is not None:

@@ -1,16 +1,16 @@
 """The package's CUDA C++ kernels, compiled on first use into one torch extension (cached by torch
 under ~/.cache/torch_extensions, rebuilt when a source changes).
 
-Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on
-tensor cores, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16
-path); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+, TRAPETUM_PDL=0 turns it off);
-``act.cuh`` holds the gated activations of the fused gate/up epilogues. Every torch launcher takes a ``pdl``
-argument (``KernelOptions.pdl_cuda``).
+Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on tensor cores for
+1..16 activation rows, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16 path, 1..16
+rows); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+) and ``act.cuh`` (the gated activations of
+the fused gate/up epilogues). The decode launchers take a ``pdl`` argument (``KernelOptions.pdl_cuda``); the
+prefill dequantization is launched without PDL.
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
 False without CUDA, below compute capability 8.0, or with kernel options whose ``cuda`` is off; callers then fall back to
-Triton or torch/cuBLAS. A build failure is reported once as a warning and remembered (``error()``). ``Extension`` is the one loader:
-other extensions (the 2-bit GEMVs, experiments) are ``Extension`` objects of their own, so that a failure
-in one leaves the others alone.
+Triton or torch. A build failure is reported once as a warning and remembered (``error()``). ``Extension`` is the one loader:
+other extensions (the 2-bit GEMVs, experiments under ``cuda/experimental``) are ``Extension`` objects of their own, so
+that the production build does not compile them and a failure in one leaves the others alone.
 """
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
 HEADERS = ("pdl.cuh", "act.cuh")  # included by the sources (programmatic dependent launch, epilogue activations)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
-                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant);
+                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl);
 void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);
 void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tensor y, int64_t epi,
-                int64_t has_res, int64_t f);
+                int64_t has_res, int64_t f, int64_t pdl);
 """
 _FUNCTIONS = ["cb_gemv_mma", "cb_dequant4", "dense_gemv"]
 

@@ -1,33 +1,28 @@
 """Codebook dequantization to a dense fp16 weight, for tensor-core prefill.
 
-W[r, c] = codebook[r, idx(r, c)] with the canonical packed layout (``trapetum.quant.pack``).
+W[r, c] = codebook[r, idx(r, c)] with the canonical packed layout (``trapetum.kernels.pack``).
 The torch reference (``trapetum.kernels.codebook_gemv.dequantize``) unpacks to int64 indices and
 gathers: about 20 bytes of memory traffic per weight. The Triton kernel reads the packed byte
 once and writes the fp16 weight: 2.5 bytes per weight at 4 bits; the row's codebook (32 bytes at
 4 bits) stays in L1. On CUDA with the tensor-core extension, 4-bit rows whose byte count is a
 multiple of 16 go to its ``cb_dequant4`` kernel instead (byte-permute lookups from registers,
-16-byte loads and stores); TRAPETUM_TC=0 keeps them on Triton.
+16-byte loads and stores; launched without PDL: a prefill kernel); kernel options with ``cuda`` off keep them on
+Triton. Every path writes exactly the reference's values (a gather of fp16 centroids: no arithmetic).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..settings import DEFAULT_KERNELS, KernelOptions
 from . import cuda_ext
 from .codebook_gemv import dequantize as dequantize_reference
-
-try:  # Triton is optional on CPU-only installs
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
+from .triton_util import HAVE_TRITON, triton_ok
 
 BITS = (2, 4, 8)
 
-
-if triton is not None:
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def _dequant_kernel(codes_ptr, cb_ptr, w_ptr, N, K, KB, stride_c, stride_cb, stride_w,
@@ -47,16 +42,11 @@ if triton is not None:
             tl.store(w_ptr + r[:, None] * stride_w + col[None, :], v, mask=m)
 
 
-def _use_triton(device: torch.device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int,
-               *, out: torch.Tensor | None = None) -> torch.Tensor:
+               *, out: torch.Tensor | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """Dense fp16 W [out, in_features] from packed codes uint8 [out, ceil(in*bits/8)] and codebook
-    fp16 [out, 2**bits]. Triton on CUDA (or under TRITON_INTERPRET=1), torch otherwise."""
+    fp16 [out, 2**bits]: the CUDA kernel (4-bit, see the module docstring), else Triton on CUDA (or under
+    TRITON_INTERPRET=1), else torch."""
     if bits not in BITS:
         raise ValueError(f"bits: must be one of {BITS}, got {bits!r}")
     if codes.dtype != torch.uint8 or codes.dim() != 2:
@@ -73,11 +63,11 @@ def dequantize(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_featur
     codes = codes.contiguous()
     codebook = codebook.contiguous()
     if bits == 4 and kb % 16 == 0 and codes.is_cuda and out.is_contiguous() and in_features == 2 * kb:
-        ext = cuda_ext.ready(codes.device)
+        ext = cuda_ext.ready(codes.device, kopts)
         if ext is not None:  # CUDA kernel: byte-permute lookups, 16-byte loads and stores
             ext.cb_dequant4(codes, codebook, out)
             return out
-    if not _use_triton(codes.device):
+    if not triton_ok(codes.device):
         return out.copy_(dequantize_reference(codes, codebook, bits, in_features))
     BLOCK_R, BLOCK_B = 16, 64
     grid = (triton.cdiv(n, BLOCK_R), triton.cdiv(kb, BLOCK_B))

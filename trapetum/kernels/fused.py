@@ -7,31 +7,22 @@
                                             k and v written into the caches at positions pos..pos+T-1,
                                             in one launch. Partial rotary: rot_dim = 2 * cos.shape[1].
   act_mul(gate, up, act)                    act(gate) * up, act = "silu" | "gelu_tanh".
-The k rotation + append of one head is a @triton.jit helper (rope_append_kv) shared with the decode step's
-fused attention kernel (attention.decode_attention_fused), so both write the same bits into the cache.
+The k rotation + append of one head is a @triton.jit helper (rope_append_kv) shared with the fused attention
+kernel (attention.attention_rows / decode_attention_fused), so both write the same bits into the cache.
 Cache layout: [Hkv, T_max, D] (as decode_attention). `pos` may be an int or a one-element int
 CUDA tensor (graph-capturable).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
+from ..settings import DEFAULT_KERNELS, KernelOptions
+from . import pdl
+from .triton_util import HAVE_TRITON, triton_ok
+
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-except Exception:  # pragma: no cover
-    triton = None
-    tl = None
-
-from . import pdl
-
-
-def _use_triton(device) -> bool:
-    if triton is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- references
@@ -77,7 +68,7 @@ def act_mul_reference(gate, up, act="silu"):
 
 
 # ----------------------------------------------------------------------------- kernels
-if triton is not None:
+if HAVE_TRITON:
 
     @triton.jit
     def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, offset, BLOCK: tl.constexpr,
@@ -159,9 +150,9 @@ if triton is not None:
 
 # ----------------------------------------------------------------------------- wrappers
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., N] (fp16, or fp32 for a residual stream kept in fp32)
-    with weight [N] (fp16/fp32). Returns fp16."""
+    with weight [N] (fp16/fp32). Returns fp16. kopts: the PDL choice of the launch."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.float32) or x.dim() < 1:
         raise ValueError("x: expected a float16 or float32 tensor [..., N]")
     n = x.shape[-1]
@@ -173,12 +164,13 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float 
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=torch.float16, device=x.device) if out is None else out.view(-1, n)
-    if not _use_triton(x.device):
+    if not triton_ok(x.device):
         y.copy_(rmsnorm_reference(x2, weight, eps, offset))
         return y.view(x.shape)
     block = min(4096, triton.next_power_of_2(n))
     _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), float(eps), float(offset),
-                                    BLOCK=block, num_warps=4 if block <= 1024 else 8, **pdl.launch_kwargs(x.device))
+                                    BLOCK=block, num_warps=4 if block <= 1024 else 8,
+                                    **pdl.launch_kwargs(x.device, kopts))
     return y.view(x.shape)
 
 
@@ -213,18 +205,19 @@ def check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin) -> tuple:
 
 
 def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   v_cache: torch.Tensor, pos, cos: torch.Tensor, sin: torch.Tensor, *,
+                   kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """Rotate q in place and k into k_cache[:, pos + t], copy v into v_cache[:, pos + t]; one launch.
 
     q [T, Hq, D] or [Hq, D]; k, v [T, Hkv, D] or [Hkv, D] (views with a contiguous last dim are fine,
     e.g. slices of a fused qkv output); caches [Hkv, T_max, D]; cos/sin fp32 [max_pos, rot/2].
-    Returns q.
+    kopts: the PDL choice of the launch. Returns q.
     """
     q3, k3, v3 = check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin)
     T, hq, d = q3.shape
     hkv = k3.shape[1]
     half = cos.shape[1]
-    if not _use_triton(q.device):
+    if not triton_ok(q.device):
         p0 = int(pos)
         positions = torch.arange(p0, p0 + T, device=q.device)
         q3.copy_(rope_reference(q3, positions, cos, sin))
@@ -238,7 +231,7 @@ def rope_kv_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                                    v3.stride(0), v3.stride(1), k_cache.stride(0), k_cache.stride(1),
                                    v_cache.stride(0), v_cache.stride(1), POS_PTR=is_t,
                                    BLOCK_H=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
-                                   num_warps=1, **pdl.launch_kwargs(q.device))
+                                   num_warps=1, **pdl.launch_kwargs(q.device, kopts))
     return q
 
 
@@ -258,7 +251,7 @@ def act_mul(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", *, out: tor
     if u2.stride(-1) != 1:
         u2 = u2.contiguous()
     y = torch.empty(g2.shape, dtype=torch.float16, device=gate.device) if out is None else out.view(-1, f)
-    if not _use_triton(gate.device):
+    if not triton_ok(gate.device):
         y.copy_(act_mul_reference(g2, u2, act))
         return y.view(gate.shape)
     block = min(1024, triton.next_power_of_2(f))

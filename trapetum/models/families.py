@@ -9,7 +9,7 @@ import math
 from typing import Any, Callable
 
 from ..errors import ConfigError, UnsupportedError
-from .config import ModelConfig
+from .config import LIMITS, ModelConfig
 
 # HF model_type -> quirk flags that are fixed for the family (the rest is read from config.json).
 FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
@@ -17,9 +17,9 @@ FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
     "mistral": {"all_sliding": True},
     "qwen2": {"qkv_bias": True},
     "gemma2": {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True, "sandwich_norms": True,
-               "tie_default": True, "sliding_pattern": "alternate"},
+               "tie_default": True, "sliding_pattern": "alternate", "fp16_overflow": True},
     "gemma3_text": {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True, "sandwich_norms": True,
-                    "qk_norm": True, "tie_default": True, "sliding_pattern": "every_n"},
+                    "qk_norm": True, "tie_default": True, "sliding_pattern": "every_n", "fp16_overflow": True},
     "phi3": {"fused": True},
 }
 ALIASES = {"gemma3": "gemma3_text"}
@@ -34,34 +34,78 @@ def _layer_type(t: str) -> str:
             "chunked_attention": "full"}.get(t, t)
 
 
+def _show(v: Any) -> str:
+    return " ".join(repr(v).split())[:60]
+
+
+def _int(cfg: dict[str, Any], key: str, where: str, default: Any = None) -> Any:
+    """An integer field (an integral float such as 4096.0 is taken as one); absent or null: ``default``, and 0
+    too when there is a default (config.json's ``x or default`` convention)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(f"{where}: {key} must be an integer, got {_show(v)}")
+    return default if v == 0 and default is not None else v
+
+
+def _num(d: dict[str, Any], key: str, where: str, default: Any = None, prefix: str = "") -> Any:
+    """A finite number field; null or absent: ``default``."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{where}: {prefix}{key} must be a finite number, got {_show(v)}")
+    return float(v)
+
+
+def _obj(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    v = d.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ConfigError(f"{where}: {key} must be an object or null, got {_show(v)}")
+    return v
+
+
 def _rope(cfg: dict[str, Any], where: str) -> tuple[float, dict | None, float | None, float]:
     """(theta, scaling dict or None, local theta or None, partial rotary factor) from either
     the classic keys (rope_theta, rope_scaling) or transformers 5's ``rope_parameters``."""
-    partial = float(cfg.get("partial_rotary_factor") or 1.0)
-    params = cfg.get("rope_parameters")
-    local = cfg.get("rope_local_base_freq")
-    if isinstance(params, dict) and params:
+    partial = _num(cfg, "partial_rotary_factor", where) or 1.0
+    params = _obj(cfg, "rope_parameters", where)
+    local = _num(cfg, "rope_local_base_freq", where)
+    if params:
         if "full_attention" in params or "sliding_attention" in params:
-            full = params.get("full_attention") or {}
-            slide = params.get("sliding_attention") or {}
+            full = _obj(params, "full_attention", where)
+            slide = _obj(params, "sliding_attention", where)
             if slide:
-                local = slide.get("rope_theta", local)
+                local = _num(slide, "rope_theta", where, local, "rope_parameters.sliding_attention.")
             params = full
-        theta = float(params.get("rope_theta", cfg.get("rope_theta") or 10000.0))
-        partial = float(params.get("partial_rotary_factor") or partial)
+        theta = _num(params, "rope_theta", where, None, "rope_parameters.") or _num(cfg, "rope_theta", where) \
+            or 10000.0
+        partial = _num(params, "partial_rotary_factor", where, None, "rope_parameters.") or partial
         scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")}
     else:
-        theta = float(cfg.get("rope_theta") or 10000.0)
-        scaling = dict(cfg.get("rope_scaling") or {})
+        theta = _num(cfg, "rope_theta", where) or 10000.0
+        scaling = dict(_obj(cfg, "rope_scaling", where))
     if scaling:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         scaling["rope_type"] = kind
         scaling.pop("type", None)
         if kind == "default":
             scaling = {}
-        elif kind not in ("linear", "llama3"):
-            raise UnsupportedError(f"{where}: RoPE scaling type {kind!r} is not supported (linear, llama3)")
-    return theta, (scaling or None), (float(local) if local else None), partial
+        elif not isinstance(kind, str) or kind not in ("linear", "llama3"):
+            raise UnsupportedError(f"{where}: RoPE scaling type {_show(kind)} is not supported (linear, llama3)")
+    return theta, (scaling or None), (local or None), partial
+
+
+def overflows_fp16(cfg: ModelConfig) -> bool:
+    """True for families whose activations can overflow fp16 in a plain torch forward (Gemma): the reference
+    decoder on CUDA runs them in bf16 (the engine's kernels accumulate in fp32 and are unaffected)."""
+    fam = {"gemma3": "gemma3_text"}.get(cfg.family, cfg.family)
+    return bool(FAMILY_QUIRKS.get(fam, {}).get("fp16_overflow"))
 
 
 def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
@@ -76,32 +120,38 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         raise UnsupportedError(f"{where}: unknown architecture model_type={cfg.get('model_type')!r} "
                                f"architectures={archs!r} (supported: {', '.join(sorted(FAMILY_QUIRKS))})")
     q = FAMILY_QUIRKS[mt]
-    try:
-        D = int(cfg["hidden_size"])
-        H = int(cfg["num_attention_heads"])
-        L = int(cfg["num_hidden_layers"])
-        I = int(cfg["intermediate_size"])
-        V = int(cfg["vocab_size"])
-    except KeyError as e:
-        raise ConfigError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{where}: bad value: {e}") from None
-    Hkv = int(cfg.get("num_key_value_heads") or H)
-    hd = int(cfg.get("head_dim") or (D // H if H else 0))
+    need = {"hidden_size": "D", "num_attention_heads": "H", "num_hidden_layers": "L", "intermediate_size": "I",
+            "vocab_size": "V"}
+    for key in need:
+        if key not in cfg:
+            raise ConfigError(f"{where}: missing field {key!r}")
+    D, H, L, I, V = (_int(cfg, key, where) for key in need)
+    for key, v in zip(need, (D, H, L, I, V)):
+        if not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"{where}: {key} must be a positive integer, got {_show(v)}")
+    if L > LIMITS["num_layers"]:     # before anything is sized by it
+        raise ConfigError(f"{where}: num_hidden_layers = {L} is past the limit of {LIMITS['num_layers']}")
+    Hkv = _int(cfg, "num_key_value_heads", where, H)
+    hd = _int(cfg, "head_dim", where, D // H)
     theta, scaling, local_theta, partial = _rope(cfg, where)
 
-    window = cfg.get("sliding_window")
-    layer_types = [_layer_type(t) for t in (cfg.get("layer_types") or [])]
+    window = _int(cfg, "sliding_window", where)
+    raw_types = cfg.get("layer_types") or []
+    if not isinstance(raw_types, list) or not all(isinstance(t, str) for t in raw_types):
+        raise ConfigError(f"{where}: layer_types must be a list of strings")
+    layer_types = [_layer_type(t) for t in raw_types]
     if not layer_types:
         if q.get("all_sliding") and window:
             layer_types = ["sliding"] * L
         elif q.get("sliding_pattern") == "alternate":
             layer_types = ["sliding" if i % 2 == 0 else "full" for i in range(L)]
         elif q.get("sliding_pattern") == "every_n":
-            n = int(cfg.get("sliding_window_pattern") or 6)
+            n = _int(cfg, "sliding_window_pattern", where, 6)
+            if n <= 0:
+                raise ConfigError(f"{where}: sliding_window_pattern must be positive, got {n}")
             layer_types = ["sliding" if (i + 1) % n else "full" for i in range(L)]
         elif mt == "qwen2" and cfg.get("use_sliding_window") and window:
-            mwl = int(cfg.get("max_window_layers") or L)
+            mwl = _int(cfg, "max_window_layers", where, L)
             layer_types = ["sliding" if i >= mwl else "full" for i in range(L)]
         elif mt == "phi3" and window:
             layer_types = ["sliding"] * L
@@ -111,18 +161,27 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         window = None
 
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if not isinstance(act, str):
+        raise ConfigError(f"{where}: hidden_act must be a string, got {_show(act)}")
     act = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "silu": "silu", "swish": "silu"}.get(act, act)
     if q.get("hidden_act"):
         act = {"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act)
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ConfigError(f"{where}: {key} must be true or false, got {_show(cfg[key])}")
+    qpas = _num(cfg, "query_pre_attn_scalar", where)
+    if qpas is not None and qpas < 0:
+        raise ConfigError(f"{where}: query_pre_attn_scalar must be positive, got {qpas:g}")
+    attn_cap = _num(cfg, "attn_logit_softcapping", where)
+    final_cap = _num(cfg, "final_logit_softcapping", where)
     attn_bias = bool(cfg.get("attention_bias") or False)
     qkv_bias = bool(q.get("qkv_bias") or attn_bias)
-    qpas = cfg.get("query_pre_attn_scalar")
     mc = ModelConfig(
         family=mt.replace("_text", ""),
         vocab_size=V, hidden_size=D, intermediate_size=I, num_layers=L, num_heads=H, num_kv_heads=Hkv,
         head_dim=hd,
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
-        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", where, 4096),
+        rms_norm_eps=_num(cfg, "rms_norm_eps", where) or 1e-6,
         hidden_act=act,
         norm_offset=float(q.get("norm_offset", 0.0)),
         embed_scale=math.sqrt(D) if q.get("scale_embed") else None,
@@ -132,10 +191,10 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         mlp_bias=bool(cfg.get("mlp_bias") or False),
         qk_norm=bool(q.get("qk_norm", False)),
         sandwich_norms=bool(q.get("sandwich_norms", False)),
-        attn_softcap=cfg.get("attn_logit_softcapping") if mt == "gemma2" else None,
-        final_softcap=cfg.get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
-        attn_scale=float(qpas) ** -0.5 if qpas else None,
-        sliding_window=int(window) if window else None,
+        attn_softcap=attn_cap if mt == "gemma2" else None,
+        final_softcap=final_cap if mt in ("gemma2", "gemma3_text") else None,
+        attn_scale=qpas ** -0.5 if qpas else None,
+        sliding_window=window or None,
         layer_types=layer_types,
         rope_theta=theta,
         rope_local_theta=local_theta if mt == "gemma3_text" else None,

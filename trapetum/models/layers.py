@@ -1,8 +1,8 @@
-"""Building blocks of the decoder: dense projection, embedding, RMSNorm, rotary embedding.
+"""Reference building blocks of the decoder: RMSNorm, rotary embedding, activations.
 
-These are the CPU/torch reference forms. A quantized projection replaces ``Linear`` with a
-module that has the same interface (``in_features``, ``out_features``, ``bias``, ``forward``,
-``dequantize``); model code never asks which one it holds.
+Projections and embedding tables are the stored weight schemes' reference modules (``trapetum.schemes``: the
+dense ``Linear`` / ``Embedding``, codebook, AQLM, RTN); they share one interface (``in_features``,
+``out_features``, ``bias``, ``forward``, ``dequantize``), so model code never asks which one it holds.
 """
 from __future__ import annotations
 
@@ -14,38 +14,6 @@ from torch import nn
 
 from ..errors import UnsupportedError
 from .config import ModelConfig
-
-
-class Linear(nn.Module):
-    """Dense projection y = x W^T + b with W [out_features, in_features]."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.data
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, dtype={self.weight.dtype}"
-
-
-class Embedding(nn.Module):
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.num_embeddings, self.embedding_dim = weight.shape
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.data
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Additive (AQLM-style) codebooks: the ``AdditiveLinear`` module and our own quantizer.
+"""Additive (AQLM-style) codebooks: our own quantizer (the scheme itself, ``AdditiveLinear``, is schemes/aqlm.py).
 
 Layout (the Hugging Face AQLM layout, kept byte for byte in ``.cbk`` records of scheme "aqlm")::
 
@@ -34,19 +34,15 @@ the same objective as the scalar codebooks, see ``kmeans.py``)::
 """
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from ..errors import FormatError
 from ..kernels import beam_search as beam_step
+from ..schemes.aqlm import AdditiveLinear
 from ..schemes.record import QuantRecord
 
-__all__ = ["AdditiveLinear", "AdditiveResult", "quantize_additive", "build_linear", "dequantize_aqlm",
+__all__ = ["AdditiveResult", "quantize_additive", "dequantize_aqlm",
            "codes_to_index", "index_to_codes", "SCHEMES"]
 
 # scheme name (CLI) -> (num_codebooks, nbits)
@@ -54,136 +50,8 @@ SCHEMES = {"aqlm-2x8": (2, 8), "aqlm-1x16": (1, 16)}
 
 
 # ----------------------------------------------------------------------------- layout helpers
-def codes_to_index(codes: torch.Tensor, nbits: int) -> torch.Tensor:
-    """Stored signed codes -> indices 0 .. 2**nbits - 1 (int64)."""
-    return codes.to(torch.int64) % (1 << nbits)
-
-
-def index_to_codes(idx: torch.Tensor, nbits: int) -> torch.Tensor:
-    """Indices 0 .. 2**nbits - 1 -> stored signed codes (int8 for nbits <= 8, else int16), as AQLM packs them."""
-    idx = idx.to(torch.int64)
-    half = 1 << (nbits - 1)
-    signed = torch.where(idx >= half, idx - (1 << nbits), idx)
-    return signed.to(torch.int8 if nbits <= 8 else torch.int16)
-
-
-def dequantize_aqlm(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W [out, in] in ``dtype``: codebook entries summed in float32 (float64 if dtype is float64),
-    times the scale, then cast. codes [OG, IG, M]; codebooks [M, K, og, ig]; scales [OG, 1, 1, 1]."""
-    M, K, og, ig = codebooks.shape
-    OG, IG, _ = codes.shape
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    idx = codes_to_index(codes, int(math.log2(K)))  # [OG, IG, M]
-    flat = codebooks.to(acc).reshape(M * K, og * ig)
-    offs = torch.arange(M, device=codes.device) * K
-    w = flat[(idx + offs).reshape(-1)].view(OG, IG, M, og * ig).sum(2)  # [OG, IG, og*ig]
-    w = w.view(OG, IG, og, ig) * scales.to(acc).view(OG, 1, 1, 1)
-    return w.permute(0, 2, 1, 3).reshape(OG * og, IG * ig).to(dtype)
-
-
-# ----------------------------------------------------------------------------- the module
-class AdditiveLinear(nn.Module):
-    """y = x W^T + b with W from additive codebooks (see the module docstring for the layout)."""
-
-    def __init__(self, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None):
-        super().__init__()
-        M, K, og, ig = codebooks.shape
-        self.num_codebooks, self.nbits = int(M), int(K).bit_length() - 1
-        self.out_group_size, self.in_group_size = int(og), int(ig)
-        self.out_features = int(codes.shape[0]) * self.out_group_size
-        self.in_features = int(codes.shape[1]) * self.in_group_size
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("codebooks", codebooks.contiguous())
-        self.register_buffer("scales", scales.contiguous())
-        self.register_buffer("bias", None if bias is None else bias.contiguous())
-
-    @property
-    def params(self) -> dict[str, int]:
-        return {"num_codebooks": self.num_codebooks, "nbits": self.nbits,
-                "in_group_size": self.in_group_size, "out_group_size": self.out_group_size}
-
-    def to_record(self) -> QuantRecord:
-        return QuantRecord("aqlm", (self.out_features, self.in_features), self.params,
-                           {"codes": self.codes.cpu(), "codebooks": self.codebooks.cpu(), "scales": self.scales.cpu()},
-                           None if self.bias is None else self.bias.cpu())
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The exact weight this module multiplies by, [out, in]."""
-        return dequantize_aqlm(self.codes, self.codebooks, self.scales, dtype)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.dequantize(torch.float32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and os.environ.get("TRAPETUM_KERNELS", "1") != "0" and self.out_group_size == 1:
-            from ..kernels import additive_gemv
-
-            y = additive_gemv.additive_linear(x, self.codes, self.codebooks, self.scales, self.bias)
-            if y is not None:
-                return y
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), b)  # reference path: dequantize, then matmul
-
-    def storage_bytes(self) -> int:
-        ts = [self.codes, self.codebooks, self.scales] + ([] if self.bias is None else [self.bias])
-        return sum(t.numel() * t.element_size() for t in ts)
-
-    def bits_per_weight(self) -> float:
-        n = sum(t.numel() * t.element_size() * 8 for t in (self.codes, self.codebooks, self.scales))
-        return n / (self.out_features * self.in_features)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.num_codebooks}x{self.nbits}, groups={self.out_group_size}x{self.in_group_size}, "
-                f"bias={self.bias is not None}")
-
-
-def _fail(name: str, msg: str) -> None:
-    raise FormatError(f"quantized tensor {name}: {msg}")
-
-
-def build_linear(record: QuantRecord, name: str = "?") -> AdditiveLinear:
-    """QuantRecord of scheme "aqlm" -> AdditiveLinear; FormatError on any inconsistency."""
-    p = record.params if isinstance(record.params, dict) else {}
-    vals = {}
-    for k in ("num_codebooks", "nbits", "in_group_size", "out_group_size"):
-        v = p.get(k)
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 < v <= 64:
-            _fail(name, f"aqlm parameter {k} must be a small positive integer, got {v!r}")
-        vals[k] = v
-    M, nb, ig, og = vals["num_codebooks"], vals["nbits"], vals["in_group_size"], vals["out_group_size"]
-    if nb > 16:
-        _fail(name, f"aqlm nbits must be at most 16, got {nb}")
-    shape = record.shape
-    if not (isinstance(shape, (tuple, list)) and len(shape) == 2 and all(isinstance(s, int) and s > 0 for s in shape)):
-        _fail(name, f"logical shape must be two positive integers, got {shape!r}")
-    out_f, in_f = shape
-    if out_f % og or in_f % ig:
-        _fail(name, f"shape {out_f}x{in_f} is not a multiple of the groups {og}x{ig}")
-    t = record.tensors
-    if set(t) != {"codes", "codebooks", "scales"}:
-        _fail(name, f"aqlm scheme needs tensors codes, codebooks, scales; got {sorted(t)}")
-    codes, cb, sc = t["codes"], t["codebooks"], t["scales"]
-    want_dt = torch.int8 if nb <= 8 else torch.int16
-    if not isinstance(codes, torch.Tensor) or codes.dtype != want_dt:
-        _fail(name, f"codes must be {want_dt} for {nb}-bit codebooks, got {getattr(codes, 'dtype', None)}")
-    if tuple(codes.shape) != (out_f // og, in_f // ig, M):
-        _fail(name, f"codes shape {tuple(codes.shape)} != {(out_f // og, in_f // ig, M)}")
-    if not isinstance(cb, torch.Tensor) or not cb.is_floating_point() or tuple(cb.shape) != (M, 1 << nb, og, ig):
-        _fail(name, f"codebooks must be floating point of shape {(M, 1 << nb, og, ig)}, got "
-                    f"{getattr(cb, 'dtype', None)} {tuple(getattr(cb, 'shape', ()))}")
-    if not isinstance(sc, torch.Tensor) or not sc.is_floating_point() or tuple(sc.shape) != (out_f // og, 1, 1, 1):
-        _fail(name, f"scales must be floating point of shape {(out_f // og, 1, 1, 1)}, got "
-                    f"{getattr(sc, 'dtype', None)} {tuple(getattr(sc, 'shape', ()))}")
-    if not bool(torch.isfinite(cb).all()) or not bool(torch.isfinite(sc).all()):
-        _fail(name, "codebooks or scales hold non-finite values")
-    b = record.bias
-    if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (out_f,) or not b.is_floating_point()):
-        _fail(name, f"bias must be floating point of shape [{out_f}]")
-    return AdditiveLinear(codes, cb, sc, b)
+# (beside the kernels that read the layout: kernels/additive_layout.py)
+from ..kernels.additive_layout import codes_to_index, dequantize_aqlm, index_to_codes  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- the quantizer

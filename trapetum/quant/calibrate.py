@@ -172,7 +172,7 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         xs.append(x)
     del E
-    D, L = cfg.hidden_size, tokens.shape[1]
+    D = cfg.hidden_size
     sums: dict[str, torch.Tensor] = {}
     count = tokens.numel()
 
@@ -192,11 +192,8 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         block = dec.model.layers[0]
         hooks = [m.register_forward_pre_hook(make_hook(prefix + n)) for n, m in block.named_modules()
                  if n.endswith("_proj")]
-        pos = torch.arange(L, device=device)
-        ropes = [(dec.rope_global, *dec.rope_global.cos_sin(pos))]
-        ropes.append((dec.rope_local, *dec.rope_local.cos_sin(pos)) if dec.rope_local is not None else None)
         try:
-            xs = [block(x, ropes, 0, None) for x in xs]
+            xs = [dec.run_layer(block, x) for x in xs]
         finally:
             for h in hooks:
                 h.remove()
@@ -256,16 +253,6 @@ def _ends_decoder(ckpt: Checkpoint, part: str, device: str | torch.device = "cpu
     return _view_decoder(ckpt, cfg0, getters, device)
 
 
-class _LayerCache:
-    """The streamed decoder's KV cache as a one-block Decoder sees it: its layer 0 is layer ``layer``."""
-
-    def __init__(self, cache, layer: int):
-        self.cache, self.layer = cache, layer
-
-    def store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
-        return self.cache.store(self.layer, start, k, v)
-
-
 class _Streamed(nn.Module):
     """One part of a streamed Decoder: ``build()`` makes it from the checkpoint at every call; it runs
     and is dropped when the call returns (nothing of it stays in memory)."""
@@ -281,9 +268,13 @@ class _StreamedEmbedding(_Streamed):
 
 
 class _StreamedBlock(_Streamed):
-    def forward(self, x, ropes, start, cache):
+    @property
+    def blocks(self) -> list:
+        """The layer's blocks (models/blocks), built now and dropped after the forward; its KV-cache layer is the
+        streamed model's ``layer`` (the one-block decoder holds it as its layer 0)."""
         block = self.build().model.layers[0]
-        return block(x, ropes, start, None if cache is None else _LayerCache(cache, self.layer))
+        block.layer_index = self.layer
+        return block.blocks
 
 
 class _StreamedHead(_Streamed):

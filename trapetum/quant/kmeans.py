@@ -282,3 +282,14 @@ def _reseed_empty(c: torch.Tensor, empty: torch.Tensor, xd: torch.Tensor, ws: to
     cr = torch.where(use, target, cr)
     c[rows] = cr
     return c
+
+
+def codebook_linear(W: torch.Tensor, bits: int = 4, importance: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, **kmeans_kwargs):
+    """The per-row codebook projection (schemes/codebook.py) of a dense weight [out, in], from weighted k-means."""
+    from ..kernels.pack import pack_codes
+    from ..schemes.codebook import CodebookLinear
+
+    res = kmeans_rows(W, 1 << bits, importance, **kmeans_kwargs)
+    return CodebookLinear(pack_codes(res.codes, bits), res.codebook, W.shape[1], bits,
+                          None if bias is None else bias.detach().to(torch.float16))

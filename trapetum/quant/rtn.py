@@ -1,4 +1,5 @@
-"""RTN (round-to-nearest) integer quantization with groups: the usual 4-bit baseline.
+"""RTN (round-to-nearest) integer quantization with groups: the usual 4-bit baseline (the quantizer; the stored
+scheme and its module are schemes/rtn.py).
 
 Evaluation only (``scripts/quality.py`` compares it with our codebooks in the same harness).
 Per output row and group of ``group`` consecutive input columns, asymmetric min-max:
@@ -16,16 +17,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from ..errors import FormatError
-from ..schemes.record import QuantRecord
+from ..schemes.rtn import RTNLinear
 
-__all__ = ["rtn_quantize", "rtn_dequantize", "RTNLinear", "rtn_bits_per_weight"]
-
-
-def rtn_bits_per_weight(bits: int = 4, group: int = 128) -> float:
-    return bits + (16 + bits) / group
+__all__ = ["rtn_quantize", "rtn_linear"]
 
 
 def rtn_quantize(W: torch.Tensor, bits: int = 4, group: int = 128):
@@ -52,55 +47,7 @@ def rtn_quantize(W: torch.Tensor, bits: int = 4, group: int = 128):
     return q.to(torch.uint8), scale.to(torch.float16), zero.to(torch.uint8)
 
 
-def rtn_dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    out_f, in_f = q.shape
-    col_group = torch.arange(in_f, device=q.device) // group
-    s = scale.to(dtype)[:, col_group]
-    z = zero.to(dtype)[:, col_group]
-    return (q.to(dtype) - z) * s
-
-
-class RTNLinear(nn.Module):
-    """Projection with RTN group-quantized weights (reference forward: dequantize, then matmul)."""
-
-    def __init__(self, q, scale, zero, bits: int, group: int, bias=None):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.bits, self.group = int(bits), int(group)
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
-        self.register_buffer("bias", bias)
-
-    @classmethod
-    def from_weight(cls, W: torch.Tensor, bits: int = 4, group: int = 128, bias=None) -> "RTNLinear":
-        q, s, z = rtn_quantize(W, bits, group)
-        return cls(q, s, z, bits, group, None if bias is None else bias.detach().float())
-
-    @classmethod
-    def from_record(cls, record: QuantRecord, name: str = "?") -> "RTNLinear":
-        try:
-            bits, group = int(record.params["bits"]), int(record.params["group"])
-            t = record.tensors
-            return cls(t["q"], t["scale"], t["zero"], bits, group, record.bias)
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"quantized tensor {name}: malformed rtn record ({e})") from None
-
-    def to_record(self) -> QuantRecord:
-        return QuantRecord("rtn", (self.out_features, self.in_features), {"bits": self.bits, "group": self.group},
-                           {"q": self.q, "scale": self.scale, "zero": self.zero}, self.bias)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return rtn_dequantize(self.q, self.scale, self.zero, self.group, dtype)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.dequantize()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), b)
-
-    def bits_per_weight(self) -> float:
-        return rtn_bits_per_weight(self.bits, self.group)
+def rtn_linear(W: torch.Tensor, bits: int = 4, group: int = 128, bias=None) -> RTNLinear:
+    """The RTN projection of a dense weight W [out, in] (the scheme's module, schemes/rtn.py)."""
+    q, s, z = rtn_quantize(W, bits, group)
+    return RTNLinear(q, s, z, bits, group, None if bias is None else bias.detach().float())

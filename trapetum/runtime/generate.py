@@ -1,7 +1,7 @@
 """The generation loop: prefill, then decode token by token, streaming text pieces.
 
-It drives any *runner* with ``start(prompt_ids, max_len) -> logits[V]`` and ``step(token) -> logits[V]``:
-the CPU reference runner below, or the GPU engine. Stop strings never leak into the output.
+It drives any *runner* with ``tokens(prompt_ids, settings, max_len) -> Iterator[int]`` (the Runner protocol): the
+CPU reference runner below, or the GPU engine (runtime/engine.py). Stop strings never leak into the output.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Precise prefill: the engine's prompt pass at fp32-reference accuracy, for evaluation runs.
 
-Opt-in (``TRAPETUM_PREFILL=precise``, ``GpuEngine(..., precise_prefill=True)``,
-``trapetum.load(..., device="cuda", precise_prefill=True)``, ``--precise-prefill`` on ``trapetum ppl``
-and ``trapetum generate``); the default prefill and the decode step are unchanged.
+Opt-in (``Options.prefill = "precise"``: TRAPETUM_PREFILL=precise, ``trapetum.load(..., device="cuda",
+precise_prefill=True)``, ``--precise-prefill`` on ``trapetum ppl`` and ``trapetum generate``); the default prefill
+and the decode step are unchanged. ``PreciseOps`` is the engine's executor of the model's blocks in this mode
+(models/blocks: the same data path as every other executor, with fp32 arithmetic).
 
 What differs from the default prefill (runtime/engine.py), step by step:
   GEMM inputs   fp32 activations split per row into two fp16 terms: x = 2^e (hi + lo / 2^12) with
@@ -10,11 +11,10 @@ What differs from the default prefill (runtime/engine.py), step by step:
                 largest entry, so neither term meets fp16's range limits); [hi; lo] @ W^T is one
                 fp16 tensor-core GEMM of 2T rows with fp32 output (torch.mm(..., out_dtype=fp32)).
                 Error ~2^-23 of the row's scale, as an fp32 GEMM; cost 2x the default GEMM.
-  weights       the engine's fp16 copy W16 (exact for codebook / .cbk weights). Where the decoder it
-                was built from holds weights that are not fp16 numbers (a GGUF source dequantized to
-                fp32; trapetum.load(..., precise_prefill=True) keeps the decoder in fp32 for this), a
-                residual Wlo = fp16((W - W16) * 2^12) is stored at build time and hi @ Wlo^T added
-                (a third GEMM of T rows). Same for the embedding rows and biases.
+  weights       the engine's fp16 copy W16 (exact for codebook / .cbk weights). Where the checkpoint holds
+                weights that are not fp16 numbers (fp32 / bf16 sources, a GGUF dequantized to fp32), the
+                schemes keep a residual Wlo = fp16((W - W16) * 2^12) (``Projection.lo``, built with the engine)
+                and hi @ Wlo^T is added (a third GEMM of T rows). Same for the embedding rows and biases.
   GEMM outputs  fp32 (default: fp16).
   RMSNorm       fp32 output (default: fp16).
   RoPE, attn    fp32 q/k/v, fp32 scores, softmax and P@V, fp32 output (default: fp16 q/k/v, flash
@@ -22,33 +22,18 @@ What differs from the default prefill (runtime/engine.py), step by step:
   activation    act(gate) * up in fp32 (default: fp16 output).
   residual      fp32, as the default.
 TF32 is switched off for the duration of a precise prefill. Additive (AQLM) projections are not
-supported yet (their prefill GEMM has no fp32-output hook): the engine refuses to build.
+supported yet (their fp16 dequantization is not exact): the engine refuses to build.
 """
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError, UnsupportedError
-
-ENV = "TRAPETUM_PREFILL"
-MODES = ("default", "precise")
-LO_SCALE = 4096.0  # 2^12: the lo term (< half an fp16 ulp of hi) scaled back into fp16's normal range
-
-
-def precise_enabled(arg: bool | None = None) -> bool:
-    """The prefill mode: ``arg`` when given, else TRAPETUM_PREFILL (unset/''/'default' or 'precise')."""
-    if arg is not None:
-        return bool(arg)
-    v = os.environ.get(ENV, "").strip().lower()
-    if v in ("", "default"):
-        return False
-    if v == "precise":
-        return True
-    raise ConfigError(f"{ENV} must be one of {', '.join(MODES)} (or unset), got {os.environ[ENV]!r}")
+from ..models.batch import ForwardBatch, Mode
+from ..schemes.base import LO_SCALE
+from .engine_ops import EngineOps
 
 
 # ----------------------------------------------------------------------------- arithmetic
@@ -82,16 +67,6 @@ def split16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = xs.to(torch.float16)
     lo = ((xs - hi.float()) * LO_SCALE).to(torch.float16)  # xs - hi is exact in fp32
     return torch.cat([hi, lo]), e
-
-
-def residual16(exact: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
-    """fp16((exact - hi) * 2^12), or None when ``exact`` is ``hi`` in fp16 (nothing to add)."""
-    if exact.dtype == torch.float16:
-        return None
-    d = exact.to(device=hi.device, dtype=torch.float32) - hi.float()
-    if not bool(d.any()):
-        return None
-    return (d * LO_SCALE).to(torch.float16)
 
 
 def rmsnorm32(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -157,125 +132,60 @@ def no_tf32():
         m.allow_tf32 = saved
 
 
-# ----------------------------------------------------------------------------- the prefill
-class PrecisePrefill:
-    """Residuals of the engine's fp16 weights against the decoder's (built once), and the prefill."""
+# ----------------------------------------------------------------------------- the executor
+def precise_linear(x: torch.Tensor, w: torch.Tensor, bias=None, lo=None, bias_lo=None) -> torch.Tensor:
+    """y = x W^T + b in fp32 from fp32 x [T, K] and the engine's fp16 W [N, K] (+ its residuals lo, bias_lo)."""
+    T = x.shape[0]
+    hilo, e = split16(x)
+    y = mm32(hilo, w.t())
+    y = y[:T] + y[T:] * (1.0 / LO_SCALE)
+    if lo is not None:
+        y = y + mm32(hilo[:T], lo.t()) * (1.0 / LO_SCALE)
+    y = torch.ldexp(y, e)
+    if bias is not None:
+        y = y + bias.float()
+        if bias_lo is not None:
+            y = y + bias_lo.float() * (1.0 / LO_SCALE)
+    return y
 
-    def __init__(self, engine, decoder):
-        self.res: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(fp16 tensor) -> (it, residual)
-        self._shared: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        m = decoder.model
-        for L, blk in zip(engine.layers, m.layers):
-            a, mlp = blk.self_attn, blk.mlp
-            groups = [[a.q_proj, a.k_proj, a.v_proj]] if len(L.qkv) == 1 else [[a.q_proj], [a.k_proj], [a.v_proj]]
-            for p, mods in zip(L.qkv, groups):
-                self._attach(p, mods)
-            self._attach(L.o, [a.o_proj])
-            gu = L.gate_up
-            if gu.interleaved is not None:
-                self._attach(gu.interleaved, [mlp.gate_proj, mlp.up_proj])
-            elif gu.separate is not None:
-                self._attach(gu.separate[0], [mlp.gate_proj])
-                self._attach(gu.separate[1], [mlp.up_proj])
-            else:
-                self._attach(gu.joint, [mlp.gate_proj, mlp.up_proj])
-            self._attach(L.down, [mlp.down_proj])
-        self._attach(engine.head, [decoder.lm_head])
-        self.embed_lo = self._residual(m.embed_tokens.dequantize(), engine.embed)
-        self._shared.clear()
 
-    def _residual(self, exact: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
-        """residual16, computed once per source tensor (a tied head and embedding share one)."""
-        key = (exact.data_ptr(), tuple(exact.shape), exact.dtype)
-        got = self._shared.get(key)
-        if got is not None:
-            return got[1]
-        lo = residual16(exact, hi)
-        self._shared[key] = (exact, lo)  # holds `exact` while building, so that its address stays its own
-        return lo
+class PreciseOps(EngineOps):
+    """The engine's prompt pass in fp32 activations (module docstring); the KV cache still gets fp16 K/V."""
 
-    def _attach(self, p, mods) -> None:
-        kind = getattr(p, "kind", None)
-        if kind == "additive":
-            raise UnsupportedError("precise prefill: additive (AQLM) projections are not supported yet; "
-                                   f"unset {ENV} / precise_prefill")
-        if kind == "fp16":  # codebook projections: their dequantized fp16 weights are the exact ones
-            exact = mods[0].dequantize() if len(mods) == 1 else torch.cat([x.dequantize() for x in mods])
-            lo = self._residual(exact, p.w) if len(mods) == 1 else residual16(exact, p.w)
-            if lo is not None:
-                self.res[id(p.w)] = (p.w, lo)
-        if p.bias is not None:
-            b = torch.cat([x.bias.data if getattr(x, "bias", None) is not None
-                           else torch.zeros(x.out_features, device=p.bias.device) for x in mods])
-            blo = residual16(b, p.bias)
-            if blo is not None:
-                self.res[id(p.bias)] = (p.bias, blo)
+    def __init__(self, eng):
+        super().__init__(eng, Mode.PREFILL)
 
-    def _lo(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        got = self.res.get(id(t)) if t is not None else None
-        return got[1] if got is not None and got[0] is t else None
+    def norm(self, x, w):
+        return rmsnorm32(x, w, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """y = x W^T + b in fp32 from fp32 x [T, K] and the engine's fp16 W [N, K] (+ its residual)."""
-        T = x.shape[0]
-        hilo, e = split16(x)
-        y = mm32(hilo, w.t())
-        y = y[:T] + y[T:] * (1.0 / LO_SCALE)
-        wlo = self._lo(w)
-        if wlo is not None:
-            y = y + mm32(hilo[:T], wlo.t()) * (1.0 / LO_SCALE)
-        y = torch.ldexp(y, e)
-        if bias is not None:
-            y = y + bias.float()
-            blo = self._lo(bias)
-            if blo is not None:
-                y = y + blo.float() * (1.0 / LO_SCALE)
-        return y
+    def project(self, w, x, residual=None):
+        y = w.matmul(x, precise_linear)
+        return y if residual is None else residual + y
 
-    @torch.inference_mode()
-    def prefill(self, eng, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
-        """GpuEngine.prefill's data path in fp32 activations (see the module docstring)."""
-        with no_tf32():
-            return self._prefill(eng, tokens, all_logits)
+    def gate_up(self, w, x):
+        return w.matmul(x, precise_linear, act_mul_fp32)
 
-    def _prefill(self, eng, tokens, all_logits):
-        cfg = eng.cfg
-        T = tokens.numel()
-        Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps, off = cfg.rms_norm_eps, cfg.norm_offset
-        mm = self.linear
-        x = eng.embed[tokens].float()
-        if self.embed_lo is not None:
-            x = x + self.embed_lo[tokens].float() * (1.0 / LO_SCALE)
-        if cfg.embed_scale is not None:
-            x = x * cfg.embed_scale
-        qd, kd = Hq * hd, Hkv * hd
-        for li, L in enumerate(eng.layers):
-            h = rmsnorm32(x, L.in_norm, eps, off)
-            qkv = torch.cat([p.matmul(h, mm=mm) for p in L.qkv], dim=1) if len(L.qkv) > 1 else L.qkv[0].matmul(h, mm=mm)
-            q = qkv[:, :qd].reshape(T, Hq, hd)
-            k = qkv[:, qd:qd + kd].reshape(T, Hkv, hd)
-            v = qkv[:, qd + kd:].reshape(T, Hkv, hd)
-            if L.q_norm is not None:
-                q = rmsnorm32(q, L.q_norm, eps, off)
-                k = rmsnorm32(k, L.k_norm, eps, off)
-            cos, sin = eng.rope_local if L.sliding else eng.rope
-            q, k = rope32(q, cos[:T], sin[:T]), rope32(k, cos[:T], sin[:T])
-            eng.k_cache[li, :, :T].copy_(k.transpose(0, 1))  # fp16 K/V for the decode steps
-            eng.v_cache[li, :, :T].copy_(v.transpose(0, 1))
-            a = attention32(q, k, v, cfg.scale, cfg.sliding_window if L.sliding else None, cfg.attn_softcap)
-            o = L.o.matmul(a, mm=mm)
-            if L.post_attn is not None:
-                o = rmsnorm32(o, L.post_attn, eps, off)
-            x = x + o
-            h = rmsnorm32(x, L.ffn_norm, eps, off)
-            d = L.down.matmul(L.gate_up.matmul(h, mm=mm), mm=mm)
-            if L.post_ffn is not None:
-                d = rmsnorm32(d, L.post_ffn, eps, off)
-            x = x + d
-        h = rmsnorm32(x if all_logits else x[-1:], eng.final_norm, eps, off)
-        logits = eng.head.matmul(h, mm=mm)
-        logits = logits if all_logits else logits[0]
-        if cfg.final_softcap is not None:
-            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return logits
+    def embed(self, table, batch: ForwardBatch):
+        x = table[batch.tokens].float()
+        lo = self.eng.model.embed_lo
+        if lo is not None:
+            x = x + lo[batch.tokens].float() * (1.0 / LO_SCALE)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale is not None else x
+
+    def logits(self, head, h):
+        logits = head.matmul(h, precise_linear)
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    def attend(self, q, k, v, batch: ForwardBatch, p):
+        eng, cfg = self.eng, self.cfg
+        T = q.shape[0]
+        start = int(batch.start)
+        if start:
+            raise ValueError("precise prefill: the prompt starts at position 0")
+        cos, sin = eng.rope_local if p.sliding else eng.rope
+        c, s = cos[start:start + T], sin[start:start + T]
+        q, k = rope32(q.float(), c, s), rope32(k.float(), c, s)
+        eng.kv.k[p.layer, :, start:start + T].copy_(k.transpose(0, 1))  # fp16 K/V for the decode steps
+        eng.kv.v[p.layer, :, start:start + T].copy_(v.transpose(0, 1))
+        return attention32(q, k, v.float(), cfg.scale, cfg.sliding_window if p.sliding else None, cfg.attn_softcap)

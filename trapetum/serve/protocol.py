@@ -40,10 +40,15 @@ class APIError(Exception):
     def body(self) -> dict:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
+    def content(self) -> bytes:
+        """The JSON body as bytes; ASCII-escaped, so that no message text can fail to encode."""
+        return json.dumps(self.body(), ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
 
 def _default_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+            404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+            413: "invalid_request_error", 415: "invalid_request_error",
             422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}.get(
                 status, "server_error")
 
@@ -76,7 +81,40 @@ def parse_json_body(raw: bytes) -> dict:
                        code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, f"The request body must be a JSON object, not {_jtype(obj)}.", code="invalid_json")
+    where = _surrogate_at(obj, "")
+    if where is not None:       # anywhere: a field we echo (model, user) would fail to encode in the reply
+        raise invalid(where, f"Invalid value for '{where}': the text holds an unpaired UTF-16 surrogate "
+                      "escape; it is not valid Unicode.")
     return obj
+
+
+def _bad_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _surrogate_at(x: Any, path: str) -> str | None:
+    """The JSON path of the first string (or key) holding a lone surrogate, or None (depth is bounded by
+    MAX_DEPTH, checked before parsing)."""
+    if isinstance(x, str):
+        return path if _bad_text(x) else None
+    if isinstance(x, dict):
+        for k, v in x.items():
+            p = f"{path}.{k}" if path else k
+            if _bad_text(k):
+                return path or "body"        # the key itself cannot be shown
+            found = _surrogate_at(v, p)
+            if found is not None:
+                return found
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            found = _surrogate_at(v, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _reject_constant(name: str):
@@ -126,7 +164,10 @@ def get_float(body: dict, name: str, *, lo: float | None = None, hi: float | Non
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _type_error(name, "a number", v)
-    v = float(v)
+    try:
+        v = float(v)
+    except OverflowError:       # an integer literal past the float range (JSON allows 10**400)
+        v = math.inf
     if not math.isfinite(v):
         raise invalid(name, f"Invalid value for '{name}': must be a finite number.")
     if lo_open and lo is not None and v <= lo:
@@ -281,7 +322,8 @@ def _common(body: dict, default_max_tokens: int | None) -> dict:
     mp = get_float(body, "min_p", lo=0.0, hi=1.0)
     if mp is not None:
         settings["min_p"] = mp
-    rp = get_float(body, "repetition_penalty", lo=0.0, hi=10.0, lo_open=True)
+    # at least runtime/sampling.py's MIN_REPETITION_PENALTY: smaller divisors overflow the float32 logits
+    rp = get_float(body, "repetition_penalty", lo=0.01, hi=10.0)
     if rp is not None:
         settings["repetition_penalty"] = rp
     ie = get_bool(body, "ignore_eos")

@@ -9,12 +9,26 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SS
 Threads: uvicorn's event loop answers HTTP; each engine ``Worker`` (worker.py) owns its models on
 its own thread. Models given the same device share one worker, so they take turns and their
 speeds are honest; models on different devices get a worker each and run at the same time.
-Tokenizing for the context check happens in the request handler (a threadpool thread), so a
-prompt that cannot fit is refused at once instead of after the queue.
+Tokenizing for the context check happens before the queue, on a small thread pool of the model's own
+(so a prompt that cannot fit is refused at once, and a model whose chat template is slow or hostile holds
+only its own pool: other models, ``/health`` and the event loop keep answering). A chat request's token ids
+are computed there once and handed to the engine, which never renders a template.
+
+Errors a model's chat template causes (it is code from the model file, rendered under limits by
+``trapetum/chat_template.py``): its own ``raise_exception`` refusing the messages is the client's 400
+(``param: "messages"``, ``code: "chat_template_rejected"``); any other failure (an exception, a timeout,
+too much memory or output, a template that does not compile) is the model file's fault and answers 422 with
+``type: "server_error"``, ``code: "chat_template_error"``, ``param: null`` and a message naming the model's
+template: 4xx, so that OpenAI clients do not retry a failure that will repeat; never a 500.
+
+Network guards (``guards.py``): Host allow-list on loopback binds, Origin check for browser requests, JSON
+content type on POSTs (415 otherwise), header and body read timeouts. ``/v1/models`` shows model ids and
+file names, never a path of this machine.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import logging
@@ -31,8 +45,10 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..chat_template import ChatTemplateError
 from ..errors import TrapetumError
 from . import protocol as P
+from .guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, BodyLimit, HostGuard
 from .protocol import APIError
 from .worker import Job, NotReady, QueueFull, Worker
 
@@ -40,6 +56,7 @@ log = logging.getLogger("trapetum.serve")
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0                  # SSE comment while a streamed request waits in the queue
 DEFAULT_MAX_BODY = 1 << 20          # 1 MiB: ~250k tokens of text, far past any context we serve
+TOKENIZER_THREADS = 2               # per model: prompt tokenizing and chat-template rendering
 SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed", "stop",
                    "ignore_eos", "max_new_tokens")
 
@@ -81,6 +98,23 @@ class Registry:
         self.order: dict[str, int] = {}     # name -> position of its MODEL argument
         self.owner: dict[str, Worker] = {}
         self.info: dict[str, dict] = {}
+        self.pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+        self.pending: dict[str, int] = {}
+
+    def pool(self, name: str) -> concurrent.futures.ThreadPoolExecutor:
+        """The model's own tokenizing threads (created on first use)."""
+        with self.lock:
+            ex = self.pools.get(name)
+            if ex is None:
+                ex = self.pools[name] = concurrent.futures.ThreadPoolExecutor(
+                    TOKENIZER_THREADS, thread_name_prefix=f"trapetum-tok-{name}"[:40])
+            return ex
+
+    def close(self) -> None:
+        with self.lock:
+            pools, self.pools = list(self.pools.values()), {}
+        for ex in pools:
+            ex.shutdown(wait=False, cancel_futures=True)
 
     def claim(self, want: str) -> str:
         with self.lock:
@@ -95,7 +129,9 @@ class Registry:
         engine finishes first) or the model's own name made unique."""
         def load():
             _, m = spec.load()
-            name = reserved or self.claim(getattr(m, "name", None) or "model")
+            own = str(getattr(m, "name", None) or "model")      # a file name may hold undecodable bytes
+            own = own.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            name = reserved or self.claim(own)
             with self.lock:
                 self.order[name] = i
             return name, m
@@ -129,7 +165,18 @@ def _model_info(m) -> dict:
     info.setdefault("context_size", getattr(m, "context_size", None))
     if getattr(m, "path", None) is not None:
         info.setdefault("path", str(m.path))
-    return _jsonable(info)
+    return _no_paths(_jsonable(info))
+
+
+def _no_paths(x):
+    """``x`` with every absolute path replaced by its file name (the API does not show this machine's paths)."""
+    if isinstance(x, dict):
+        return {k: _no_paths(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_paths(v) for v in x]
+    if isinstance(x, str) and (os.path.isabs(x) or x.startswith("~")):
+        return Path(x).name
+    return x
 
 
 def _jsonable(x):
@@ -142,61 +189,8 @@ def _jsonable(x):
     return str(x)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_body`` bytes with 413 (before parsing)."""
-
-    def __init__(self, app, max_body: int):
-        self.app = app
-        self.max_body = max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    n = int(v)
-                except ValueError:
-                    return await _send_error(send, APIError(400, "Bad Content-Length header."))
-                if n > self.max_body:
-                    return await _send_error(send, _too_large(n, self.max_body))
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":          # disconnected while sending the body
-                return
-            size += len(msg.get("body", b""))
-            if size > self.max_body:
-                return await _send_error(send, _too_large(size, self.max_body, at_least=True))
-            chunks.append(msg.get("body", b""))
-            if not msg.get("more_body"):
-                break
-        body, sent = b"".join(chunks), False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
-def _too_large(n: int, cap: int, at_least: bool = False) -> APIError:
-    more = "at least " if at_least else ""
-    return APIError(413, f"Request body too large: {more}{n} bytes, the limit is {cap} bytes "
-                    "(trapetum serve --max-body).", code="request_too_large")
-
-
-async def _send_error(send, e: APIError) -> None:
-    r = JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-    await send({"type": "http.response.start", "status": r.status_code, "headers": r.raw_headers})
-    await send({"type": "http.response.body", "body": r.body})
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def _error_response(e: APIError) -> Response:
+    return Response(e.content(), status_code=e.status, headers=e.headers, media_type="application/json")
 
 
 class _Channel:
@@ -212,10 +206,12 @@ class _Channel:
 
 def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
                max_body: int = DEFAULT_MAX_BODY, threads: int | None = None,
-               cors_origins: list[str] | None = None) -> FastAPI:
+               cors_origins: list[str] | None = None, allowed_hosts: set[str] | None = None,
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """Build the ASGI app; engines start (and load their models) when the app starts.
     ``threads``: torch CPU threads per engine (None: torch's default); ``cors_origins``: web
-    origins allowed to call the API from a browser (the page at / needs none)."""
+    origins allowed to call the API from a browser (the page at / needs none); ``allowed_hosts``: the
+    Host names answered (None: any; ``run`` sets the loopback names for a loopback bind)."""
     if not specs:
         specs = [ModelSpec()]
     registry = Registry()
@@ -242,12 +238,14 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         finally:
             for w in workers:
                 await run_in_threadpool(w.stop, 3.0)
+            registry.close()
 
     app = FastAPI(title="Trapetum", version=P.SYSTEM_FINGERPRINT, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.workers = workers
     app.state.registry = registry
-    app.add_middleware(BodyLimit, max_body=max_body)
+    app.add_middleware(BodyLimit, max_body=max_body, body_timeout_s=body_timeout_s)
+    app.add_middleware(HostGuard, allowed_hosts=allowed_hosts, origins=cors_origins)
     if cors_origins:                  # added last = outermost: errors (401, 413, 429) carry the headers too
         from starlette.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["GET", "POST", "OPTIONS"],
@@ -310,6 +308,12 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         return name, w, w.models[name]
 
     async def read_body(request: Request) -> dict:
+        ct = request.headers.get("content-type", "")
+        media = ct.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+            shown = " ".join(ct.split())[:60] or "none"
+            raise APIError(415, f"Unsupported Content-Type '{shown}': send the request body as JSON with "
+                           "'Content-Type: application/json'.", code="unsupported_media_type")
         return P.parse_json_body(await request.body())
 
     def validate_settings(settings: dict) -> None:
@@ -326,15 +330,45 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                 param = "max_tokens"
             raise APIError(400, msg, param=param) from None
 
-    async def prepare(name: str | None, req: P.GenRequest, kind: str, inputs) -> tuple[str, Worker, int, dict]:
+    def template_error(name: str, e: ChatTemplateError) -> APIError:
+        if e.rejected:
+            return APIError(400, f"The chat template of model '{name}' refused the messages: {e.reason}",
+                            param="messages", code="chat_template_rejected")
+        if e.reason == "this model has no chat template":
+            return APIError(400, f"The model '{name}' has no chat template; use /v1/completions with a prompt.",
+                            param="model", code="no_chat_template")
+        log.warning("model %s: chat template failed: %s", name, e.reason)
+        return APIError(422, f"The chat template of model '{name}' failed: {e.reason}. This is a fault of the "
+                        "model's file, not of the request: the server's operator must fix or replace the template.",
+                        type="server_error", code="chat_template_error")
+
+    async def tokenize(name: str, fn, arg):
+        """``fn(arg)`` on the model's own tokenizing threads (at most ``max_waiting`` waiting: 429 past it)."""
+        with registry.lock:
+            if registry.pending.get(name, 0) >= max_waiting + TOKENIZER_THREADS:
+                raise APIError(429, f"The server is busy: too many requests for model '{name}' are being "
+                               "tokenized. Retry in about 1 s.", code="queue_full", headers={"Retry-After": "1"})
+            registry.pending[name] = registry.pending.get(name, 0) + 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(registry.pool(name), fn, arg)
+        finally:
+            with registry.lock:
+                registry.pending[name] -= 1
+
+    async def prepare(name: str | None, req: P.GenRequest, kind: str, inputs) -> tuple[str, Worker, int, dict, Any]:
+        """(model name, worker, prompt tokens, settings, what the engine gets: a chat's token ids, else inputs)."""
         name, w, model = resolve(name)
+        engine_inputs = inputs
         try:
             if kind == "chat":
-                n_prompt = len(await run_in_threadpool(model.encode_chat, inputs))
+                engine_inputs = list(await tokenize(name, model.encode_chat, inputs))
+                n_prompt = len(engine_inputs)
             elif isinstance(inputs, list):
                 n_prompt = len(inputs)
             else:
-                n_prompt = await run_in_threadpool(model.count_tokens, inputs)
+                n_prompt = await tokenize(name, model.count_tokens, inputs)
+        except ChatTemplateError as e:
+            raise template_error(name, e) from None
         except TrapetumError as e:
             raise APIError(400, str(e), param="messages" if kind == "chat" else "prompt") from None
         where = "messages" if kind == "chat" else "prompt"
@@ -344,6 +378,10 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         if isinstance(inputs, list) and kind == "text" and isinstance(vocab, int) and max(inputs) >= vocab:
             raise APIError(400, f"Invalid 'prompt': token id {max(inputs)} is out of range for this model's "
                            f"vocabulary of {vocab} tokens.", param="prompt")
+        if kind == "chat" and isinstance(vocab, int) and max(engine_inputs) >= vocab:
+            raise APIError(422, f"The tokenizer of model '{name}' produced token id {max(engine_inputs)}, outside "
+                           f"its vocabulary of {vocab}: a fault of the model's file.", type="server_error",
+                           code="tokenizer_error")
         ctx = int(model.context_size)
         if req.max_tokens is None:
             if n_prompt >= ctx:
@@ -355,7 +393,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                 raise P.context_error(ctx, n_prompt, max_new, where=where)
         settings = {**req.settings, "max_new_tokens": max_new}
         validate_settings(settings)
-        return name, w, n_prompt, settings
+        return name, w, n_prompt, settings, engine_inputs
 
     def submit(w: Worker, job: Job) -> None:
         try:
@@ -368,9 +406,10 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
             raise loading_error() from None
 
     async def generate(request: Request, req: P.GenRequest, kind: str, inputs):
-        name, w, _, settings = await prepare(req.model, req, kind, inputs)
+        name, w, _, settings, engine_inputs = await prepare(req.model, req, kind, inputs)
         ch = _Channel()
-        job = Job(model=name, kind=kind, inputs=inputs, settings=settings, sink=ch.sink)
+        # a chat is handed over as its token ids: the engine thread runs no template
+        job = Job(model=name, kind="text", inputs=engine_inputs, settings=settings, sink=ch.sink)
         submit(w, job)
         rid = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         created = P.now()
@@ -489,6 +528,9 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
 def _engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ChatTemplateError):    # not expected: the engine gets token ids (see prepare)
+        return APIError(422, f"The model's chat template failed: {e.reason}", type="server_error",
+                        code="chat_template_error")
     if isinstance(e, TrapetumError):
         return APIError(400, str(e))
     return APIError(500, f"Generation failed ({type(e).__name__}: {e}).", type="server_error")
@@ -496,21 +538,29 @@ def _engine_error(e: BaseException) -> APIError:
 
 def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
         max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
-        access_log: bool = True, threads: int | None = None, cors_origins: list[str] | None = None) -> None:
-    """Serve until interrupted (what ``trapetum serve`` runs)."""
+        access_log: bool = True, threads: int | None = None, cors_origins: list[str] | None = None,
+        allowed_hosts: list[str] | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+    """Serve until interrupted (what ``trapetum serve`` runs). ``allowed_hosts``: Host names answered besides
+    the loopback names of a loopback bind (``guards.allowed_hosts_for``)."""
     import uvicorn
+
+    from .guards import allowed_hosts_for, header_timeout_protocol
+    _raise_fd_limit()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads is not None:
         import torch
         torch.set_num_threads(threads)      # this thread (tokenizing helpers) and the default
     app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads,
-                     cors_origins=cors_origins)
+                     cors_origins=cors_origins, allowed_hosts=allowed_hosts_for(host, allowed_hosts),
+                     body_timeout_s=body_timeout_s)
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
           f"GET /health is 200 once ready)", flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=3, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=3, timeout_keep_alive=5,
+                            http=header_timeout_protocol(header_timeout_s))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -528,3 +578,16 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
     if not server.started:
         raise TrapetumError(f"the server could not start on {shown}:{port} (see the message above; "
                             "is the port in use?)")
+
+
+def _raise_fd_limit() -> None:
+    """Open files up to the hard limit: idle and slow connections are closed by the timeouts, and the soft
+    default (often 1024) is the first thing many open connections run into."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass

@@ -1,10 +1,12 @@
-// Additive-codebook (AQLM) GEMV, one activation row: deterministic CUDA kernels for 2x8 and 1x16.
+// Additive-codebook (AQLM) GEMV for 1..16 activation rows: deterministic CUDA kernels for 2x8 and 1x16.
 //
-//   y[r] = scale[r] * sum_g x[8g:8g+8] . (sum_m C_m[codes[r, g, m]])  (+ bias[r]) (+ residual[r])
+//   y[t, r] = scale[r] * sum_g x[t, 8g:8g+8] . (sum_m C_m[codes[r, g, m]])  (+ bias[r]) (+ residual[t, r])
 //
 // Canonical layout read as stored: codes [N, G, M] (int8 for 2x8, int16 for 1x16; the raw bits are
-// the unsigned index), codebooks fp16 [M, K, 1, 8], scales fp16 [N]. fp32 accumulation, sums in a
-// fixed order, no atomics in any sum: bitwise reproducible, CUDA-graph capturable.
+// the unsigned index), codebooks fp16 [M, K, 1, 8], scales fp16 [N]; x, y, residual [rows, *] contiguous.
+// fp32 accumulation, sums in a fixed order, no atomics in any sum: bitwise reproducible, CUDA-graph
+// capturable. Batch invariance: each activation row t of a launch gets exactly the bits a launch with
+// that row alone gives, whatever the other rows hold (the 2x8 and 1x16 sections below say why).
 //
 // ---- 2x8 (M = 2 codebooks of 256 entries): shared-memory lookup tables, conflict-free lookups
 // Work = (slice of 32 input groups) x (16 rows): a unit, 1 KB of codes. A block takes a contiguous
@@ -29,9 +31,7 @@
 // Partial sums per (slice, row) go to a workspace (rows padded to units, stored unconditionally); a
 // second, small kernel adds each row's partials in a fixed order and applies scale, bias and residual,
 // or for a gate/up pair writes act(gate) * up (act.cuh; one launch fewer than a separate activation kernel)
-// (deterministic; no atomics, no fences). (The first version let the block finishing an octet's last
-// slice add its partials: the blocks that finished last did most of those sums one row per thread, a
-// tail of ~10-30 us at the big shapes.)
+// (deterministic; no atomics, no fences: a block-tail reduction would leave the last blocks a long tail).
 // Codes: two kernel instances. kPacked: the engine's "slices" layout, packed once at load (pack_2x8):
 // [slice][row padded to 16][64 B], so that each block streams one contiguous range, with each unit's
 // bytes permuted (packed_pos) so that a lane's 16 bytes per slot are already in the order its lookups
@@ -48,18 +48,20 @@
 //     take 16.8 code bytes/cycle: a unit per ~61 cycles.
 //   Shared-memory wavefronts: 32 lookups (1 each) + 2 LDS.128 ring reads (4 each) + 1 KB of cp.async
 //     writes (8) = 48: 0.79 wavefronts/cycle (of 1) at 4 TB/s.
-//   Issue (SASS, nvcc 13.0, sm_90, NOTES-additive.md): the packed steady loop takes 331 instructions
-//     per 3 units, 110.3 per unit (94 of them the lookups' PRMT + LDS + FADD; the rest: 2 LDS.128,
-//     2 SHFL + 2 FADD, 1 STG, 2 LDGSTS + 2 cp.async group instructions, 1 dummy LDS ptxas puts before
-//     LDGSTS, ~4 addresses and loop): 1.8 of 4 warp-instructions/cycle at 4 TB/s (the previous loop:
-//     182 per 16 rows, 3.0). A segment's last units: 117 per unit. Canonical: 119 / 132. 126-128
-//     registers, no spills, 2 blocks (16 warps) per SM.
+//   Issue (SASS, sm_90, NOTES-additive.md): the packed steady loop takes ~110 instructions per unit
+//     (94 of them the lookups' PRMT + LDS + FADD; the rest: 2 LDS.128, 2 SHFL + 2 FADD, 1 STG, 2 LDGSTS
+//     + 2 cp.async group instructions, addresses and loop): 1.8 of 4 warp-instructions/cycle at 4 TB/s.
+//     ~128 registers, no spills, 2 blocks (16 warps) per SM.
 //   Table build per slice: 128 mma, 64 KB of conflict-free STS (512 wavefronts), 128 x 32-bit B
-//     loads: ~0.5 us, amortised over the block's rows (a block covers >= ~500 rows of a slice at
-//     the benchmark shapes).
-//   Expected 8192x28672: 58.7 MB of codes, ~17 us at 3.5 TB/s + ~2-3 us build/launch/reduction
-//   (cuBLAS fp16: ~110 us). Measured (H200, NOTES-additive.md) before the session-5 loop: 28.4 us,
-//   main kernel bound by LDS latency and issue with 16 warps per SM (issue active 63%).
+//     loads, amortised over the block's rows (a block covers >= ~500 rows of a slice at large shapes).
+// Several activation rows (verify): block i of the launch takes code range b = i / rows for activation
+// row t = i % rows (t fastest, so the blocks reading one code range run together and all but the first
+// find its codes in L2); ranges split the units as a launch of one row does, each block builds its own
+// row's table. A block of row t therefore runs exactly the instructions, on exactly the data, that the
+// same range's block of a one-row launch runs on x[t] (the partial sums do not depend on the split
+// anyway), and the reduction kernel runs per (row block, t): every row's bits are the one-row launch's.
+// Cost: rows x the one-row lookups (the shared-memory floor is 32 lookups per unit per activation row;
+// NOTES-additive.md has the floor of any exact multi-row design and what a faster one needs).
 //
 // ---- 1x16 (one codebook of 65,536 entries = 1 MiB, stays in L2/L1): gathers
 // A warp owns 4 rows and a share of the input groups (lane l takes group 32 c + l of chunk c, so
@@ -68,8 +70,13 @@
 // rows (k-split, partials added in warp order). Budget per 8 weights: one 16-byte gather = one L1
 // wavefront (a random 128-B line per lane), + 1/32 for the code load and 1/32 for x: the L1 pipe
 // caps the kernel near 132 SMs x 1.8 GHz x 8 / 1.06 = 1.8e12 weights/s, about 0.85x of cuBLAS fp16
-// at 4.3 TB/s. Measured (ncu, H200): the L2 is the limit first - each 16-byte gather costs a 32-byte
-// L2 sector (L1 hit rate 16%), 85% of L2 peak at ~0.56-0.78x cuBLAS.
+// at 4.3 TB/s; the L2 is the limit first (each 16-byte gather costs a 32-byte L2 sector).
+// Several activation rows: a template on the row bucket kM (1, 2, 4, 8, 16; rows past the call's are
+// computed on its last row and not stored): each gathered entry is used for all rows (x loads: kM per
+// group, from L1). Per (row, activation row) a lane adds its groups in the same order with the same
+// fmaf chain, the warp and k-split sums are the same, the k-split depends on the shape only: every
+// activation row gets the one-row bits (fp32 sums written with explicit fmaf / __fadd_rn / __fmul_rn,
+// so that no instance contracts differently).
 #include "pdl.cuh"
 #include "act.cuh"
 #include <cuda_fp16.h>
@@ -100,8 +107,7 @@ constexpr int kTabBytes = 256 * kCols * 4;   // 64 KB
 constexpr int kUnitRows = 16;
 constexpr int kUnitBytes = kUnitRows * kSliceBytes;
 // Units in flight per warp: a shared-memory ring filled by cp.async (no registers held), 6 x 1 KB per
-// warp = 48 KB per block, 96 KB per SM (2 blocks): enough bytes in flight for DRAM bandwidth. (Held in
-// registers, 5 x 512 B per warp = 40 KB per SM was the most that fit: the kernel stalled on them.)
+// warp = 48 KB per block, 96 KB per SM (2 blocks): enough bytes in flight for DRAM bandwidth.
 constexpr int kRing = 6;
 constexpr int kRingBytes = kWarps * kRing * kUnitBytes;
 constexpr int kSmemBytes = kTabBytes + kRingBytes;  // 112 KB: two blocks per SM
@@ -291,41 +297,49 @@ __device__ __forceinline__ void mma16808(float* c, uint32_t a0, uint32_t a1, uin
 }
 #endif  // !TRAPETUM_AQLM_EMU
 
-// Epilogue of one output row: y = acc * scale (+ bias) (+ residual), rounded once to fp16. The
-// inputs are loaded first (Epi::load) so that their latency overlaps the accumulation.
+// Epilogue of one output row: y = acc * scale (+ bias) (+ residual), rounded once to fp16 (explicit
+// roundings: never contracted to an FMA, the same bits in every kernel instance). The inputs are loaded
+// first (Epi::load) so that their latency overlaps the accumulation.
+__device__ __forceinline__ float scale_bias(float acc, float scale, int has_bias, float bias) {
+  const float v = __fmul_rn(acc, scale);
+  return has_bias ? __fadd_rn(v, bias) : v;
+}
 struct Epi {
   float scale, bias, res;
   __device__ __forceinline__ static Epi load(const half* __restrict__ scales, const half* __restrict__ bias,
-                                             const half* __restrict__ res, int row, int has_bias, int has_res) {
+                                             const half* res, int row, int has_bias, int has_res) {
     return {__half2float(scales[row]), has_bias ? __half2float(bias[row]) : 0.f,
             has_res ? trapetum_pdl::ld_input_half(res + row) : 0.f};
   }
   __device__ __forceinline__ void store(half* __restrict__ y, int row, float acc, int has_bias, int has_res) const {
-    float v = acc * scale;
-    if (has_bias) v += bias;
-    if (has_res) v += res;
-    y[row] = __float2half_rn(v);
+    const float v = scale_bias(acc, scale, has_bias, bias);
+    y[row] = __float2half_rn(has_res ? __fadd_rn(v, res) : v);
   }
 };
 
 // ----------------------------------------------------------------------------- 2x8 kernel
+constexpr int kMaxRows = 16;  // activation rows per launch
 struct Params2x8 {
-  const half* x;          // [G * 8]
+  const half* x;          // [rows, G * 8]
   const half* scales;     // [rows of all parts]
-  const half* bias;       // [rows] or unused
-  const half* res;        // [rows] or unused
-  half* y;                // [rows]
-  float* partial;         // per part [nslices, 16 groups] (rows padded to whole units)
+  const half* bias;       // [rows of all parts] or unused
+  const half* res;        // [rows, rows of all parts] or unused
+  half* y;                // [rows, rows of all parts] ([rows, N] with act)
+  float* partial;         // [rows][floats]: per part [nslices, 16 groups] (rows padded to whole units)
   Part2x8 part[kMaxParts];
   int nparts, G, nslices, has_bias, has_res;
   long long units;        // all parts
-  // 0: y[row] = each row's epilogue. 1 (SiLU) / 2 (GELU-tanh): a gate/up pair (2 parts of N rows):
-  // y[f] = act(gate[f]) * up[f] for f < N, gate and up rounded to fp16 first (as the unfused path does)
+  // 0: y[t, row] = each row's epilogue. 1 (SiLU) / 2 (GELU-tanh): a gate/up pair (2 parts of N rows):
+  // y[t, f] = act(gate[t, f]) * up[t, f] for f < N, gate and up rounded to fp16 first (as the unfused path)
   int act = 0;
+  int rows = 1;           // activation rows (blocks i of the main kernel: range i / rows, row i % rows)
+  long long floats = 0;   // partial floats per activation row (PartTotals::floats)
+  long long y_stride = 0, res_stride = 0;  // elements between activation rows of y and res (x: 8 G)
 };
 
-// lut[k][col] for the 32 groups of `slice` (groups >= G get x = 0, hence zero entries).
-__device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, int slice, int warp, int lane) {
+// lut[k][col] for the 32 groups of `slice` of the activation row x (groups >= G get x = 0, hence zero entries).
+__device__ void build_table(const Params2x8& p, const half* x, const half* cb, uint32_t tab, int slice, int warp,
+                            int lane) {
   const int gid = lane >> 2, t = lane & 3;
   uint32_t a[2][2];
 #pragma unroll
@@ -333,7 +347,7 @@ __device__ void build_table(const Params2x8& p, const half* cb, uint32_t tab, in
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int g = slice * kSlice + 16 * mt + 8 * hh + gid;
-      a[mt][hh] = g < p.G ? trapetum_pdl::ld_input(reinterpret_cast<const uint32_t*>(p.x + (size_t)g * 8 + 2 * t)) : 0u;
+      a[mt][hh] = g < p.G ? trapetum_pdl::ld_input(reinterpret_cast<const uint32_t*>(x + (size_t)g * 8 + 2 * t)) : 0u;
     }
   uint32_t b[kTiles / kWarps];  // all B fragments in flight at once (the codebooks sit in L2)
 #pragma unroll
@@ -427,8 +441,13 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
 #pragma unroll
   for (int s = 0; s < 16; ++s) sw[s] = step_word(lane, s);
   const bool odd = j & 1, stores = j < 2;
-  const long long u1 = (long long)(blockIdx.x + 1) * p.units / gridDim.x;
-  for (long long u = (long long)blockIdx.x * p.units / gridDim.x; u < u1;) {
+  // activation row t, code range b of nb (module header: several rows)
+  const int t = (int)(blockIdx.x % (unsigned)p.rows);
+  const long long b = blockIdx.x / (unsigned)p.rows, nb = gridDim.x / (unsigned)p.rows;
+  const half* const x = p.x + (size_t)t * 8 * p.G;
+  float* const partial = p.partial + (size_t)t * p.floats;
+  const long long u1 = (b + 1) * p.units / nb;
+  for (long long u = b * p.units / nb; u < u1;) {
     const Part2x8 P = part_of(p.part, p.nparts, u);
     int slice, ga, gb;
     next_segment(P, u, u1, &slice, &ga, &gb);
@@ -443,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
     const bool chunk_ok = kPacked || slice * kSlice + 8 * j < p.G;
     const int rows = kPacked ? kUnitRows * P.groups : P.N;
     // the partial this lane stores for unit g: dst[16 g] (row r for j = 0, row r + 8 for j = 1)
-    float* const dst = p.partial + P.partial0 + (size_t)slice * kUnitRows * P.groups + r + 8 * (j & 1);
+    float* const dst = partial + P.partial0 + (size_t)slice * kUnitRows * P.groups + r + 8 * (j & 1);
     int g = ga + warp;
 #pragma unroll
     for (int d = 0; d < kRing; ++d) {
@@ -458,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
     // the ring copies above read codes only (PDL: they may overlap the previous kernel); the table
     // needs x, and the partial sums may still be read by the previous GEMV's reduction until it ends
     trapetum_pdl::wait_inputs();
-    build_table(p, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
+    build_table(p, x, reinterpret_cast<const half*>(P.cb), tab, slice, warp, lane);
     __syncthreads();
     // The loop, kSteady units per iteration: ring entries, refill sources and partials advance by
     // constants, so their offsets within an iteration are immediates. Unit k of an iteration: ring entry
@@ -509,48 +528,51 @@ __global__ void __launch_bounds__(kThreads, 2) aqlm_2x8_kernel(const Params2x8 p
 }
 
 // Thread quarter q's share of one row's partial sums: slices q, q + 4, q + 8, .. in order.
-__device__ __forceinline__ float quarter_sum(const Params2x8& p, const Part2x8& P, int row, int q) {
-  const float* src = p.partial + P.partial0 + row;
+__device__ __forceinline__ float quarter_sum(const float* partial, int nslices, const Part2x8& P, int row, int q) {
+  const float* src = partial + P.partial0 + row;
   float acc = 0.f;
 #pragma unroll 16
-  for (int sl = q; sl < p.nslices; sl += 4) acc += __ldcg(src + (size_t)sl * kUnitRows * P.groups);
+  for (int sl = q; sl < nslices; sl += 4) acc += __ldcg(src + (size_t)sl * kUnitRows * P.groups);
   return acc;
 }
 
+// Grid (row blocks, activation rows): block (i, t) reduces rows 64 i .. 64 i + 63 of activation row t.
 __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2x8 p) {
   __shared__ float part_sums[2][4][kReduceRows];
   trapetum_pdl::allow_dependents();
   trapetum_pdl::wait_inputs();  // the partial sums of aqlm_2x8_kernel
-  const int rl = threadIdx.x % kReduceRows, q = threadIdx.x / kReduceRows;
+  const int rl = threadIdx.x % kReduceRows, q = threadIdx.x / kReduceRows, t = blockIdx.y;
+  const float* const partial = p.partial + (size_t)t * p.floats;
+  half* const y = p.y + (size_t)t * p.y_stride;
   const long long grow = (long long)blockIdx.x * kReduceRows + rl;
   if (p.act) {  // gate/up pair: row f of part 0 (gate) and row f of part 1 (up)
     const int f = (int)grow;
     const bool ok = f < p.part[0].N;
-    part_sums[0][q][rl] = ok ? quarter_sum(p, p.part[0], f, q) : 0.f;
-    part_sums[1][q][rl] = ok ? quarter_sum(p, p.part[1], f, q) : 0.f;
+    part_sums[0][q][rl] = ok ? quarter_sum(partial, p.nslices, p.part[0], f, q) : 0.f;
+    part_sums[1][q][rl] = ok ? quarter_sum(partial, p.nslices, p.part[1], f, q) : 0.f;
     __syncthreads();
     if (q == 0 && ok) {
       float gu[2];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int row = f + i * p.part[0].N;
-        float v = ((part_sums[i][0][rl] + part_sums[i][1][rl]) + (part_sums[i][2][rl] + part_sums[i][3][rl])) *
-                  __half2float(p.scales[row]);
-        if (p.has_bias) v += __half2float(p.bias[row]);
-        gu[i] = __half2float(__float2half_rn(v));
+        const float v = (part_sums[i][0][rl] + part_sums[i][1][rl]) + (part_sums[i][2][rl] + part_sums[i][3][rl]);
+        gu[i] = __half2float(__float2half_rn(
+            scale_bias(v, __half2float(p.scales[row]), p.has_bias, p.has_bias ? __half2float(p.bias[row]) : 0.f)));
       }
-      p.y[f] = __float2half_rn(trapetum_act::apply(p.act, gu[0]) * gu[1]);
+      y[f] = __float2half_rn(__fmul_rn(trapetum_act::apply(p.act, gu[0]), gu[1]));
     }
     return;
   }
   const Part2x8 P = part_of_row(p.part, p.nparts, grow);
   const int row = int(grow - P.row0);
   const bool ok = row < P.N;
-  part_sums[0][q][rl] = ok ? quarter_sum(p, P, row, q) : 0.f;
+  part_sums[0][q][rl] = ok ? quarter_sum(partial, p.nslices, P, row, q) : 0.f;
   __syncthreads();
   if (q == 0 && ok) {
     const float v = (part_sums[0][0][rl] + part_sums[0][1][rl]) + (part_sums[0][2][rl] + part_sums[0][3][rl]);
-    Epi::load(p.scales, p.bias, p.res, (int)grow, p.has_bias, p.has_res).store(p.y, (int)grow, v, p.has_bias, p.has_res);
+    const half* res = p.has_res ? p.res + (size_t)t * p.res_stride : p.res;
+    Epi::load(p.scales, p.bias, res, (int)grow, p.has_bias, p.has_res).store(y, (int)grow, v, p.has_bias, p.has_res);
   }
 }
 
@@ -559,14 +581,14 @@ __global__ void __launch_bounds__(kThreads) aqlm_2x8_reduce_kernel(const Params2
 constexpr int kRows16 = 4;  // rows per warp: one x load serves 4 gathers
 
 struct Params1x16 {
-  const half* x;          // [G * 8]
+  const half* x;          // [rows, G * 8]
   const uint16_t* codes;  // [N, G]
   const uint4* cb;        // [65536] entries of 8 fp16
   const half* scales;
   const half* bias;
-  const half* res;
-  half* y;
-  int N, G, ks_log2, has_bias, has_res;
+  const half* res;        // [rows, N]
+  half* y;                // [rows, N]
+  int N, G, ks_log2, has_bias, has_res, rows;
 };
 
 __device__ __forceinline__ float dot8(uint4 e, const float (&xf)[8], float acc) {
@@ -583,12 +605,18 @@ __device__ __forceinline__ float dot8(uint4 e, const float (&xf)[8], float acc) 
 // Sum over the 32 lanes (xor butterfly: every lane ends with the same, fixed-order sum).
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  for (int m = 16; m >= 1; m >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, m));
   return v;
 }
+__device__ __forceinline__ void store_1x16(const Params1x16& p, int t, int row, float v) {
+  Epi::load(p.scales, p.bias, p.res + (size_t)t * p.N, row, p.has_bias, p.has_res)
+      .store(p.y + (size_t)t * p.N, row, v, p.has_bias, p.has_res);
+}
 
+// kM: activation-row bucket (p.rows <= kM; rows past p.rows repeat the last one and are not stored).
+template <int kM>
 __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p) {
-  __shared__ float red[kWarps][kRows16];
+  __shared__ float red[kWarps][kRows16][kM];
   trapetum_pdl::allow_dependents();
   trapetum_pdl::wait_inputs();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -599,11 +627,16 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
   const uint16_t* crow[kRows16];
 #pragma unroll
   for (int r = 0; r < kRows16; ++r) crow[r] = p.codes + (size_t)min(row0 + r, p.N - 1) * p.G;
-  float acc[kRows16];
+  const uint4* xrow[kM];
+#pragma unroll
+  for (int t = 0; t < kM; ++t)
+    xrow[t] = reinterpret_cast<const uint4*>(p.x + (size_t)(kM == 1 ? 0 : min(t, p.rows - 1)) * 8 * p.G);
+  float acc[kRows16][kM];
   uint32_t nxt[kRows16];
 #pragma unroll
   for (int r = 0; r < kRows16; ++r) {
-    acc[r] = 0.f;
+#pragma unroll
+    for (int t = 0; t < kM; ++t) acc[r][t] = 0.f;
     nxt[r] = (kq * 32 + lane < p.G) ? __ldcs(crow[r] + kq * 32 + lane) : 0u;
   }
   for (int c = kq; c < nch; c += ks) {
@@ -615,43 +648,48 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
       nxt[r] = gn < p.G ? __ldcs(crow[r] + gn) : 0u;
     }
     if (g < p.G) {
-      uint4 e[kRows16];
+      uint4 e[kRows16];  // gathered once for every activation row
 #pragma unroll
       for (int r = 0; r < kRows16; ++r) e[r] = __ldg(p.cb + cur[r]);
-      const uint4 xv = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(p.x) + g);
-      const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-      float xf[8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&xw[i]));
-        xf[2 * i] = f.x;
-        xf[2 * i + 1] = f.y;
+      for (int t = 0; t < kM; ++t) {
+        const uint4 xv = trapetum_pdl::ld_input(xrow[t] + g);
+        const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+        float xf[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&xw[i]));
+          xf[2 * i] = f.x, xf[2 * i + 1] = f.y;
+        }
+#pragma unroll
+        for (int r = 0; r < kRows16; ++r) acc[r][t] = dot8(e[r], xf, acc[r][t]);
       }
-#pragma unroll
-      for (int r = 0; r < kRows16; ++r) acc[r] = dot8(e[r], xf, acc[r]);
     }
   }
 #pragma unroll
-  for (int r = 0; r < kRows16; ++r) acc[r] = warp_sum(acc[r]);
+  for (int r = 0; r < kRows16; ++r)
+#pragma unroll
+    for (int t = 0; t < kM; ++t) acc[r][t] = warp_sum(acc[r][t]);
   if (ks == 1) {
 #pragma unroll
-    for (int r = 0; r < kRows16; ++r)
-      if (lane == r && row0 + r < p.N)
-        Epi::load(p.scales, p.bias, p.res, row0 + r, p.has_bias, p.has_res).store(p.y, row0 + r, acc[r], p.has_bias,
-                                                                                 p.has_res);
+    for (int t = 0; t < kM; ++t)
+#pragma unroll
+      for (int r = 0; r < kRows16; ++r)
+        if (lane == r && t < p.rows && row0 + r < p.N) store_1x16(p, t, row0 + r, acc[r][t]);
     return;
   }
   if (lane == 0)
 #pragma unroll
-    for (int r = 0; r < kRows16; ++r) red[warp][r] = acc[r];
+    for (int r = 0; r < kRows16; ++r)
+#pragma unroll
+      for (int t = 0; t < kM; ++t) red[warp][r][t] = acc[r][t];
   __syncthreads();
-  if (threadIdx.x < rows_per_block) {
-    const int rs2 = threadIdx.x / kRows16, r = threadIdx.x % kRows16;
-    const int row = blockIdx.x * rows_per_block + threadIdx.x;
+  for (int i = threadIdx.x; i < rows_per_block * kM; i += kThreads) {  // (block row, activation row t)
+    const int t = i / rows_per_block, br = i % rows_per_block, rs2 = br / kRows16, r = br % kRows16;
+    const int row = blockIdx.x * rows_per_block + br;
     float v = 0.f;
-    for (int k = 0; k < ks; ++k) v += red[rs2 * ks + k][r];
-    if (row < p.N)
-      Epi::load(p.scales, p.bias, p.res, row, p.has_bias, p.has_res).store(p.y, row, v, p.has_bias, p.has_res);
+    for (int k = 0; k < ks; ++k) v = __fadd_rn(v, red[rs2 * ks + k][r][t]);
+    if (row < p.N && t < p.rows) store_1x16(p, t, row, v);
   }
 }
 #endif  // !TRAPETUM_AQLM_EMU
@@ -659,10 +697,12 @@ __global__ void __launch_bounds__(kThreads) aqlm_1x16_kernel(const Params1x16 p)
 }  // namespace trapetum_aqlm
 
 #ifdef TRAPETUM_SASS_ONLY
-// Both instances of the 2x8 kernel for `nvcc -cubin` + cuobjdump (NOTES-additive.md); the torch launcher
-// instantiates them otherwise.
+// Both instances of the 2x8 kernel (and two 1x16 buckets) for `nvcc -cubin` + cuobjdump (NOTES-additive.md);
+// the torch launcher instantiates them otherwise.
 template __global__ void trapetum_aqlm::aqlm_2x8_kernel<true>(const trapetum_aqlm::Params2x8);
 template __global__ void trapetum_aqlm::aqlm_2x8_kernel<false>(const trapetum_aqlm::Params2x8);
+template __global__ void trapetum_aqlm::aqlm_1x16_kernel<1>(const trapetum_aqlm::Params1x16);
+template __global__ void trapetum_aqlm::aqlm_1x16_kernel<8>(const trapetum_aqlm::Params1x16);
 #endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
@@ -695,10 +735,11 @@ static int max_blocks_2x8(int dev) {
   return cached[dev];
 }
 
+template <int kM>
 static void set_1x16_attributes(int dev) {
   static bool done[kMaxDevices] = {false};
   if (!done[dev]) {  // as much L1 as possible for the codebook
-    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_1x16_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 0));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(aqlm_1x16_kernel<kM>, cudaFuncAttributePreferredSharedMemoryCarveout, 0));
     done[dev] = true;
   }
 }
@@ -709,39 +750,40 @@ static bool half_vec(const torch::Tensor& t, int64_t n) {
 static bool aligned(const torch::Tensor& t, int bytes) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % bytes == 0;
 }
-
-static void check_common(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
-                         const torch::Tensor& scales, const torch::Tensor& bias, const torch::Tensor& res,
-                         const torch::Tensor& y, int64_t has_bias, int64_t has_res) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
-  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.dim() == 3, "codes: [N, G, M]");
-  TORCH_CHECK(cb.device() == x.device() && half_vec(cb, cb.numel()), "codebooks: contiguous fp16");
-  const int64_t N = codes.size(0), G = codes.size(1);
-  TORCH_CHECK(N >= 1 && G >= 1 && x.numel() == G * 8, "x: in_features != 8 * groups");
-  TORCH_CHECK(half_vec(scales, N), "scales: fp16 [N]");
-  TORCH_CHECK(half_vec(y, N), "y: contiguous fp16 [N]");
-  TORCH_CHECK(!has_bias || half_vec(bias, N), "bias: fp16 [N]");
-  TORCH_CHECK(!has_res || half_vec(res, N), "residual: fp16 [N]");
-  TORCH_CHECK(N < (1LL << 31) / 8 && G < (1 << 24), "shape too large");
+// Activation rows of x: [in] (one row) or [rows, in], contiguous fp16 on CUDA, 1 <= rows <= kMaxRows.
+static int64_t x_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && (x.dim() == 1 || x.dim() == 2) && half_vec(x, x.numel()),
+              "x: contiguous fp16 [in] or [rows, in]");
+  const int64_t rows = x.dim() == 2 ? x.size(0) : 1;
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "x: 1 to 16 activation rows");
+  return rows;
+}
+static const half* half_ptr(const torch::Tensor& t) { return reinterpret_cast<const half*>(t.data_ptr<at::Half>()); }
+static int device_index(const torch::Tensor& x) {
+  const int dev = x.get_device();
+  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
+  return dev;
 }
 }  // namespace trapetum_aqlm
 
-// meta: CPU int64 [P, 5], one row per part: (rows N, byte offset in codes[q], row stride, slice stride,
-// packed): packed = 1 for the "slices" layout of pack_2x8 (row stride 64, slice stride 64 * 16 * groups,
-// bytes permuted by packed_pos), 0 for a layout read as stored; all parts of a launch share it.
-// codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias, res: [sum N]; y: [sum N], or
-// with act = 1 (SiLU) / 2 (GELU-tanh) and two parts of N rows (gate, up, no residual): y [N] = act(gate) * up.
-void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
-                   torch::Tensor res, torch::Tensor y, torch::Tensor partial, torch::Tensor meta,
-                   int64_t has_bias, int64_t has_res, int64_t blocks_per_sm, int64_t act) {
+// x: fp16 [in] or [rows, in] (rows <= 16). meta: CPU int64 [P, 5], one row per part: (rows N, byte offset in
+// codes[q], row stride, slice stride, packed): packed = 1 for the "slices" layout of pack_2x8 (row stride 64,
+// slice stride 64 * 16 * groups, bytes permuted by packed_pos), 0 for a layout read as stored; all parts of a
+// launch share it. codes: one byte buffer per part; cb: fp16 [P, 2, 256, 8]; scales, bias: [sum N]; res, y:
+// [rows, sum N], or with act = 1 (SiLU) / 2 (GELU-tanh) and two parts of N rows (gate, up, no residual):
+// y [rows, N] = act(gate) * up. partial: fp32, rows * (floats of the parts). pdl: programmatic launch.
+void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales,
+                   torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor partial, torch::Tensor meta,
+                   int64_t has_bias, int64_t has_res, int64_t blocks_per_sm, int64_t act, int64_t pdl) {
   using namespace trapetum_aqlm;
-  TORCH_CHECK(x.is_cuda() && x.dim() == 1 && half_vec(x, x.numel()), "x: contiguous fp16 [in]");
+  const int64_t R = x_rows(x);
   TORCH_CHECK(meta.device().is_cpu() && meta.scalar_type() == at::kLong && meta.is_contiguous() && meta.dim() == 2 &&
               meta.size(1) == kMetaCols && meta.size(0) >= 1 && meta.size(0) <= kMaxParts,
               "meta: int64 [parts <= 4, 5] on the CPU");
   const int P = meta.size(0);
-  const int64_t G = x.numel() / 8;
-  TORCH_CHECK(x.numel() == G * 8 && G >= 1 && G % 8 == 0 && G < (1 << 24), "x: in_features must be a multiple of 64");
+  const int64_t G = x.numel() / R / 8;
+  TORCH_CHECK(x.numel() == R * G * 8 && G >= 1 && G % 8 == 0 && G < (1 << 24),
+              "x: in_features must be a multiple of 64");
   TORCH_CHECK((int)codes.size() == P, "codes: one buffer per part");
   const uint8_t* cptr[kMaxParts];
   for (int q = 0; q < P; ++q) {
@@ -773,77 +815,90 @@ void aqlm_gemv_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Ten
   }
   Params2x8 p;
   const PartTotals tot = fill_parts(p.part, P, reinterpret_cast<const long long*>(m), cptr, cb.data_ptr(), nslices);
-  const int64_t rows = tot.rows, floats = tot.floats;
+  const int64_t rows = tot.rows, floats = tot.floats, out_rows = act ? rows / 2 : rows;
   TORCH_CHECK(rows < (1LL << 31), "too many rows");
   TORCH_CHECK(half_vec(scales, rows), "scales: fp16 [rows of all parts]");
   TORCH_CHECK(act >= 0 && act <= 2, "act: 0 (none), 1 (silu) or 2 (gelu_tanh)");
   TORCH_CHECK(!act || (P == 2 && m[0] == m[kMetaCols] && !has_res), "act: a gate/up pair of equal parts, no residual");
-  TORCH_CHECK(y.device() == x.device() && half_vec(y, act ? rows / 2 : rows), "y: contiguous fp16 [rows] ([rows / 2] with act)");
+  TORCH_CHECK(y.device() == x.device() && half_vec(y, R * out_rows),
+              "y: contiguous fp16 [x rows, rows] ([x rows, rows / 2] with act)");
   TORCH_CHECK(!has_bias || half_vec(bias, rows), "bias: fp16 [rows]");
-  TORCH_CHECK(!has_res || half_vec(res, rows), "residual: fp16 [rows]");
-  TORCH_CHECK(partial.scalar_type() == at::kFloat && partial.is_contiguous() && partial.numel() >= floats, "partial");
+  TORCH_CHECK(!has_res || (res.device() == x.device() && half_vec(res, R * rows)), "residual: fp16 [x rows, rows]");
+  TORCH_CHECK(partial.device() == x.device() && partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+              partial.numel() >= R * floats, "partial: fp32, x rows * floats");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int dev = x.get_device();
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
+  const int dev = device_index(x);
   const int fit = packed ? max_blocks_2x8<true>(dev) : max_blocks_2x8<false>(dev);
   const int bps = std::max(1, std::min<int>((int)blocks_per_sm, fit));
-  p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
-  p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
-  p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
-  p.res = has_res ? reinterpret_cast<const half*>(res.data_ptr<at::Half>()) : nullptr;
+  p.x = half_ptr(x);
+  p.scales = half_ptr(scales);
+  p.bias = has_bias ? half_ptr(bias) : nullptr;
+  p.res = has_res ? half_ptr(res) : nullptr;
   p.y = reinterpret_cast<half*>(y.data_ptr<at::Half>());
   p.partial = partial.data_ptr<float>();
-  p.nparts = P;
-  p.G = (int)G;
-  p.nslices = nslices;
-  p.has_bias = (int)has_bias;
-  p.has_res = (int)has_res;
-  p.units = tot.units;
-  p.act = (int)act;
-  const long long grid = std::min<long long>(p.units, (long long)bps * sm_count(dev));
+  p.nparts = P, p.G = (int)G, p.nslices = nslices, p.has_bias = (int)has_bias, p.has_res = (int)has_res;
+  p.units = tot.units, p.act = (int)act, p.rows = (int)R, p.floats = floats, p.y_stride = out_rows, p.res_stride = rows;
+  const long long ranges = std::min<long long>(p.units, (long long)bps * sm_count(dev));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  C10_CUDA_CHECK(trapetum_pdl::launch(packed ? aqlm_2x8_kernel<true> : aqlm_2x8_kernel<false>, (unsigned)grid, kThreads,
-                                      kSmemBytes, stream, p));
-  const int64_t out_rows = act ? rows / 2 : rows;
-  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel, (unsigned)((out_rows + kReduceRows - 1) / kReduceRows),
-                                      kThreads, 0, stream, p));
+  C10_CUDA_CHECK(trapetum_pdl::launch(packed ? aqlm_2x8_kernel<true> : aqlm_2x8_kernel<false>,
+                                      dim3((unsigned)(ranges * R)), dim3(kThreads), kSmemBytes, stream, pdl != 0, p));
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_2x8_reduce_kernel,
+                                      dim3((unsigned)((out_rows + kReduceRows - 1) / kReduceRows), (unsigned)R),
+                                      dim3(kThreads), 0, stream, pdl != 0, p));
 }
 
-// ks_log2 < 0: pick the k-split from the shape (enough warps to fill the GPU, >= 2 chunks per warp).
+namespace trapetum_aqlm {
+template <int kM>
+static void launch_1x16(const Params1x16& p, int grid, int dev, bool pdl) {
+  set_1x16_attributes<kM>(dev);
+  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_1x16_kernel<kM>, dim3(grid), dim3(kThreads), 0,
+                                      c10::cuda::getCurrentCUDAStream().stream(), pdl, p));
+}
+}  // namespace trapetum_aqlm
+
+// x: fp16 [in] or [rows, in] (rows <= 16); res, y: [rows, N]. ks_log2 < 0: pick the k-split from the shape
+// (enough warps to fill the GPU, >= 2 chunks per warp; never from the rows: every row's bits are the one-row
+// launch's). The row bucket (1, 2, 4, 8, 16) is the smallest that holds the rows.
 void aqlm_gemv_1x16(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor scales, torch::Tensor bias,
-                    torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2) {
+                    torch::Tensor res, torch::Tensor y, int64_t has_bias, int64_t has_res, int64_t ks_log2,
+                    int64_t pdl) {
   using namespace trapetum_aqlm;
-  check_common(x, codes, cb, scales, bias, res, y, has_bias, has_res);
-  const int N = codes.size(0), G = codes.size(1);
+  const int64_t R = x_rows(x);
+  TORCH_CHECK(codes.device() == x.device() && codes.is_contiguous() && codes.dim() == 3, "codes: [N, G, M]");
+  TORCH_CHECK(cb.device() == x.device() && half_vec(cb, cb.numel()), "codebooks: contiguous fp16");
+  const int64_t N = codes.size(0), G = codes.size(1);
+  TORCH_CHECK(N >= 1 && G >= 1 && x.numel() == R * G * 8, "x: in_features != 8 * groups");
+  TORCH_CHECK(N < (1LL << 31) / 16 && G < (1 << 24), "shape too large");
   TORCH_CHECK(codes.scalar_type() == at::kShort && codes.size(2) == 1 && cb.numel() == 65536 * 8, "1x16 layout");
+  TORCH_CHECK(half_vec(scales, N), "scales: fp16 [N]");
+  TORCH_CHECK(y.device() == x.device() && half_vec(y, R * N), "y: contiguous fp16 [rows, N]");
+  TORCH_CHECK(!has_bias || half_vec(bias, N), "bias: fp16 [N]");
+  TORCH_CHECK(!has_res || (res.device() == x.device() && half_vec(res, R * N)), "residual: fp16 [rows, N]");
   TORCH_CHECK(aligned(x, 16) && aligned(cb, 16), "x, codebook: 16-byte aligned");
   TORCH_CHECK(ks_log2 <= 3, "ks_log2");
   const c10::cuda::CUDAGuard guard(x.device());
-  const int dev = x.get_device();
-  TORCH_CHECK(dev >= 0 && dev < kMaxDevices, "device index");
-  set_1x16_attributes(dev);
+  const int dev = device_index(x);
   int ks = (int)ks_log2;
   if (ks < 0) {
     const long long rowsets = (N + kRows16 - 1) / kRows16, want = 32LL * sm_count(dev);
-    const int nch = (G + 31) / 32;
+    const int nch = (int)((G + 31) / 32);
     ks = 0;
     while (ks < 3 && (rowsets << ks) < want && nch >= (4 << ks)) ++ks;
   }
   Params1x16 p;
-  p.x = reinterpret_cast<const half*>(x.data_ptr<at::Half>());
+  p.x = half_ptr(x);
   p.codes = reinterpret_cast<const uint16_t*>(codes.data_ptr());
   p.cb = reinterpret_cast<const uint4*>(cb.data_ptr<at::Half>());
-  p.scales = reinterpret_cast<const half*>(scales.data_ptr<at::Half>());
-  p.bias = has_bias ? reinterpret_cast<const half*>(bias.data_ptr<at::Half>()) : nullptr;
-  p.res = has_res ? reinterpret_cast<const half*>(res.data_ptr<at::Half>()) : nullptr;
+  p.scales = half_ptr(scales);
+  p.bias = has_bias ? half_ptr(bias) : p.scales;
+  p.res = has_res ? half_ptr(res) : p.scales;  // read only if has_res
   p.y = reinterpret_cast<half*>(y.data_ptr<at::Half>());
-  p.N = N;
-  p.G = G;
-  p.ks_log2 = ks;
-  p.has_bias = (int)has_bias;
-  p.has_res = (int)has_res;
+  p.N = (int)N, p.G = (int)G, p.ks_log2 = ks, p.has_bias = (int)has_bias, p.has_res = (int)has_res, p.rows = (int)R;
   const int rows_per_block = kRows16 * (kWarps >> ks);
-  const int grid = (N + rows_per_block - 1) / rows_per_block;
-  C10_CUDA_CHECK(trapetum_pdl::launch(aqlm_1x16_kernel, grid, kThreads, 0, c10::cuda::getCurrentCUDAStream().stream(), p));
+  const int grid = (int)((N + rows_per_block - 1) / rows_per_block);
+  const bool on = pdl != 0;
+  auto launch = R == 1 ? launch_1x16<1> : R == 2 ? launch_1x16<2> : R <= 4 ? launch_1x16<4> : R <= 8 ? launch_1x16<8>
+                                                                                                     : launch_1x16<16>;
+  launch(p, grid, dev, on);
 }
 #endif  // TRAPETUM_TORCH_LAUNCHER

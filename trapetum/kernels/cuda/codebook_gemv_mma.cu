@@ -1,25 +1,44 @@
-// Tensor-core per-row codebook GEMV (4-bit and 8-bit), batch M = 1..16.
+// Tensor-core per-row codebook GEMV (4-bit and 8-bit), M = 1..16 activation rows; 4-bit dequantization.
 //
 // y[m, r] = sum_c x[m, c] * codebook[r, idx(r, c)]  (+ residual[m, r]), fp32 accumulation.
 //
-// Design (see NOTES-kernels.md for the instruction budget):
-//  * One block = 16 weight rows x the whole input dimension; 8 warps split the input dimension
-//    and their partial sums are added in a fixed order (no atomics: bitwise reproducible).
+// Design (NOTES-kernels.md has the instruction budget and the measurements):
+//  * One block = 16 weight rows x the whole input dimension. The input is cut into chunks of 64 code bytes per
+//    row; warp w (of 8) takes chunks w, w + 8, w + 16, ... in that order, and the 8 partial sums are added in a
+//    fixed order (no atomics: bitwise reproducible).
 //  * Per block a lookup table in shared memory, [entry e][half h][lane] 32-bit words (64 KB):
-//      4-bit: entry e = one code byte -> half2 (codebook[e & 15], codebook[e >> 4]), i.e. the
-//             two weights of columns 2j, 2j+1 in one lookup;
+//      4-bit: entry e = one code byte -> half2 (codebook[e & 15], codebook[e >> 4]), the two weights of columns
+//             2j, 2j+1 in one lookup;
 //      8-bit: entry e -> codebook[e] in the low half.
-//    Lane (g, t) of every warp reads row (g + 8h)'s table at word e*64 + h*32 + lane: each row's
-//    table is stored 4 times (once per t), so the 32 lanes of one LDS hit 32 distinct banks.
-//    The byte address (e << 8) | (lane << 2) comes from the code word with one PRMT.
-//  * The looked-up half2 words are exactly the A operand of mma.sync.m16n8k16 (rows g and g+8,
-//    k pairs); x is the B operand (n = activation row), so M <= 8 costs one mma per 256 weights
-//    and M <= 16 two. The mma's k order is a permutation of the input columns, applied to x
-//    identically, so the canonical code layout can be read as stored (variants 3-7); variant 11
-//    reads codes tiled once at load (``tile_codes``) so that each warp load is 512 contiguous bytes.
-//  * Codes are streamed with 16-byte loads (ld.global.nc.L1::no_allocate), two chunks ahead.
-// Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for
-// 4-bit, in % 64 == 0 for 8-bit), M <= 16, sm_80+.
+//    Lane (g, t) of every warp reads row (g + 8h)'s table at word e*64 + h*32 + lane: each row's table is stored
+//    4 times (once per t), so the 32 lanes of one LDS hit 32 distinct banks. The byte address
+//    (e << 8) | (lane << 2) comes from the code word with one PRMT.
+//  * The looked-up half2 words are the A operand of mma.sync.m16n8k16 (rows g and g+8, k pairs); x is the B
+//    operand (column n = activation row), so M <= 8 costs one mma per 256 weights and M <= 16 two (n-tiles
+//    NT = 1, 2). The mma's k order is a permutation of the input columns applied to x identically, so the
+//    canonical code layout can be read as stored (TILED = false); TILED = true reads codes tiled once at load
+//    (codebook_layout.tile_codes) so that each warp code load is 512 contiguous bytes. Both give the same bits.
+//  * Codes are streamed with 16-byte loads (ld.global.nc.L1::no_allocate) two chunks ahead, x one chunk ahead.
+//
+// Batch invariance (speculative verify runs M rows): row m of an M-row call has exactly the bits of an M = 1
+// call on that row, whatever the other rows hold. For output (m, r) warp w computes the chain
+// acc_w = mma(... mma(mma(0, chunk w), chunk w + 8) ...) in mma column n = m % 8 of n-tile m / 8, and
+// y = round(acc_0 + acc_1 + ... + acc_7 (+ residual)) in that order. The A operands and the k order do not depend
+// on M; column n of B holds x[m] only; column n of an mma's D depends only on A, column n of B and column n of C,
+// computed alike for every n; n-tile 1 (M > 8) has accumulators of its own fed the same A, so n-tile 0's chains
+// are those of NT = 1; the reduction and the epilogue are per (m, r). Columns n >= M are zeros, never stored.
+// How x reaches the registers (below) changes addresses, not values. tests/test_kernels_gemv.py pins it.
+//
+// x delivery. The B fragment of lane (g, t) for one chunk is row g's 64 (4-bit) / 32 (8-bit) contiguous bytes of
+// that chunk. Read from row-major x, a warp instruction touches 2 rows x 2 lines per quarter-warp: 4 L1 wavefronts
+// per 128 useful bytes; at M = 8 that is 64 wavefronts per 2,048-weight chunk, twice the table lookups, and the
+// multi-row GEMV was L1-bound on it. So for M >= kFragRows the launcher first copies x into fragment order
+// (x_fragments_kernel, one small launch): 16-byte piece i of lane t's columns of chunk c of row m goes to piece
+// index ((c * PT + i) * M + m) * 4 + t (PT = 4 pieces per lane and chunk at 4 bits, 2 at 8 bits), so that every
+// warp instruction reads 512 contiguous bytes (16 wavefronts per chunk at M = 8, 32 at M = 16). M = 1 and 2 read
+// x in place (M = 1 is the decode path: no copy, no extra launch; only the lanes of row 0 load).
+// Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for 4-bit,
+// in % 64 == 0 for 8-bit), 1 <= M <= 16, sm_80+.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
@@ -34,6 +53,7 @@ namespace trapetum_mma {
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kTabWords = 2 * 256 * 32;  // 64 KB
+constexpr int kFragRows = 3;             // x copied into fragment order from this many activation rows on
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
   uint4 r;
@@ -62,77 +82,39 @@ __device__ __forceinline__ uint32_t lds(uint32_t addr) {
 }
 
 template <int BITS>
-struct XWords { static constexpr int value = (BITS == 4) ? 16 : 8; };  // half2 words of x per lane-chunk
+struct XWords { static constexpr int value = (BITS == 4) ? 16 : 8; };  // half2 words of x per lane and chunk
+template <int BITS>
+struct XPieces { static constexpr int value = XWords<BITS>::value / 4; };  // 16-byte pieces per lane and chunk
 
-// x words of one lane-chunk for activation rows g (nt = 0) and g + 8 (nt = 1).
-// Columns n >= M of the mma result are never read. XP = false: lanes past M load row M-1 (valid,
-// unused; at M = 1 all 8 lane groups read the same x, 8x the L1 wavefronts). XP = true: lanes
-// past M skip the load and keep the zeros their registers were initialised with.
-template <int BITS, int NT, bool XP>
+// x words of chunk c for lane (g, t): activation rows g (nt = 0) and g + 8 (nt = 1). Lanes whose row is past M
+// skip the load and keep the zeros their registers were initialised with (columns n >= M are never read).
+// XF = false: x row-major [M, K]; XF = true: x in fragment order (file comment, x_fragments_kernel).
+template <int BITS, int NT, bool XF>
 __device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], const half* __restrict__ x,
-                                       int M, int K, int g, int off) {
-  constexpr int XW = XWords<BITS>::value;
-  const int col0 = (BITS == 4) ? 2 * off : off;
+                                       int M, int K, int g, int t, int c) {
+  constexpr int PT = XPieces<BITS>::value;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    if (XP && nt * 8 + g >= M) continue;
+    if (nt * 8 + g >= M) continue;
     const int m = min(nt * 8 + g, M - 1);
-    const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)m * K + col0);
+    const int off = c * 64 + t * 16;  // byte offset of the lane's codes in the row (XF = false)
+    const uint4* xp = XF ? reinterpret_cast<const uint4*>(x) + ((size_t)c * PT * M + m) * 4 + t
+                         : reinterpret_cast<const uint4*>(x + (size_t)m * K + ((BITS == 4) ? 2 * off : off));
+    const int step = XF ? M * 4 : 1;  // uint4 between a lane's pieces
 #pragma unroll
-    for (int i = 0; i < XW / 4; ++i) {
-      uint4 v = trapetum_pdl::ld_input(xp + i);  // x: written by the previous kernel
+    for (int i = 0; i < PT; ++i) {
+      const uint4 v = trapetum_pdl::ld_input(xp + i * step);  // x: written by the previous kernel
       xw[nt][4 * i + 0] = v.x; xw[nt][4 * i + 1] = v.y;
       xw[nt][4 * i + 2] = v.z; xw[nt][4 * i + 3] = v.w;
     }
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// V = 4 (4-bit only): no shared-memory table. Each lane keeps the 16-entry codebooks of its two
-// rows as byte planes in registers (low bytes L[4], high bytes H[4]: 8 registers per row) and
-// dequantizes 4 weights (one 16-bit piece = 4 nibbles) with byte permutes:
-//   s7 = v & 0x7777                    byte index inside each 8-entry half
-//   sf = ((v >> 1) & 0x4444) | 0x3210  per output byte: take half 0 or half 1 (bit 3 of the nibble)
-//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf); hi likewise from H
-//   A-operand pairs = PRMT(lo, hi, 0x5140), PRMT(lo, hi, 0x7362)
-// 11 ALU instructions per 4 weights and no shared-memory traffic: the V3 kernel was bound by the
-// L1/shared-memory pipe (ncu: L1/TEX 83%, MIO-queue stalls), this one by instruction issue.
-// Raw PTX prmt: selectors here never set bit 3, and going around __byte_perm keeps nvcc from
-// re-masking every selector (it emits an extra LOP3 per __byte_perm with a run-time selector).
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// s7 / sf: selectors of one 16-bit piece (see above), computed for both pieces of a word at once.
-__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                     uint32_t& p01, uint32_t& p23) {
-  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
-  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
-  p01 = __byte_perm(lo, hi, 0x5140);
-  p23 = __byte_perm(lo, hi, 0x7362);
-}
-
-__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
-  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
-    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
-  }
-}
-
-// The code stream of one lane: 16 bytes of rows g and g+8 of a 16-row tile per 64-byte chunk.
-// Canonical layout (TILED = false): rows past N read row N-1 (valid loads; never stored); a warp load
-// touches 8 rows (8 L1 wavefronts). Tiled layout (TILED = true, ``tile_codes`` in codebook_gemv.py,
-// made once at load): per 16-row tile, chunk c's 1,024 bytes are [h][g][t][16 B] (h: rows g / g+8),
-// so each warp load is 512 contiguous bytes (4 wavefronts); rows are padded to 16.
-// PP = false: chunks past the end re-read the last chunk (unpredicated, never computed); PP = true:
-// they are not loaded at all.
-template <bool PP, bool TILED>
+// The code stream of one lane: 16 bytes of rows g and g+8 of a 16-row tile per 64-byte chunk; chunks past the
+// end are not loaded. Canonical layout (TILED = false): rows past N read row N-1 (valid loads; never stored); a
+// warp load touches 8 rows (8 L1 wavefronts). Tiled layout (TILED = true): per 16-row tile, chunk c's 1,024 bytes
+// are [h][g][t][16 B] (h: rows g / g+8), so each warp load is 512 contiguous bytes (4 wavefronts); rows padded to 16.
+template <bool TILED>
 struct CodeStream {
   const uint8_t* pa;
   const uint8_t* pb;
@@ -144,15 +126,9 @@ struct CodeStream {
                  : codes + (size_t)min(row0 + g + 8, N - 1) * KB + t * 16),
         nchunks((KB + 63) >> 6) {}
   __device__ __forceinline__ void load(int c, uint4& qa, uint4& qb) const {
-    if (PP) {
-      if (c < nchunks) {
-        qa = ld_stream(pa + c * kStride);
-        qb = ld_stream(pb + c * kStride);
-      }
-    } else {
-      const int cc = min(c, nchunks - 1);
-      qa = ld_stream(pa + cc * kStride);
-      qb = ld_stream(pb + cc * kStride);
+    if (c < nchunks) {
+      qa = ld_stream(pa + c * kStride);
+      qb = ld_stream(pb + c * kStride);
     }
   }
 };
@@ -235,34 +211,26 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
   }
 }
 
-
-// EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per
-// 16-row tile; y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F.
-// V = 3: conflict-free register-sourced table build, x prefetched one chunk ahead (M<=8).
-// V = 5: V = 3 with x loaded only by the lanes whose activation row exists (load_x's XP).
-// V = 7: V = 5 with no loads past the last chunk (the clamped prefetches re-read the last chunk:
-//        +25% code traffic through L1 at in = 8192, +50% at in = 4096).
-// V = 11: V = 7 on the tiled code layout (a warp's code load is 512 contiguous bytes: 4 L1 wavefronts
-//        instead of 8); rows of `codes` padded to 16.
-// (Measured and removed, see NOTES-kernels.md and git history: V = 2, the first version; V = 6, V = 4
-// with XP; V = 8-10, hybrids looking up 2-4 of every 8 tiles with V = 4's PRMT method.)
-template <int BITS, int NT, int EPI, int V>
+// EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per 16-row tile;
+// y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F. NT: n-tiles (M <= 8: 1, M <= 16: 2).
+// (Earlier variants, measured and moved to kernels/cuda/experimental/codebook_gemv_variants.cu or removed: see
+// NOTES-kernels.md. This kernel is variant 7 (canonical codes) and 11 (tiled codes) of those notes.)
+template <int BITS, int NT, int EPI, bool TILED, bool XF>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
-  constexpr bool XP = V >= 5, PP = V >= 7, TILED = V == 11;
   trapetum_pdl::allow_dependents();
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  const CodeStream<PP, TILED> cs(codes, N, KB, row0, g, t);
+  const CodeStream<TILED> cs(codes, N, KB, row0, g, t);
   const int nchunks = cs.nchunks;
   auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
 
-  // Two chunks in flight before the table build, so DRAM latency overlaps it.
-  // (with PP, registers of chunks past the end are left unloaded: they are never computed)
+  // Two chunks in flight before the table build, so DRAM latency overlaps it
+  // (registers of chunks past the end are left unloaded: they are never computed).
   uint4 qa0, qb0, qa1, qb1;
   load(warp, qa0, qb0);
   load(warp + kWarps, qa1, qb1);
@@ -308,113 +276,78 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   constexpr int XW = XWords<BITS>::value;
-  const int offt = t * 16;
 
-  if (NT == 1) {
-    // one chunk per step; codes two steps ahead, x one step ahead
-    uint32_t xw0[NT][XW] = {}, xw1[NT][XW] = {};
-    load_x<BITS, NT, XP>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
-    for (int c = warp; c < nchunks; c += kWarps) {
-      uint4 qa2, qb2;
-      load(c + 2 * kWarps, qa2, qb2);
-      load_x<BITS, NT, XP>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
-      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
-      qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
+  // one chunk per step; codes two steps ahead, x one step ahead
+  uint32_t xw0[NT][XW] = {}, xw1[NT][XW] = {};
+  load_x<BITS, NT, XF>(xw0, x, M, K, g, t, min(warp, nchunks - 1));
+  for (int c = warp; c < nchunks; c += kWarps) {
+    uint4 qa2, qb2;
+    load(c + 2 * kWarps, qa2, qb2);
+    load_x<BITS, NT, XF>(xw1, x, M, K, g, t, min(c + kWarps, nchunks - 1));
+    compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw0);
+    qa0 = qa1; qb0 = qb1; qa1 = qa2; qb1 = qb2;
 #pragma unroll
-      for (int i = 0; i < XW; ++i) xw0[0][i] = xw1[0][i];
-    }
-  } else {
-    uint32_t xw[NT][XW] = {};
-    for (int c = warp; c < nchunks; c += 2 * kWarps) {
-      uint4 qa2, qb2, qa3, qb3;
-      load(c + 2 * kWarps, qa2, qb2);
-      load_x<BITS, NT, XP>(xw, x, M, K, g, c * 64 + offt);
-      compute_chunk<BITS, NT>(acc, qa0, qb0, sb, lane4, xw);
-      load(c + 3 * kWarps, qa3, qb3);
-      if (c + kWarps < nchunks) {
-        load_x<BITS, NT, XP>(xw, x, M, K, g, (c + kWarps) * 64 + offt);
-        compute_chunk<BITS, NT>(acc, qa1, qb1, sb, lane4, xw);
-      }
-      qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
-    }
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < XW; ++i) xw0[nt][i] = xw1[nt][i];
   }
 
   __syncthreads();  // every warp is done with the table: reuse it for the reduction
   reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
 }
 
-template <int NT>
-__device__ __forceinline__ void compute_chunk_prmt(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
-                                                   const uint32_t (&LA)[4], const uint32_t (&HA)[4],
-                                                   const uint32_t (&LB)[4], const uint32_t (&HB)[4],
-                                                   const uint32_t (&xw)[NT][16]) {
-  const uint32_t wa4[4] = {qa.x, qa.y, qa.z, qa.w};
-  const uint32_t wb4[4] = {qb.x, qb.y, qb.z, qb.w};
-  uint32_t base;  // 0x32103210 kept in a register so that sf is one LOP3: (w >> 1 & 0x44..) | base
-  asm("mov.b32 %0, 0x32103210;" : "=r"(base));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // word i holds tiles 2i (low 16 bits) and 2i+1 (high 16 bits)
-    const uint32_t a7 = wa4[i] & 0x77777777u, af = ((wa4[i] >> 1) & 0x44444444u) | base;
-    const uint32_t b7 = wb4[i] & 0x77777777u, bf = ((wb4[i] >> 1) & 0x44444444u) | base;
-#pragma unroll
-    for (int half_ = 0; half_ < 2; ++half_) {
-      const int j = 2 * i + half_;
-      const int sh = 16 * half_;
-      uint32_t A[4];
-      lut4(a7 >> sh, af >> sh, LA, HA, A[0], A[2]);
-      lut4(b7 >> sh, bf >> sh, LB, HB, A[1], A[3]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, xw[nt][2 * j], xw[nt][2 * j + 1]);
-    }
-  }
-}
-
-template <int NT, int EPI>
-__global__ void __launch_bounds__(kThreads, 2)
-cb_gemv_prmt_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
-                    const half* __restrict__ cb, const half* __restrict__ res,
-                    half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
-  __shared__ float red[kWarps * NT * 4 * 32];
+// x [M, K] row-major -> fragment order (file comment): thread q copies the 16-byte piece q of x (coalesced reads,
+// 16-byte scattered writes). PDL: it lets the GEMV after it start its weight-only prologue at once, and waits for
+// the previous kernel before reading x or writing xf (the previous GEMV may still read the memory xf reuses).
+template <int PT>
+__global__ void __launch_bounds__(256)
+x_fragments_kernel(const half* __restrict__ x, half* __restrict__ xf, int M, int K) {
   trapetum_pdl::allow_dependents();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16;
-  const int ra = min(row0 + g, N - 1), rb = min(row0 + g + 8, N - 1);
-  const CodeStream<false, false> cs(codes, N, KB, row0, g, t);
-  const int nchunks = cs.nchunks;
-  auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
-  uint4 qa0, qb0, qa1, qb1;
-  load(warp, qa0, qb0);
-  load(warp + kWarps, qa1, qb1);
-  uint32_t LA[4], HA[4], LB[4], HB[4];
-  load_planes(cb, ra, LA, HA);
-  load_planes(cb, rb, LB, HB);
-  trapetum_pdl::wait_inputs();  // codes and codebook above; x below
-  float acc[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  const int offt = t * 16;
-  uint32_t xw0[NT][16] = {}, xw1[NT][16] = {};
-  load_x<4, NT, false>(xw0, x, M, K, g, min(warp, nchunks - 1) * 64 + offt);
-  for (int c = warp; c < nchunks; c += 2 * kWarps) {  // two chunks per step: x ping-pongs
-    uint4 qa2, qb2, qa3, qb3;
-    load(c + 2 * kWarps, qa2, qb2);
-    load_x<4, NT, false>(xw1, x, M, K, g, min(c + kWarps, nchunks - 1) * 64 + offt);
-    compute_chunk_prmt<NT>(acc, qa0, qb0, LA, HA, LB, HB, xw0);
-    load(c + 3 * kWarps, qa3, qb3);
-    load_x<4, NT, false>(xw0, x, M, K, g, min(c + 2 * kWarps, nchunks - 1) * 64 + offt);
-    if (c + kWarps < nchunks) compute_chunk_prmt<NT>(acc, qa1, qb1, LA, HA, LB, HB, xw1);
-    qa0 = qa2; qb0 = qb2; qa1 = qa3; qb1 = qb3;
-  }
-  reduce_store<NT, EPI>(red, acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
+  trapetum_pdl::wait_inputs();
+  const int n8 = K >> 3;  // 16-byte pieces per row
+  const long long q = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (q >= (long long)M * n8) return;
+  const int m = (int)(q / n8), r = (int)(q - (long long)m * n8);
+  const int c = r / (4 * PT), t = (r / PT) & 3, i = r % PT;  // r = (c * 4 + t) * PT + i
+  const uint4 v = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(x) + q);
+  reinterpret_cast<uint4*>(xf)[((size_t)(c * PT + i) * M + m) * 4 + t] = v;
 }
 
 // ---------------------------------------------------------------------------------------------
 // 4-bit dequantization for prefill: W[r, c] = cb[r, idx(r, c)] as a dense fp16 [N, 2*KB] matrix.
-// One thread = 16 code bytes (32 weights) of one row: one 16-byte code load, the row's codebook
-// as byte planes (two 16-byte loads, L1 hits for the row's other threads), V = 4's PRMT lookups,
-// four 16-byte stores. Consecutive threads take consecutive segments of a row: coalesced.
-// Memory-bound at 2.5 bytes per weight. Requires KB % 16 == 0.
+// One thread = 16 code bytes (32 weights) of one row: one 16-byte code load, the row's codebook as byte planes
+// (low bytes L[4], high bytes H[4]; two 16-byte loads, L1 hits for the row's other threads) and byte-permute
+// lookups, four 16-byte stores; consecutive threads take consecutive segments of a row: coalesced.
+// Memory-bound at 2.5 bytes per weight. Requires KB % 16 == 0. Not launched with PDL (a prefill kernel).
+//   Per 16-bit piece v (4 nibbles): s7 = v & 0x7777 (byte index inside each 8-entry half),
+//   sf = ((v >> 1) & 0x4444) | 0x3210 (per output byte: half 0 or 1 = bit 3 of the nibble);
+//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf), hi likewise from H; pairs = PRMT(lo, hi, 0x5140 / 0x7362).
+// Raw PTX prmt: the selectors never set bit 3, and going around __byte_perm keeps nvcc from re-masking them.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
+                                     uint32_t& p01, uint32_t& p23) {
+  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
+  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
+  p01 = __byte_perm(lo, hi, 0x5140);
+  p23 = __byte_perm(lo, hi, 0x7362);
+}
+
+__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
+  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
+  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
+    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
+  }
+}
+
 __global__ void __launch_bounds__(256)
 cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ cb, half* __restrict__ w,
                    int N, int KB) {
@@ -441,11 +374,10 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
-#define TRAPETUM_INST(B, NT, V) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, V>( \
+#define TRAPETUM_INST(B, NT, T, XF) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, T, XF>( \
     const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
-TRAPETUM_INST(4, 1, 3) TRAPETUM_INST(4, 1, 5) TRAPETUM_INST(4, 1, 7) TRAPETUM_INST(4, 2, 7) TRAPETUM_INST(8, 1, 7)
-TRAPETUM_INST(4, 1, 11) TRAPETUM_INST(8, 1, 11)
-template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+TRAPETUM_INST(4, 1, true, false) TRAPETUM_INST(4, 1, true, true) TRAPETUM_INST(4, 2, true, true)
+TRAPETUM_INST(4, 1, false, false) TRAPETUM_INST(8, 1, true, false) TRAPETUM_INST(8, 2, true, true)
 #endif
 
 #ifdef TRAPETUM_TORCH_LAUNCHER
@@ -455,69 +387,48 @@ template __global__ void trapetum_mma::cb_gemv_prmt_kernel<1, 0>(const half*, co
 #include <c10/cuda/CUDAStream.h>
 
 namespace trapetum_mma {
-template <int BITS, int NT, int EPI, int V>
-static void launch(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
-                   const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
-                   int has_res, int F, cudaStream_t stream) {
-  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, V>;
+// Shared-memory carveout (percent of the maximum): all of it for the decode path (3 blocks of 65 KB fit); the
+// multi-row paths ask for the smallest configuration that still holds their blocks (3 x 65 KB of 196 KB at
+// NT = 1, 2 x 65 KB of 132 KB at NT = 2), leaving the rest to L1, where the blocks of an SM share x.
+template <int NT, bool XF>
+struct Carveout { static constexpr int value = !XF ? 100 : (NT == 1 ? 86 : 58); };
+
+struct Args {
+  const half* x; const uint8_t* codes; const half* cb; const half* res; half* y;
+  int M, N, K, KB, has_res, F;
+};
+
+template <int BITS, int NT, int EPI, bool TILED, bool XF>
+static void launch(const Args& a, cudaStream_t stream, bool pdl) {
+  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, TILED, XF>;
   const int smem_bytes = kTabWords * 4;
-  static bool attr_set = false;
-  if (!attr_set) {
+  constexpr int kDevices = 64;
+  static bool attr_set[kDevices] = {};  // function attributes are per device
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kDevices || !attr_set[dev]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    // all of the unified L1/shared array as shared memory, so 3 blocks (3 x 65.5 KB) fit per SM
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    attr_set = true;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, Carveout<NT, XF>::value));
+    if (dev < kDevices) attr_set[dev] = true;
   }
-  const int grid = (N + 15) / 16;
-  C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream,
-      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)codes.data_ptr<uint8_t>(),
-      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
-      reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F));
+  const int grid = (a.N + 15) / 16;
+  C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream, pdl,
+                                      a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F));
 }
 
-template <int NT, int EPI>
-static void launch_prmt(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
-                        const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
-                        int has_res, int F, cudaStream_t stream) {
-  const int grid = (N + 15) / 16;
-  C10_CUDA_CHECK(trapetum_pdl::launch(cb_gemv_prmt_kernel<NT, EPI>, grid, kThreads, 0, stream,
-      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)codes.data_ptr<uint8_t>(),
-      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
-      reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, has_res, F));
+template <int BITS, bool TILED, int NT, bool XF>
+static void by_epi(const Args& a, int epi, cudaStream_t s, bool pdl) {
+  if (epi == 0) launch<BITS, NT, 0, TILED, XF>(a, s, pdl);
+  else if (epi == 1) launch<BITS, NT, 1, TILED, XF>(a, s, pdl);
+  else launch<BITS, NT, 2, TILED, XF>(a, s, pdl);
 }
 
-// One launcher per kernel family; NT (activation rows <= 8 or <= 16) and the epilogue are picked here.
-template <int BITS, int V>
-struct TableKernel {
-  template <int NT, int EPI>
-  static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
-                 torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
-    launch<BITS, NT, EPI, V>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-  }
-};
-struct PrmtKernel {
-  template <int NT, int EPI>
-  static void go(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb, const torch::Tensor& res,
-                 torch::Tensor& y, int M, int N, int K, int KB, int has_res, int F, cudaStream_t s) {
-    launch_prmt<NT, EPI>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-  }
-};
-
-template <class Kern>
-static void dispatch_nt_epi(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& cb,
-                            const torch::Tensor& res, torch::Tensor& y, int M, int N, int K, int KB,
-                            int has_res, int F, int epi, cudaStream_t s) {
-  if (M <= 8) {
-    if (epi == 0) Kern::template go<1, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) Kern::template go<1, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else Kern::template go<1, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-  } else {
-    if (epi == 0) Kern::template go<2, 0>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else if (epi == 1) Kern::template go<2, 1>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-    else Kern::template go<2, 2>(x, codes, cb, res, y, M, N, K, KB, has_res, F, s);
-  }
+// M = 1, 2: x read in place (NT = 1); M = 3..8: fragment-order x, NT = 1; M = 9..16: fragment-order x, NT = 2.
+template <int BITS, bool TILED>
+static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl) {
+  if (a.M < kFragRows) by_epi<BITS, TILED, 1, false>(a, epi, s, pdl);
+  else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
+  else by_epi<BITS, TILED, 2, true>(a, epi, s, pdl);
 }
 }  // namespace trapetum_mma
 
@@ -535,40 +446,51 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// variant: 3 = shared-memory pair tables, 4 = PRMT lookups from registers (4-bit; the 8-bit head
-// uses the table kernel), 5 = 3 with x loaded only by lanes whose activation row exists, 7 = 5 without
-// loads past the last chunk, 11 = 7 on tiled codes (``tile_codes``: rows padded to 16; the output
-// rows N are then y's columns for epi 0, the codes' rows for the gate/up epilogues).
-void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res,
-                 torch::Tensor y, int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t variant) {
+// x [M, K] fp16; codes uint8 [N, KB] (tiled: rows padded to 16, and for epi 0 the output rows N are y's columns,
+// for the gate/up epilogues the codes' rows); cb fp16 [N, 2**bits]; y [M, N] (epi 0) or [M, f] (epi 1, 2);
+// res [M, N] (read when has_res). pdl: launch with programmatic dependent launch (KernelOptions.pdl_cuda).
+void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
+                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl) {
   using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
-  TORCH_CHECK(codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
-  TORCH_CHECK(cb.is_contiguous() && cb.scalar_type() == at::kHalf, "codebook");
+  TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
+  TORCH_CHECK(cb.is_cuda() && cb.is_contiguous() && cb.scalar_type() == at::kHalf && cb.size(1) == (1 << bits), "codebook");
+  TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.scalar_type() == at::kHalf, "y");
+  TORCH_CHECK(res.is_cuda() && res.is_contiguous() && res.scalar_type() == at::kHalf, "residual");
+  TORCH_CHECK(epi >= 0 && epi <= 2, "epi");
   const int M = x.size(0), K = x.size(1), KB = codes.size(1);
   int N = codes.size(0);
   TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
-  TORCH_CHECK(variant == 3 || variant == 4 || variant == 5 || variant == 7 || variant == 11, "variant");
-  if (variant == 11) {
+  if (tiled) {
     TORCH_CHECK(N % 16 == 0, "tiled codes: rows padded to a multiple of 16");
     if (epi == 0) {
       TORCH_CHECK(y.dim() == 2 && y.size(1) <= N && y.size(1) > N - 16, "tiled codes: y columns vs padded rows");
       N = y.size(1);
     }
-    TORCH_CHECK(cb.size(0) >= N, "codebook rows");
   }
+  TORCH_CHECK(cb.size(0) >= N, "codebook rows");
+  TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f), "y shape");
+  TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual shape");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
-  const int F = (int)f, hr = (int)has_res, e = (int)epi;
-  if (bits == 4 && variant == 4) dispatch_nt_epi<PrmtKernel>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 11) dispatch_nt_epi<TableKernel<4, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 7) dispatch_nt_epi<TableKernel<4, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4 && variant == 5) dispatch_nt_epi<TableKernel<4, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (bits == 4) dispatch_nt_epi<TableKernel<4, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (variant == 11) dispatch_nt_epi<TableKernel<8, 11>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (variant == 7) dispatch_nt_epi<TableKernel<8, 7>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else if (variant == 5) dispatch_nt_epi<TableKernel<8, 5>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
-  else dispatch_nt_epi<TableKernel<8, 3>>(x, codes, cb, res, y, M, N, K, KB, hr, F, e, s);
+  const bool use_pdl = pdl != 0;
+  Args a{reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
+         reinterpret_cast<const half*>(cb.data_ptr<at::Half>()), reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
+         reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, (int)has_res, (int)f};
+  torch::Tensor xf;  // fragment-order copy of x (M >= kFragRows), alive until both launches are queued
+  if (M >= kFragRows) {
+    xf = torch::empty({M, K}, x.options());
+    const long long pieces = (long long)M * (K / 8);
+    auto kern = bits == 4 ? x_fragments_kernel<4> : x_fragments_kernel<2>;
+    C10_CUDA_CHECK(trapetum_pdl::launch(kern, (unsigned)((pieces + 255) / 256), 256, 0, s, use_pdl,
+                                        a.x, reinterpret_cast<half*>(xf.data_ptr<at::Half>()), M, K));
+    a.x = reinterpret_cast<const half*>(xf.data_ptr<at::Half>());
+  }
+  const int e = (int)epi;
+  if (bits == 4 && tiled) dispatch<4, true>(a, e, s, use_pdl);
+  else if (bits == 4) dispatch<4, false>(a, e, s, use_pdl);
+  else if (tiled) dispatch<8, true>(a, e, s, use_pdl);
+  else dispatch<8, false>(a, e, s, use_pdl);
 }
 #endif

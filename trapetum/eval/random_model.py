@@ -1,0 +1,80 @@
+"""Checkpoints of random weights at real model shapes, generated on the device tensor by tensor (GPU speed work:
+nothing to download or send, and the engine builds from them exactly as from a file).
+
+    SHAPES                     model name -> ModelConfig fields (Llama-2-7B, Llama-3-8B, Llama-2-70B)
+    random_checkpoint(shape, fmt, device)
+        fmt "fp16"      dense fp16 projections and head
+            "cb4"       4-bit per-row codebook projections, 8-bit codebook head (records as a .cbk holds them)
+            "aqlm-2x8"  AQLM 2x8 / "aqlm-1x16" 1x16 projections (random codes, codebooks, scales), fp16 head
+        the embedding is a dense fp16 table, norms are ones; each tensor is generated when the engine reads it
+        (seeded by its name: the same weights every run).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.config import ModelConfig
+from ..models.schema import expected_shapes
+from ..schemes.record import QuantRecord
+
+SHAPES = {
+    "llama2-7b": dict(family="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                      num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096),
+    "llama3-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+    "llama2-70b": dict(family="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
+                       num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=4096),
+}
+FORMATS = ("fp16", "cb4", "aqlm-2x8", "aqlm-1x16")
+AQLM = {"aqlm-2x8": (2, 8), "aqlm-1x16": (1, 16)}
+
+
+def _gen(name: str, device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+
+
+def random_codebook(out_f: int, in_f: int, bits: int, device, g: torch.Generator) -> QuantRecord:
+    per = 8 // bits
+    codes = torch.randint(0, 256, (out_f, -(-in_f // per)), dtype=torch.uint8, device=device, generator=g)
+    cb = (torch.randn(out_f, 1 << bits, device=device, generator=g).sort(dim=1).values * 0.02).to(torch.float16)
+    return QuantRecord("codebook", (out_f, in_f), {"bits": bits}, {"codes": codes, "codebook": cb})
+
+
+def random_aqlm(out_f: int, in_f: int, fmt: str, device, g: torch.Generator) -> QuantRecord:
+    M, nbits = AQLM[fmt]
+    half = 1 << (nbits - 1)
+    codes = torch.randint(-half, half, (out_f, in_f // 8, M), device=device, generator=g,
+                          dtype=torch.int8 if nbits == 8 else torch.int16)
+    cb = torch.randn(M, 1 << nbits, 1, 8, device=device, generator=g).half()
+    scales = torch.full((out_f, 1, 1, 1), 0.02 / M ** 0.5, device=device, dtype=torch.float16)
+    return QuantRecord("aqlm", (out_f, in_f), {"num_codebooks": M, "nbits": nbits, "in_group_size": 8,
+                                               "out_group_size": 1},
+                       {"codes": codes, "codebooks": cb, "scales": scales})
+
+
+def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = None) -> Checkpoint:
+    """(``layers``: fewer layers than the model has, for tests at the real per-layer shapes.)"""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: one of {', '.join(FORMATS)}, got {fmt!r}")
+    fields = dict(SHAPES[shape], **({"num_layers": layers} if layers else {}))
+    cfg = ModelConfig(**fields).validate(shape)
+
+    def make(name: str, shp: tuple[int, ...]):
+        def get():
+            g = _gen(name, device)
+            if len(shp) == 1:
+                return torch.ones(shp, device=device)
+            if name == "model.embed_tokens.weight" or fmt == "fp16" or (fmt.startswith("aqlm") and name == "lm_head.weight"):
+                return torch.randn(shp, device=device, dtype=torch.float16, generator=g) * 0.02
+            if fmt == "cb4":
+                return random_codebook(shp[0], shp[1], 8 if name == "lm_head.weight" else 4, device, g)
+            return random_aqlm(shp[0], shp[1], fmt, device, g)
+        return get
+
+    shapes = expected_shapes(cfg)
+    getters = {name: make(name, shp) for name, shp in shapes.items()}
+    return Checkpoint(cfg, LazyTensors(getters, shapes=shapes), None, f"random:{shape}:{fmt}", "random")

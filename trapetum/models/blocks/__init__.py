@@ -1,0 +1,46 @@
+"""The model, written once: block kinds as functions ``forward(x, batch, ops, p)`` over primitive ops.
+
+Each block kind is one module here (today ``attention`` and ``mlp``: a layer is an attention block then an MLP
+block; MLA and MoE blocks come as modules of their own). A block reads its weights from ``p`` (the block's
+parameters, by role: ``p.qkv``, ``p.o``, ``p.input_norm``, ...) and computes only through ``ops``, so the same
+code runs on every executor:
+
+    models/torch_ops.py    TorchOps: the torch reference (CPU tests, float32 / float64), HF semantics
+    runtime/engine_ops.py  EngineOps: the GPU engine (fused kernels, static graphs, DECODE / VERIFY rows)
+    runtime/precise.py     PreciseOps: the engine's prefill at fp32-reference accuracy
+
+The ops an executor provides (x is the residual stream, [..., D]; a backend keeps it in its own dtype):
+
+    norm(x, w)                         RMSNorm over the last dim with the config's eps and offset
+    project(w, x, residual=None)       x @ W^T (+ bias) (+ residual): a projection of the backend's form
+    heads(qkv)                         (q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd]) views of a fused output
+    attend(q, k, v, batch, p)          RoPE, KV-cache append and causal attention of the rows -> [..., Hq * hd]
+    gate_up(w, x)                      act(gate(x)) * up(x)
+    add(x, y)                          x + y in the residual stream's dtype
+    embed(table, batch)                token rows (times the config's embedding scale)
+    logits(head, h)                    fp32 logits of the rows that need them (final softcap applied)
+"""
+from __future__ import annotations
+
+from . import attention, mlp
+
+# block kind -> forward function; a layer runs its kinds in order (ModelConfig.layer_kinds)
+FORWARD = {"attention": attention.forward, "mlp": mlp.forward}
+
+
+def layer_forward(x, batch, ops, layer):
+    """One decoder layer: its blocks in order. ``layer.blocks`` is a list of (kind, params)."""
+    for kind, p in layer.blocks:
+        x = FORWARD[kind](x, batch, ops, p)
+    return x
+
+
+def decoder_forward(batch, ops, model):
+    """Logits fp32 of the rows ``batch.logits`` selects: embedding, the layers, final norm, LM head.
+    ``model`` gives ``embed``, ``layers``, ``final_norm``, ``head`` in the backend's form."""
+    x = ops.embed(model.embed, batch)
+    for layer in model.layers:
+        x = layer_forward(x, batch, ops, layer)
+    if batch.logits == "last":
+        x = x[..., -1:, :]
+    return ops.logits(model.head, ops.norm(x, model.final_norm))

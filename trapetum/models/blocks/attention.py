@@ -1,0 +1,22 @@
+"""Attention block (Llama / Mistral / Qwen2 / Gemma / Phi-3 semantics):
+
+    h = input_norm(x); q, k, v = heads(Wqkv h (+ b)); [q, k = q_norm(q), k_norm(k)]
+    a = attention(RoPE(q), RoPE(k), v) over the cache and the new rows (causal; sliding window on sliding layers;
+        softcap where the config has one)
+    x = x + Wo a                      or, with sandwich norms (Gemma-2/3), x + post_norm(Wo a)
+
+Parameters ``p`` (by role): input_norm, qkv (q, k and v stacked along the output rows), o, q_norm, k_norm,
+post_norm (None where the family has none), layer (its index: the KV cache's layer), sliding (bool).
+"""
+from __future__ import annotations
+
+
+def forward(x, batch, ops, p):
+    h = ops.norm(x, p.input_norm)
+    q, k, v = ops.heads(ops.project(p.qkv, h))
+    if p.q_norm is not None:
+        q, k = ops.norm(q, p.q_norm), ops.norm(k, p.k_norm)
+    a = ops.attend(q, k, v, batch, p)
+    if p.post_norm is not None:
+        return ops.add(x, ops.norm(ops.project(p.o, a), p.post_norm))
+    return ops.project(p.o, a, residual=x)

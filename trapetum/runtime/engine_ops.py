@@ -1,0 +1,123 @@
+"""EngineOps: the GPU engine's executor of the model's blocks (models/blocks), one object per forward mode.
+
+DECODE / VERIFY (M = 1..16 rows of one sequence at positions pos .. pos + M - 1; graph-captured):
+    residual stream fp16 [M, D]; projections' batch-invariant GEMVs (``Projection.gemv``), the residual add
+    fused into the o / down GEMV (``Options.fuse``); RMSNorm, RoPE + KV append + split-KV attention
+    (``kernels.attention.attention_rows``: row r reduced exactly as a decode step at length pos + r + 1) and the
+    gate/up activation as kernels. Every op works row by row, so row r of a VERIFY pass is bitwise the decode step
+    at pos + r: the contract speculative decoding and the exact prefill rest on.
+PREFILL (a prompt at positions start .. start + T - 1; not captured): residual stream fp32 [T, D] (as the CPU
+    reference: fp16 rounding of two adds per layer drifts), projections dequantized and multiplied on tensor cores
+    (``Projection.matmul``), attention by SDPA over the cache (fp32 scores where a softcap applies).
+Activations are allocated per call: inside a captured graph they come from the graph's private pool (stable
+addresses across replays); the logits go to the engine's static buffer.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.attention import attention_rows
+from ..kernels.fused import rmsnorm, rope_kv_append
+from ..models.batch import ForwardBatch, Mode
+
+
+class EngineOps:
+    def __init__(self, eng, mode: Mode):
+        self.eng, self.cfg, self.mode = eng, eng.cfg, mode
+        self.kopts = eng.options.kernels
+        self.rows = mode is not Mode.PREFILL
+
+    # -- norms, adds, heads --------------------------------------------------------------------
+    def norm(self, x, w):
+        return rmsnorm(x, w, self.cfg.rms_norm_eps, offset=self.cfg.norm_offset, kopts=self.kopts)
+
+    def add(self, x, y):
+        return x + y
+
+    def heads(self, qkv):
+        cfg = self.cfg
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        n = qkv.shape[0]
+        return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
+                qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
+                qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
+
+    # -- projections -------------------------------------------------------------------------
+    def project(self, w, x, residual=None):
+        if not self.rows:
+            y = w.matmul(x)
+            return y if residual is None else residual + y
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
+        if residual is not None and self.eng.options.fuse:
+            return w.gemv(x, out, residual=residual)
+        w.gemv(x, out)
+        return out if residual is None else residual + out
+
+    def gate_up(self, w, x):
+        if not self.rows:
+            return w.matmul(x)
+        return w.gemv(x, torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device))
+
+    # -- embedding and logits ----------------------------------------------------------------
+    def embed(self, table, batch: ForwardBatch):
+        eng = self.eng
+        if self.rows:
+            x = torch.index_select(table, 0, batch.tokens)  # [M, D] fp16
+            return x.mul_(eng.embed_scale) if eng.embed_scale is not None else x
+        x = table[batch.tokens].float()  # [T, D]
+        return x * eng.embed_scale if eng.embed_scale is not None else x
+
+    def logits(self, head, h):
+        cap = self.cfg.final_softcap
+        if not self.rows:
+            logits = head.matmul(h.contiguous()).float()
+            return torch.tanh(logits / cap) * cap if cap is not None else logits
+        m = h.shape[0]
+        out = self.eng.logits_rows[:m]
+        out.copy_(head.gemv(h, torch.empty(m, head.out_features, dtype=torch.float16, device=h.device)))
+        if cap is not None:
+            out.div_(cap).tanh_().mul_(cap)
+        return out
+
+    # -- attention ---------------------------------------------------------------------------
+    def attend(self, q, k, v, batch: ForwardBatch, p):
+        eng, cfg = self.eng, self.cfg
+        cos, sin = eng.rope_local if p.sliding else eng.rope
+        kc, vc = eng.kv.k[p.layer], eng.kv.v[p.layer]
+        window = cfg.sliding_window if p.sliding else None
+        if self.rows:
+            out = torch.empty(q.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float16, device=q.device)
+            attention_rows(q, k, v, kc, vc, batch.start, cos, sin, scale=cfg.scale, window=window,
+                           softcap=cfg.attn_softcap, out=out, workspace=eng.attn_ws, config=eng.attn_config,
+                           fused=eng.options.attention == "fused", kopts=self.kopts)
+            return out.view(q.shape[0], -1)
+        return self._prefill_attention(q, k, v, kc, vc, int(batch.start), cos, sin, window)
+
+    def _prefill_attention(self, q, k, v, kc, vc, start, cos, sin, window):
+        cfg = self.cfg
+        T, Hq, hd = q.shape
+        Hkv = k.shape[1]
+        q = q.contiguous()
+        rope_kv_append(q, k, v, kc, vc, start, cos, sin, kopts=self.kopts)
+        S = start + T
+        kk, vv = kc[:, :S].unsqueeze(0), vc[:, :S].unsqueeze(0)  # [1, Hkv, S, hd]
+        rep = Hq // Hkv
+        if rep > 1:
+            kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
+        qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, hd]
+        qi = torch.arange(start, S, device=q.device)[:, None]
+        kj = torch.arange(S, device=q.device)[None, :]
+        mask = kj <= qi
+        if window is not None:
+            mask = mask & (qi - kj < window)
+        if cfg.attn_softcap is None:
+            if window is None and start == 0:
+                a = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=cfg.scale)
+            else:
+                a = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=cfg.scale)
+        else:
+            s = (qq.float() @ kk.float().transpose(-1, -2)) * cfg.scale
+            s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
+            a = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(torch.float16)
+        return a[0].transpose(0, 1).reshape(T, Hq * hd)

@@ -1,0 +1,257 @@
+"""Per-row scalar codebooks (scheme "codebook"): 2/3/4/8-bit indices into 2**bits fp16 centroids per output row.
+
+Stored (``QuantRecord("codebook", (out, in), {"bits": b}, {"codes", "codebook"})``):
+    codes     uint8 [out, packed_width(in, b)]   canonical packing (kernels/pack.py)
+    codebook  fp16  [out, 2**b]                  W[o, i] = codebook[o, idx(o, i)]
+Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory)
+and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
+that share an input concatenated along their rows (per-row codebooks make that a plain concatenation), codes in
+the tensor-core kernel's tiled layout when the CUDA kernels run (4/8-bit, 64 code bytes per row | in); the
+GEMV is batch-invariant (kernels/codebook_gemv.py). Gate/up: ``InterleavedGateUp``, rows interleaved 8 gate /
+8 up so that act(gate) * up comes out of the GEMV's epilogue. Prefill dequantizes (exact: the fp16 centroids
+are the weights).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import FormatError
+from ..kernels import codebook_gemv as cg
+from ..kernels import cuda_ext
+from ..kernels.codebook_layout import interleave_gate_up, tile_codes, untile_codes
+from ..kernels.dequant import dequantize as dequantize16
+from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
+from ..settings import DEFAULT_KERNELS, KernelOptions
+from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
+from .record import QuantRecord
+
+
+class CodebookLinear(nn.Module):
+    """y = x W^T + b with W[o, i] = codebook[o, codes[o, i]] (per output row codebook)."""
+
+    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, in_features: int, bits: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(codebook.shape[0])
+        self.bits = int(bits)
+        self.register_buffer("codes", codes.contiguous())  # uint8 [out, packed_width(in, bits)]
+        self.register_buffer("codebook", codebook.contiguous())  # fp16 [out, 2**bits]
+        self.register_buffer("bias", None if bias is None else bias.contiguous())
+
+    def to_record(self) -> QuantRecord:
+        return QuantRecord(scheme="codebook", shape=(self.out_features, self.in_features),
+                           params={"bits": self.bits},
+                           tensors={"codes": self.codes.cpu(), "codebook": self.codebook.cpu()},
+                           bias=None if self.bias is None else self.bias.cpu())
+
+    def indices(self) -> torch.Tensor:
+        """Unpacked indices, int64 [out, in]."""
+        return unpack_codes(self.codes, self.bits, self.in_features).long()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The exact weight this module multiplies by: [out, in] (fp16 centroids cast to dtype)."""
+        return torch.gather(self.codebook.to(dtype), 1, self.indices())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantize(torch.float32)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` of the weight (for a quantized embedding table): [..., in]."""
+        flat = ids.reshape(-1)
+        codes = unpack_codes(self.codes[flat], self.bits, self.in_features).long()
+        rows = torch.gather(self.codebook[flat].to(dtype), 1, codes)
+        return rows.view(*ids.shape, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dequantize once, then matmul; the dense copy is cached (the reference path trades memory for speed:
+        # decode on the CPU would otherwise unpack every weight at every token)
+        cached = self.__dict__.get("_dense")
+        if cached is None or cached.dtype != x.dtype or cached.device != x.device:
+            cached = self.__dict__["_dense"] = self.dequantize(x.dtype).to(x.device)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, cached, b)
+
+    def storage_bytes(self) -> int:
+        n = self.codes.numel() * self.codes.element_size() + self.codebook.numel() * self.codebook.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+    def bits_per_weight(self) -> float:
+        """Index bits + codebook bits per weight (bias excluded)."""
+        n = self.codes.numel() * 8 + self.codebook.numel() * self.codebook.element_size() * 8
+        return n / (self.out_features * self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"bias={self.bias is not None}")
+
+
+class CodebookEmbedding(CodebookLinear):
+    """Embedding table stored as a per-row codebook: forward(ids [...]) -> [..., hidden]."""
+
+    def __init__(self, codes, codebook, in_features, bits, dtype: torch.dtype = torch.float32):
+        super().__init__(codes, codebook, in_features, bits, None)
+        self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(ids, self.dtype)
+
+    def as_linear(self) -> CodebookLinear:
+        """The tied LM head: a projection sharing this table's codes and codebook (no copy)."""
+        return CodebookLinear(self.codes, self.codebook, self.in_features, self.bits, None)
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise FormatError(f"quantized tensor {name}: {msg}")
+
+
+def record_shape(record: QuantRecord, name: str) -> tuple[int, int]:
+    """The record's logical (out, in), checked: two positive integers below 2^31."""
+    shape = record.shape
+    _check(isinstance(shape, (tuple, list)) and len(shape) == 2
+           and all(isinstance(s, int) and not isinstance(s, bool) and 0 < s < 1 << 31 for s in shape),
+           name, f"logical shape must be two positive integers, got {shape!r}")
+    return int(shape[0]), int(shape[1])
+
+
+def check_bias(record: QuantRecord, out_f: int, name: str) -> torch.Tensor | None:
+    b = record.bias
+    if b is None:
+        return None
+    _check(isinstance(b, torch.Tensor) and b.dim() == 1 and b.shape[0] == out_f, name,
+           f"bias must have shape [{out_f}], got {tuple(getattr(b, 'shape', ()))}")
+    _check(b.is_floating_point(), name, f"bias must be floating point, got {b.dtype}")
+    return b
+
+
+def _tiled_ok(bits: int, kb: int, device, kopts: KernelOptions) -> bool:
+    """Whether the engine keeps these codes in the tensor-core kernel's tiled layout."""
+    return bits in (4, 8) and kb % 64 == 0 and cuda_ext.ready(torch.device(device), kopts) is not None
+
+
+class CodebookProjection(Projection):
+    """Engine form: canonical or tiled codes ([ceil(N/16)*16, KB], ``tile_codes``) and fp16 codebooks."""
+    kind = "codebook"
+
+    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int,
+                 bias: torch.Tensor | None, kopts: KernelOptions = DEFAULT_KERNELS, bias_lo=None):
+        self.out_features, self.in_features, self.bits = codes.shape[0], in_features, bits
+        self.kopts = kopts
+        self.tiled = _tiled_ok(bits, codes.shape[1], codes.device, kopts)
+        self.codes = tile_codes(codes) if self.tiled else codes.contiguous()
+        self.codebook = codebook.to(torch.float16).contiguous()
+        self.bias, self.bias_lo = bias, bias_lo
+
+    def gemv(self, x, out, residual=None):
+        cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out, tiled=self.tiled,
+                         kopts=self.kopts)
+        return self._add_bias(out)
+
+    def canonical_codes(self) -> torch.Tensor:
+        return untile_codes(self.codes, self.out_features) if self.tiled else self.codes
+
+    def weight16(self):
+        return dequantize16(self.canonical_codes(), self.codebook, self.bits, self.in_features, kopts=self.kopts)
+
+    def nbytes(self):
+        return self.codes.numel() + self.codebook.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
+
+
+class InterleavedGateUp(GateUp):
+    """act(gate(x)) * up(x) in one GEMV on rows interleaved 8 gate / 8 up (``interleave_gate_up``), the
+    activation in the kernel's epilogue."""
+    kind = "codebook"
+
+    def __init__(self, proj: CodebookProjection, f: int, act: str):
+        self.proj, self.f, self.act = proj, f, act
+
+    def gemv(self, x, out):
+        p = self.proj
+        return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out, tiled=p.tiled,
+                                        kopts=p.kopts)
+
+    def halves(self, x, linear):
+        w = self.proj.weight16().view(-1, 2, 8, self.proj.in_features)  # [fp/8, gate|up, 8, K]
+        g = w[:, 0].reshape(-1, self.proj.in_features)[: self.f]
+        u = w[:, 1].reshape(-1, self.proj.in_features)[: self.f]
+        return linear(x, g), linear(x, u)
+
+    def nbytes(self):
+        return self.proj.nbytes()
+
+
+class CodebookScheme(Scheme):
+    name = "codebook"
+
+    def check(self, record: QuantRecord, name: str) -> None:
+        out_f, in_f = record_shape(record, name)
+        bits = record.params.get("bits") if isinstance(record.params, dict) else None
+        _check(isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS, name,
+               f"codebook bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        extra = set(record.tensors) - {"codes", "codebook"}
+        _check({"codes", "codebook"} <= set(record.tensors), name,
+               f"codebook scheme needs tensors 'codes' and 'codebook', got {sorted(record.tensors)}")
+        _check(not extra, name, f"unexpected tensors {sorted(extra)} for the codebook scheme")
+        codes, cb = record.tensors["codes"], record.tensors["codebook"]
+        _check(isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8, name,
+               f"codes must be uint8, got {getattr(codes, 'dtype', type(codes).__name__)}")
+        _check(isinstance(cb, torch.Tensor) and cb.dtype == torch.float16, name,
+               f"codebook must be float16, got {getattr(cb, 'dtype', type(cb).__name__)}")
+        want_codes = (out_f, packed_width(in_f, bits))
+        _check(tuple(codes.shape) == want_codes, name,
+               f"codes shape {tuple(codes.shape)} != {want_codes} for a {bits}-bit {out_f}x{in_f} matrix")
+        want_cb = (out_f, 1 << bits)
+        _check(tuple(cb.shape) == want_cb, name, f"codebook shape {tuple(cb.shape)} != {want_cb}")
+        _check(bool(torch.isfinite(cb).all()), name, "codebook holds non-finite values")
+        check_bias(record, out_f, name)
+
+    def module(self, record: QuantRecord, name: str) -> CodebookLinear:
+        self.check(record, name)
+        return CodebookLinear(record.tensors["codes"], record.tensors["codebook"], record.shape[1],
+                              record.params["bits"], record.bias)
+
+    def reference(self, weight, bias, name, dtype, device):
+        mod = self.module(weight, name)
+        if mod.bias is not None and dtype is not None:
+            mod.bias = mod.bias.to(dtype)
+        return mod.to(device) if device is not None else mod
+
+    def embedding(self, record: QuantRecord, name: str, dtype, device) -> CodebookEmbedding:
+        if record.bias is not None:
+            raise FormatError(f"quantized tensor {name}: an embedding has no bias")
+        lin = self.module(record, name)
+        return CodebookEmbedding(lin.codes, lin.codebook, lin.in_features, lin.bits, dtype=dtype).to(device)
+
+    def can_concat(self, parts: list[Part]) -> bool:
+        return len({p.weight.params["bits"] for p in parts}) == 1
+
+    def projection(self, parts: list[Part], device, kopts=DEFAULT_KERNELS, precise=False):
+        for p in parts:
+            self.check(p.weight, p.name)
+        codes = torch.cat([p.weight.tensors["codes"].to(device) for p in parts])
+        cb = torch.cat([p.weight.tensors["codebook"].to(device) for p in parts])
+        bias, bias_exact = cat_bias(parts, device)
+        return CodebookProjection(codes, cb, parts[0].weight.params["bits"], parts[0].in_features, bias, kopts,
+                                  residual16(bias_exact, bias) if precise else None)
+
+    def gate_up(self, gate, up, act, device, kopts=DEFAULT_KERNELS, precise=False):
+        for p in (gate, up):
+            self.check(p.weight, p.name)
+        g, u = gate.weight, up.weight
+        if g.params["bits"] != u.params["bits"] or gate.bias is not None or up.bias is not None \
+                or tuple(g.shape) != tuple(u.shape):
+            return None
+        codes, cb, f = interleave_gate_up(g.tensors["codes"].to(device), g.tensors["codebook"].to(device),
+                                          u.tensors["codes"].to(device), u.tensors["codebook"].to(device))
+        return InterleavedGateUp(CodebookProjection(codes, cb, g.params["bits"], gate.in_features, None, kopts), f, act)
+
+    def dequantize(self, weight, dtype=torch.float32):
+        return self.module(weight, "?").dequantize(dtype)
+
+
+CODEBOOK = CodebookScheme()
