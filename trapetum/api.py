@@ -53,7 +53,9 @@ class Model:
     ``precise_prefill`` overrides ``options.prefill`` (True: "precise", False: "default")."""
 
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
-                 max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None):
+                 max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
+                 draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
+                 draft_mask_token: int | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -81,6 +83,36 @@ class Model:
             self.runner = GpuEngine(ckpt, self.context_size, device=device, options=options)
         else:
             self.runner = ReferenceRunner(self.decoder)
+        self.speculative = None  # the speculative Runner when a drafter was given (runtime/speculative)
+        self.draft_model = None
+        if draft is not None:
+            self._attach_draft(draft, draft_k, draft_adaptive, draft_mask_token)
+
+    def _attach_draft(self, draft: Any, k: int, adaptive: bool, mask_token: int | None) -> None:
+        """``draft``: "ngram" | "pard:MODEL" | a model path (runtime/speculative/factory.py), a Drafter, or a loaded
+        Model (a draft model). The target side is this model's runner (engine or reference decoder)."""
+        from .runtime.speculative import DraftModelDrafter, make_drafter, model_rows, speculative_runner
+        from .runtime.speculative.factory import check_tokenizers, drafter_rows
+        from .runtime.speculative.loop import check_k
+        try:
+            check_k(k)
+        except ValueError as e:
+            raise TrapetumError(str(e)) from None
+        if draft is self:
+            raise TrapetumError("draft: the draft model must be a separate model (it keeps its own KV cache)")
+        if isinstance(draft, Model):
+            check_tokenizers(self.tokenizer, draft.tokenizer, draft.path)
+            drafter, dm = DraftModelDrafter(drafter_rows(draft, self.context_size), label=draft.name), draft
+        else:
+            def load_draft(path: str) -> Model:
+                return Model(load_checkpoint(path), device=self.device, max_context=self.context_size,
+                             options=self.options)
+            drafter, dm = make_drafter(draft, load=load_draft, target_tokenizer=self.tokenizer,
+                                       max_len=self.context_size, mask_token=mask_token)
+        self.draft_model = dm
+        target = model_rows(engine=self.engine, decoder=None if self.engine is not None else self.decoder,
+                            max_len=self.context_size)
+        self.speculative = speculative_runner(target, drafter, k, adaptive)
 
     @property
     def engine(self):
@@ -121,26 +153,32 @@ class Model:
         return s.validate()
 
     def stream(self, prompt: str | list[int], settings: GenerationSettings | None = None, *,
-               cancel: threading.Event | None = None, **overrides: Any) -> Iterator[StreamEvent]:
-        """Yield StreamEvents (text pieces); the last one has done=True and .completion."""
+               cancel: threading.Event | None = None, speculative: bool = True,
+               **overrides: Any) -> Iterator[StreamEvent]:
+        """Yield StreamEvents (text pieces); the last one has done=True and .completion. With a drafter (``draft=``)
+        the tokens come from the speculative runner (the same tokens as plain greedy decoding; sampled ones from
+        the same distribution), a verify round's tokens back to back; ``speculative=False`` decodes plainly
+        (the compare view). ``self.speculative.stats``: the last speculative generation's rounds and acceptance."""
         s = self._settings(settings, overrides)
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return stream_tokens(self.runner, self.tokenizer, ids, s, self.context_size, cancel)
+        runner = self.speculative if (speculative and self.speculative is not None) else self.runner
+        return stream_tokens(runner, self.tokenizer, ids, s, self.context_size, cancel)
 
-    def generate(self, prompt: str | list[int], settings: GenerationSettings | None = None,
-                 **overrides: Any) -> Completion:
-        for ev in self.stream(prompt, settings, **overrides):
+    def generate(self, prompt: str | list[int], settings: GenerationSettings | None = None, *,
+                 speculative: bool = True, **overrides: Any) -> Completion:
+        for ev in self.stream(prompt, settings, speculative=speculative, **overrides):
             if ev.done:
                 return ev.completion
         raise AssertionError("stream ended without a completion")
 
     def chat_stream(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None, *,
-                    cancel: threading.Event | None = None, **overrides: Any) -> Iterator[StreamEvent]:
-        return self.stream(self.encode_chat(messages), settings, cancel=cancel, **overrides)
+                    cancel: threading.Event | None = None, speculative: bool = True,
+                    **overrides: Any) -> Iterator[StreamEvent]:
+        return self.stream(self.encode_chat(messages), settings, cancel=cancel, speculative=speculative, **overrides)
 
-    def chat(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None,
-             **overrides: Any) -> Completion:
-        return self.generate(self.encode_chat(messages), settings, **overrides)
+    def chat(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None, *,
+             speculative: bool = True, **overrides: Any) -> Completion:
+        return self.generate(self.encode_chat(messages), settings, speculative=speculative, **overrides)
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -189,13 +227,21 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
-         max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None) -> Model:
+         max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
+         draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
+         draft_mask_token: int | None = None) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
     On CUDA the GPU engine is built from the checkpoint tensor by tensor (its weights held once, in the kernels'
     layouts); ``options`` (default ``Options.from_env()``) pick its kernels and modes (trapetum/settings.py).
     ``precise_prefill`` (GPU engine; default: ``options.prefill``): prompt passes at the CPU fp32 reference's
     accuracy (prompt logits ~1e-5 from it instead of ~1e-3), for evaluation and perplexity; 2-3x the prefill
-    GEMM work. Decode steps are unchanged."""
+    GEMM work. Decode steps are unchanged.
+
+    ``draft`` (exact speculative decoding, runtime/speculative): "ngram" (n-gram lookup), "pard:MODEL" (a PARD
+    drafter; ``draft_mask_token`` when its config names no ``pard_token``), a model path with the target's
+    tokenizer (e.g. a 2- or 3-bit .cbk of the same checkpoint), a loaded Model, or a Drafter; ``draft_k`` drafts
+    per verify round (1..15), ``draft_adaptive`` lets it move. The drafter runs on the same device."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
-                 precise_prefill=precise_prefill, options=options)
+                 precise_prefill=precise_prefill, options=options, draft=draft, draft_k=draft_k,
+                 draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token)

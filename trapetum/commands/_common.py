@@ -21,6 +21,24 @@ def apply_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
+def add_draft(p: argparse.ArgumentParser) -> None:
+    """Exact speculative decoding (trapetum/runtime/speculative): greedy output identical to plain decoding,
+    sampling exact in distribution."""
+    g = p.add_argument_group("speculative decoding (exact)")
+    g.add_argument("--draft", default=None, metavar="MODEL|ngram|pard:MODEL",
+                   help="a draft model with the target's tokenizer (e.g. a 3-bit .cbk of it), 'ngram' (prompt "
+                        "lookup), or 'pard:MODEL' (a PARD drafter)")
+    g.add_argument("--draft-k", type=int, default=4, metavar="K", help="drafts per verify round, 1..15 (default 4)")
+    g.add_argument("--draft-adaptive", action="store_true", help="adapt K to the acceptance")
+    g.add_argument("--draft-mask-token", type=int, default=None, metavar="ID",
+                   help="PARD's mask token id (default: the drafter's config)")
+
+
+def draft_kwargs(args: argparse.Namespace) -> dict:
+    return dict(draft=args.draft, draft_k=args.draft_k, draft_adaptive=args.draft_adaptive,
+                draft_mask_token=args.draft_mask_token)
+
+
 def add_sampling(p: argparse.ArgumentParser, temperature: float = 0.0, max_new: int = 256) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--max-new-tokens", type=int, default=max_new, metavar="N")

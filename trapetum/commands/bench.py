@@ -28,11 +28,21 @@ def register(subparsers) -> None:
     q.add_argument("--work", default=None,
                    help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
     q.set_defaults(func=_quantize)
+    sp = sub.add_parser("spec", help="speculative decoding end to end, plain and speculative in one process "
+                                     "(modeled acceptance on random models, real acceptance on real ones)")
+    from ..eval.bench_spec import add_arguments as spec_arguments
+    spec_arguments(sp)
+    sp.set_defaults(func=_spec)
     s = sub.add_parser("suite", help="kernels (4-bit, 8-bit, fp16, 2-bit, attention), then end to end with kill "
                                      "switches, and 70B-shape 2-bit decode (one command for the GPU machine)")
     s.add_argument("--out", default="out/bench-suite")
     s.set_defaults(func=_suite)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def _spec(args) -> int:
+    from ..eval.bench_spec import run_args
+    return run_args(args)
 
 
 def _kernels(args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..chat_template import ChatTemplateError
-from ._common import add_device, add_sampling, apply_threads, settings_from
+from ._common import add_device, add_draft, add_sampling, apply_threads, draft_kwargs, settings_from
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
 
@@ -15,6 +15,7 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, help="system prompt")
     add_device(p)
     add_sampling(p, temperature=0.7, max_new=512)
+    add_draft(p)
     p.set_defaults(func=run)
 
 
@@ -22,7 +23,7 @@ def run(args) -> int:
     from ..api import load
     s = settings_from(args)
     apply_threads(args)
-    m = load(args.model, device=args.device)
+    m = load(args.model, device=args.device, **draft_kwargs(args))
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)

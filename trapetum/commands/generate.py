@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import add_device, add_sampling, apply_threads, settings_from
+from ._common import add_device, add_draft, add_sampling, apply_threads, draft_kwargs, settings_from
 
 
 def register(sub) -> None:
@@ -19,6 +19,7 @@ def register(sub) -> None:
                         "prompt, same decode; same as TRAPETUM_PREFILL=precise)")
     add_device(p)
     add_sampling(p)
+    add_draft(p)
     p.set_defaults(func=run)
 
 
@@ -29,7 +30,7 @@ def run(args) -> int:
     model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
     s = settings_from(args)
     apply_threads(args)
-    m = load(model_path, device=args.device, precise_prefill=args.precise_prefill)
+    m = load(model_path, device=args.device, precise_prefill=args.precise_prefill, **draft_kwargs(args))
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)
@@ -43,4 +44,6 @@ def run(args) -> int:
             if args.stats:
                 print(f"[{c.completion_tokens} tokens, {c.tokens_per_s:.1f} tok/s, "
                       f"first token {c.ttft_s * 1000:.0f} ms, finish {c.finish_reason}]", file=sys.stderr)
+                if m.speculative is not None:
+                    print(f"[speculative {m.speculative.stats.line()}]", file=sys.stderr)
     return 0

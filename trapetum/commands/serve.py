@@ -52,6 +52,8 @@ def register(subparsers) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
+    from ._common import add_draft
+    add_draft(p)  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)
@@ -77,7 +79,9 @@ def run(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"trapetum: warning: serving on {args.host} without --api-key: anyone who can reach this "
               "machine can use the models", file=sys.stderr)
-    specs = [ModelSpec.parse(m, d) for m, d in zip(models, devices)]
+    from ._common import draft_kwargs
+    draft_kw = draft_kwargs(args) if args.draft is not None else {}
+    specs = [ModelSpec.parse(m, d, draft_kw) for m, d in zip(models, devices)]
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
             raise TrapetumError(f"{s.path}: file not found")

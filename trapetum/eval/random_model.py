@@ -1,7 +1,8 @@
 """Checkpoints of random weights at real model shapes, generated on the device tensor by tensor (GPU speed work:
 nothing to download or send, and the engine builds from them exactly as from a file).
 
-    SHAPES                     model name -> ModelConfig fields (Llama-2-7B, Llama-3-8B, Llama-2-70B)
+    SHAPES                     model name -> ModelConfig fields (Llama-2-7B, Llama-3-8B, Llama-2-70B,
+                               Llama-3.2-1B, Qwen2.5-0.5B)
     random_checkpoint(shape, fmt, device)
         fmt "fp16"      dense fp16 projections and head
             "cb4"       4-bit per-row codebook projections, 8-bit codebook head (records as a .cbk holds them)
@@ -28,6 +29,13 @@ SHAPES = {
                       rope_theta=500000.0),
     "llama2-70b": dict(family="llama", vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80,
                        num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=4096),
+    # Llama-3.2-1B's shape with an untied head (the published model ties it; a drafter file with its own
+    # quantized head reads fewer bytes per step than the fp16 embedding table would)
+    "llama3.2-1b": dict(family="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+                        num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=8192, rope_theta=500000.0),
+    "qwen2.5-0.5b": dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                         num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True),
 }
 FORMATS = ("fp16", "cb4", "aqlm-2x8", "aqlm-1x16")
 AQLM = {"aqlm-2x8": (2, 8), "aqlm-1x16": (1, 16)}

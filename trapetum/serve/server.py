@@ -34,7 +34,7 @@ import hmac
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -64,21 +64,23 @@ SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 @dataclass
 class ModelSpec:
     """One model to serve: ``path`` (None = the embedded default), optional ``alias`` (the id in
-    the API) and ``device``. ``loader`` replaces ``trapetum.load`` (tests, embedding)."""
+    the API), ``device`` and ``draft_kw`` (speculative decoding: ``trapetum.load``'s draft options; the model is then
+    also served plainly as ``NAME:plain``). ``loader`` replaces ``trapetum.load`` (tests, embedding)."""
     path: str | None = None
     alias: str | None = None
     device: str | None = None
     loader: Callable[[], Any] | None = None
+    draft_kw: dict = field(default_factory=dict)
 
     def load(self) -> tuple[str | None, Any]:
         if self.loader is not None:
             return self.alias, self.loader()
         import trapetum
         kw = {} if self.device is None else {"device": self.device}
-        return self.alias, trapetum.load(self.path, **kw)
+        return self.alias, trapetum.load(self.path, **kw, **self.draft_kw)
 
     @staticmethod
-    def parse(text: str, device: str | None = None) -> "ModelSpec":
+    def parse(text: str, device: str | None = None, draft_kw: dict | None = None) -> "ModelSpec":
         """``PATH`` or ``ALIAS=PATH`` (``default`` or ``-`` = the embedded default model)."""
         alias = None
         if "=" in text and not os.path.exists(text):
@@ -86,7 +88,7 @@ class ModelSpec:
             if a and all(c.isalnum() or c in "._-:" for c in a):
                 alias, text = a, p
         path = None if text in ("", "-", "default") else text
-        return ModelSpec(path=path, alias=alias, device=device)
+        return ModelSpec(path=path, alias=alias, device=device, draft_kw=dict(draft_kw or {}))
 
 
 class Registry:

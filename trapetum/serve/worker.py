@@ -27,6 +27,23 @@ from ..errors import TrapetumError
 log = logging.getLogger("trapetum.serve")
 
 
+class PlainView:
+    """A speculative Model seen as a plain one (``NAME:plain`` in the server): its streams decode without the
+    drafter; everything else is the model's own."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def stream(self, *a, **kw):
+        return self._model.stream(*a, speculative=False, **kw)
+
+    def chat_stream(self, *a, **kw):
+        return self._model.chat_stream(*a, speculative=False, **kw)
+
+
 class QueueFull(Exception):
     def __init__(self, waiting: int, retry_after_s: int):
         super().__init__(f"{waiting} requests are already waiting")
@@ -151,6 +168,10 @@ class Worker:
                 want = alias or getattr(m, "name", None) or "model"
                 name = self.claim(want) if self.claim else _unique(want, self.models)
                 self.models[name] = m
+                if getattr(m, "speculative", None) is not None:  # the same weights decoded plainly, to compare
+                    plain = f"{name}:plain"
+                    plain = self.claim(plain) if self.claim else _unique(plain, self.models)
+                    self.models[plain] = PlainView(m)
             if self.on_ready:         # e.g. register the models; before "ready", so /health waits for it
                 self.on_ready(self)
         except BaseException as e:  # noqa: BLE001 -- reported through /health, never raised into the loop

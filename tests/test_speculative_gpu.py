@@ -1,0 +1,107 @@
+"""Exact speculative decoding on the GPU engine (CUDA graphs): greedy speculative output equals plain greedy output
+token for token, for every drafter kind and adversarial drafters, on random-weight models at real per-layer shapes
+(2 layers; real-size heads: Llama-2 32k MHA, Llama-3 128k GQA, Qwen2.5 152k with qkv bias and a tied head; fp16,
+4-bit codebooks and AQLM 2x8 targets) and on the real SmolLM2-135M. Skipped without CUDA.
+
+    python -m pytest -q -m gpu tests/test_speculative_gpu.py
+"""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+from trapetum.eval.random_model import random_checkpoint  # noqa: E402
+from trapetum.runtime.sampling import GenerationSettings  # noqa: E402
+from trapetum.runtime.speculative import (ConstantDrafter, DraftModelDrafter, EngineRows, NgramDrafter,  # noqa: E402
+                                          OverlongDrafter, PardDrafter, RandomDrafter, ScriptedDrafter,
+                                          SpeculativeRunner)
+
+# (target shape, target format, drafter shape, drafter format)
+PAIRS = [("llama2-7b", "fp16", "llama2-7b", "cb4"), ("llama2-7b", "cb4", "llama2-7b", "aqlm-2x8"),
+         ("llama2-7b", "aqlm-2x8", "llama2-7b", "cb4"), ("llama3-8b", "cb4", "llama3.2-1b", "cb4"),
+         ("llama3-8b", "fp16", "llama3.2-1b", "cb4"), ("qwen2.5-0.5b", "cb4", "qwen2.5-0.5b", "fp16")]
+KS = (1, 3, 7, 15)
+NEW = 48
+MAX_LEN = 160
+
+
+def engine(shape, fmt):
+    from trapetum.runtime.engine import GpuEngine
+    return GpuEngine(random_checkpoint(shape, fmt, layers=2), MAX_LEN, device="cuda")
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def test_greedy_matrix_engine(pair):
+    """9 drafters x K in (1, 3, 7, 15) x 2 prompts = 72 cases per pair."""
+    te, de = engine(*pair[:2]), engine(*pair[2:])
+    V = te.cfg.vocab_size
+    assert de.cfg.vocab_size == V
+    g = torch.Generator().manual_seed(0)
+    cases = 0
+    for pi, n in enumerate((20, 70)):
+        prompt = torch.randint(3, V, (n,), generator=g).tolist()
+        s = GenerationSettings(max_new_tokens=NEW)
+        plain = list(te.tokens(prompt, s, n + NEW))
+        truth = prompt + plain
+        for k in KS:
+            for d in (NgramDrafter(min_n=1), DraftModelDrafter(EngineRows(de)), PardDrafter(EngineRows(de), V - 1),
+                      ScriptedDrafter.modeled(truth, 1.0, V, device="cuda"),
+                      ScriptedDrafter.modeled(truth, 0.0, V, device="cuda"),
+                      ScriptedDrafter.modeled(truth, 0.5, V, seed=pi, device="cuda"),
+                      RandomDrafter(V, seed=k), ConstantDrafter(plain[NEW // 2]),
+                      OverlongDrafter(ScriptedDrafter.modeled(truth, 1.0, V, device="cuda"), 9)):
+                r = SpeculativeRunner(EngineRows(te), d, k)
+                got = list(r.tokens(prompt, s, n + NEW))
+                assert got == plain, (pair, d.name, k, pi)
+                if d.name in ("scripted", "overlong") and r.stats.accepted == r.stats.drafted:
+                    assert r.stats.tokens_per_round > min(k, 4)  # the oracle's rounds emit k + 1 tokens
+                cases += 1
+    assert cases == 72
+
+
+def test_draft_model_of_the_same_weights_accepts_everything():
+    """A second engine of the same checkpoint drafts exactly the target's greedy tokens (same kernels, same bits)."""
+    te, de = engine("llama3-8b", "cb4"), engine("llama3-8b", "cb4")
+    prompt = list(range(5, 40))
+    s = GenerationSettings(max_new_tokens=64)
+    plain = list(te.tokens(prompt, s, len(prompt) + 64))
+    for k in (3, 7, 15):
+        r = SpeculativeRunner(EngineRows(te), DraftModelDrafter(EngineRows(de)), k)
+        assert list(r.tokens(prompt, s, len(prompt) + 64)) == plain
+        assert r.stats.acceptance == 1.0, r.stats
+
+
+def test_sampling_on_the_gpu_is_seeded():
+    te, de = engine("llama3-8b", "cb4"), engine("llama3.2-1b", "cb4")
+    prompt = list(range(5, 30))
+    s = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01,
+                           repetition_penalty=1.1, seed=4)
+    for d in (DraftModelDrafter(EngineRows(de)), PardDrafter(EngineRows(de), 7), NgramDrafter(min_n=1)):
+        r = SpeculativeRunner(EngineRows(te), d, 5)
+        a = list(r.tokens(prompt, s, len(prompt) + 40))
+        b = list(r.tokens(prompt, s, len(prompt) + 40))
+        assert a == b and len(a) == 40
+
+
+def test_real_smollm2_on_the_gpu():
+    """The real SmolLM2-135M on the engine: n-gram, PARD-style (its EOS as the mask token: exactness only), a second
+    copy of itself (acceptance 1), over the benchmark's prompt set; completions equal plain ones."""
+    from tests.real_models import require
+    import trapetum
+    from trapetum.eval.spec_prompts import PROMPTS, encode
+    path = require("smollm2")
+    copy_ = trapetum.load(path, device="cuda")
+    cases = 0
+    for draft, k in (("ngram", 3), ("ngram", 7), (copy_, 7), (f"pard:{path}", 3)):
+        spec = trapetum.load(path, device="cuda", draft=draft, draft_k=k,
+                             draft_mask_token=copy_.tokenizer.eos_ids[0] if str(draft).startswith("pard") else None)
+        for _, _, chat, text in PROMPTS:
+            ids = encode(spec, chat, text)
+            want = spec.generate(ids, max_new_tokens=64, speculative=False)
+            got = spec.generate(ids, max_new_tokens=64)
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+            if draft is copy_:
+                assert spec.speculative.stats.acceptance == 1.0
+            cases += 1
+    assert cases == 48
