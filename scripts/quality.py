@@ -89,7 +89,7 @@ def rtn_decoder(ckpt, device):
 def count_params(ckpt) -> tuple[int, int]:
     """(layer projection weights, all weights) of the source."""
     cfg = ckpt.config
-    from trapetum.models.checkpoint import expected_shapes
+    from trapetum.models.schema import expected_shapes
     shapes = expected_shapes(cfg)
     proj = sum(math.prod(s) for n, s in shapes.items() if n.startswith("model.layers.") and n.endswith("_proj.weight"))
     total = sum(math.prod(s) for s in shapes.values())

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from trapetum.quant.additive import AdditiveLinear, quantize_additive  # noqa: E402
 from trapetum.quant.kmeans import kmeans_rows, weighted_error  # noqa: E402
-from trapetum.quant.linear import CodebookLinear  # noqa: E402
-from trapetum.quant.pack import pack_codes  # noqa: E402
+from trapetum.schemes.codebook import CodebookLinear  # noqa: E402
+from trapetum.kernels.pack import pack_codes  # noqa: E402
 from trapetum.quant.quantize import PROJ_SUFFIXES, Recipe, calibration_stats  # noqa: E402
 
 DATA = Path("/work/shared/data")

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from trapetum.models.checkpoint import expected_shapes
+from trapetum.models.schema import expected_shapes
 from trapetum.models.config import ModelConfig
 from trapetum.schemes.record import QuantRecord
 from trapetum.tokenizer import Tokenizer

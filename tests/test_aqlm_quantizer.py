@@ -20,7 +20,7 @@ from trapetum.models.decoder import Decoder
 from trapetum.quant.additive import dequantize_aqlm, quantize_additive
 from trapetum.quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
 from trapetum.quant.kmeans import kmeans_rows, weighted_error
-from trapetum.quant.linear import build_linear
+from trapetum.schemes import registry
 
 FAST = dict(beam=2, iters=0, beam_steps=1, kmeans_iters=2, calib_seqs=2, calib_sample_len=16)  # CI-sized
 
@@ -141,7 +141,7 @@ def _hf_logits_from_dequantized(src, cbk_path, ids):
     sd = {n: f.tensor(n).float() for n in f.dense}
     for name in f.layers:
         rec = f.record(name)
-        sd[name] = build_linear(rec, name).dequantize(torch.float32)
+        sd[name] = registry.dequantize(rec, torch.float32, name)
         if rec.bias is not None:
             sd[name[: -len(".weight")] + ".bias"] = rec.bias.float()
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -198,7 +198,7 @@ def test_tied_model_shares_one_8bit_table(tmp_path):
     assert "lm_head" in hf_cfg["quantization_config"]["linear_weights_not_to_quantize"]
     st = load_file(str(out / "model.safetensors"))
     assert "lm_head.weight" not in st
-    E = build_linear(f.record("model.embed_tokens.weight")).dequantize(torch.float32)
+    E = registry.dequantize(f.record("model.embed_tokens.weight"), torch.float32)
     assert st["model.embed_tokens.weight"].dtype == torch.float16
     assert torch.equal(st["model.embed_tokens.weight"].float(), E)
     back = trapetum.load(out, dtype=torch.float32).logits(ids[0].tolist())
@@ -244,5 +244,5 @@ def test_untied_model_keeps_fp16_embedding_and_8bit_head(tmp_path):
         if r["name"].startswith("model.layers."):
             assert 0 < r["rel_err_weighted"] < 1
             w = W[r["name"] + ".weight"].float()
-            wq = build_linear(f.record(r["name"] + ".weight"), r["name"]).dequantize(torch.float32)
+            wq = registry.dequantize(f.record(r["name"] + ".weight"), torch.float32, r["name"])
             assert abs(r["rel_err"] - float((w - wq).norm() / w.norm())) < 1e-4

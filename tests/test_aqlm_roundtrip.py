@@ -13,7 +13,11 @@ from trapetum.errors import FormatError
 from trapetum.quant.convert_aqlm import export_aqlm, import_aqlm
 from trapetum.formats.cbk import open_cbk
 from trapetum.quant.additive import AdditiveLinear
-from trapetum.quant.linear import build_linear
+from trapetum.schemes import registry
+
+
+def build_linear(record, name):
+    return registry.reference_linear(record, None, name, dtype=None, device=None)
 
 ROLES = (".codes", ".codebooks", ".scales")
 

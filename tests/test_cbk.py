@@ -126,7 +126,7 @@ def test_size_breakdown(tmp_path):
     assert s["kinds"]["embedding"]["bits_per_weight"] == 16.0
     assert s["tensor_bytes"] + s["header_bytes"] == s["file_bytes"] == path.stat().st_size
     assert s["weights"] == sum(torch.Size(shape).numel() for shape in
-                               __import__("trapetum.models.checkpoint", fromlist=["x"]).expected_shapes(cfg).values())
+                               __import__("trapetum.models.schema", fromlist=["x"]).expected_shapes(cfg).values())
 
 
 def test_streaming_writer_out_of_order(tmp_path):
@@ -309,7 +309,7 @@ def _rss() -> int:
 def test_streaming_write_memory_is_one_tensor(tmp_path):
     """A 224 MB file written through CbkWriter from tensors made one at a time: resident memory grows by
     about one tensor (32 MB), not by the file (what makes a file bigger than RAM writable)."""
-    from trapetum.models.checkpoint import expected_shapes
+    from trapetum.models.schema import expected_shapes
     cfg = tiny_config(vocab_size=8192, hidden_size=2048, intermediate_size=4096, num_layers=2, num_heads=16,
                       num_kv_heads=16, head_dim=128)
     shapes = expected_shapes(cfg)

@@ -14,7 +14,7 @@ gguf = pytest.importorskip("gguf")
 
 from real_models import hf_reference, require  # noqa: E402
 from trapetum.errors import ConfigError, FormatError, UnsupportedError  # noqa: E402
-from trapetum.models.checkpoint import expected_shapes  # noqa: E402
+from trapetum.models.schema import expected_shapes  # noqa: E402
 from trapetum.formats.gguf import config_from_gguf, default_model_path, load_gguf, open_gguf  # noqa: E402
 from trapetum.models.config import ModelConfig  # noqa: E402
 

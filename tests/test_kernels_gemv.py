@@ -9,8 +9,6 @@ import warnings
 import pytest
 import torch
 
-import trapetum.kernels.pack as kpack
-import trapetum.quant.pack as qpack
 from trapetum.kernels import codebook_layout as layout
 from trapetum.kernels import cuda_ext
 from trapetum.kernels.pack import pack_codes, unpack_codes
@@ -119,11 +117,6 @@ def test_pack_unpack_roundtrip(bits):
     codes = pack_codes(idx, bits)
     assert codes.shape == (7, -(-53 * bits // 8))
     assert torch.equal(unpack_codes(codes, bits, 53).long(), idx)
-
-
-def test_quant_pack_re_exports_kernels_pack():
-    for name in kpack.__all__:
-        assert getattr(qpack, name) is getattr(kpack, name)
 
 
 def test_canonical_nibble_order():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trapetum.quant.kmeans import kmeans_rows, row_objective
-from trapetum.quant.pack import pack_codes, packed_width, unpack_codes
+from trapetum.kernels.pack import pack_codes, packed_width, unpack_codes
 
 
 def _brute_force_opt(x: torch.Tensor, w: torch.Tensor, K: int) -> float:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import trapetum
-from trapetum.quant.linear import CodebookLinear
+from trapetum.schemes.codebook import CodebookLinear
 from trapetum.quant.quantize import Recipe, quantize_checkpoint, quantize_to_cbk
 
 
@@ -111,7 +111,7 @@ def test_tied_8bit_embedding_shares_one_table(tiny_dir, tmp_path, embed_bits):
     ids = torch.tensor([[5, 7, 9]])
     emb = m.decoder.model.embed_tokens(ids)
     W = torch.gather(qm.quantized["model.embed_tokens.weight"].tensors["codebook"].float(), 1,
-                     __import__("trapetum.quant.pack", fromlist=["x"]).unpack_codes(
+                     __import__("trapetum.kernels.pack", fromlist=["x"]).unpack_codes(
                          qm.quantized["model.embed_tokens.weight"].tensors["codes"], 8, 64).long())
     assert torch.equal(emb[0], W[[5, 7, 9]])
 

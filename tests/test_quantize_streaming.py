@@ -261,7 +261,8 @@ def _fast_kmeans(W, K, imp=None, **kw):
 def _measure(out_dir: str) -> None:
     """Run in a fresh interpreter: quantize wide synthetic models of two depths, streaming and in
     memory, and print each run's peak growth of anonymous RSS (sampled every 2 ms)."""
-    from trapetum.models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+    from trapetum.models.checkpoint import Checkpoint, LazyTensors
+    from trapetum.models.schema import expected_shapes
     from trapetum.models.config import ModelConfig
     from trapetum.quant import quantize as Q
 
@@ -376,7 +377,7 @@ def test_chunked_packing_and_errors_equal_whole_matrix(monkeypatch, R, C, bits):
     as packing the whole matrix, same errors as kmeans.weighted_error up to rounding."""
     from trapetum.quant import quantize as Q
     from trapetum.quant.kmeans import kmeans_rows, weighted_error
-    from trapetum.quant.pack import pack_codes
+    from trapetum.kernels.pack import pack_codes
 
     monkeypatch.setattr(Q, "_POST_CHUNK", 1000)  # several chunks, rows not dividing evenly
     g = torch.Generator().manual_seed(R + C)

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.schema import expected_shapes
 from ..kernels import beam_search as beam_step
 from ..models.config import ModelConfig
 from ..quant.quantize import PROJ_SUFFIXES, Recipe, quantize_to_cbk

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from ..errors import FormatError, UnsupportedError
 from ..schemes.record import QuantRecord
-from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.schema import expected_shapes
 from ..models.families import config_from_hf
 from .hf import canonical_name, read_json, read_tokenizer, safetensor_files
 

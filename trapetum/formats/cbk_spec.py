@@ -13,7 +13,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..schemes.record import QuantRecord
-from ..models.checkpoint import expected_names, expected_shapes
+from ..models.schema import expected_names, expected_shapes
 
 FORMAT_NAME = "trapetum-cbk"
 VERSION = 1

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
 from ..models.config import LIMITS, ModelConfig
-from ..models.checkpoint import Checkpoint, LazyTensors, expected_names, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.schema import expected_names, expected_shapes
 
 GGUF_MAGIC = b"GGUF"
 FP16_MAX = 65504.0

@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 
 from .config import ModelConfig
-from .schema import expected_names, expected_shapes  # noqa: F401  (their home is schema.py; importers move)
 
 
 class LazyTensors(Mapping[str, Any]):

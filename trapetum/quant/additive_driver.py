@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..formats.cbk import write_cbk
 from ..formats.detect import load_checkpoint
 from ..kernels import beam_search as beam_step
+from ..schemes import registry
 from ..schemes.record import QuantRecord
 from .additive import SCHEMES, AdditiveLinear, dequantize_aqlm, quantize_additive
 from .quantize import (PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint, recipe_summary,
@@ -220,8 +221,7 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                 name = f"model.layers.{i}.{suf}"
                 W = T[name + ".weight"]
                 if isinstance(W, QuantRecord):
-                    from .linear import build_linear
-                    W = build_linear(W, name).dequantize(torch.float32)
+                    W = registry.dequantize(W, torch.float32, name)
                 imp = None if stats is None else stats.get(name)
                 r = quantize_additive(W.float(), imp, num_codebooks=M, nbits=nbits, beam=recipe.beam,
                                       iters=recipe.iters, beam_steps=recipe.beam_steps,

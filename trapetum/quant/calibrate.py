@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from ..errors import TrapetumError
-from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.schema import expected_shapes
 
 __all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
            "collect_input_stats_layerwise", "streamed_decoder", "sampling_decoder", "model_fp32_bytes",
@@ -156,14 +157,14 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     import torch.nn.functional as F
 
     from ..models.layers import RMSNorm
-    from .linear import build_embedding
+    from ..schemes.registry import reference_embedding
     from ..schemes.record import QuantRecord
 
     cfg = ckpt.config
     T = ckpt.tensors
     E = T["model.embed_tokens.weight"]
     if isinstance(E, QuantRecord):
-        E = build_embedding(E).dequantize()
+        E = reference_embedding(E).dequantize()
     E = E.float()
     xs = []
     for i in range(0, tokens.shape[0], batch):

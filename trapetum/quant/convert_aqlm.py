@@ -27,7 +27,7 @@ from ..errors import FormatError, UnsupportedError
 from ..formats.aqlm import AQLM_ROLES, export_hf_config, load_aqlm, write_aqlm_dir
 from ..formats.cbk import open_cbk, write_cbk
 from ..schemes.record import QuantRecord
-from .linear import build_linear
+from ..schemes import registry
 from .quantize import Recipe, quantize_matrix
 
 __all__ = ["import_aqlm", "export_aqlm"]
@@ -97,7 +97,7 @@ def export_aqlm(src: str | os.PathLike, out: str | os.PathLike, log: Callable[[s
             if rec.bias is not None:
                 tensors[p + ".bias"] = rec.bias
             continue
-        tensors[name] = build_linear(rec, name).dequantize(torch.float32).to(torch.float16)
+        tensors[name] = registry.dequantize(rec, torch.float32, name).to(torch.float16)
         if name == "model.embed_tokens.weight":
             continue  # an embedding table, not a linear: nothing to list
         if rec.bias is not None:

@@ -49,10 +49,12 @@ from ..errors import ConfigError
 from ..formats.cbk import CbkFile, CbkWriter, sha256_file
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
 from ..formats.detect import load_checkpoint
-from ..models.checkpoint import Checkpoint, LazyTensors, expected_shapes
+from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.schema import expected_shapes
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows
-from .pack import SUPPORTED_BITS, pack_codes, packed_width
+from ..kernels.pack import SUPPORTED_BITS, pack_codes, packed_width
+from ..schemes import registry
 from ..schemes.record import QuantRecord
 
 __all__ = ["Recipe", "QuantizedModel", "QuantPlan", "plan_quantization", "iter_quantized", "quantize_checkpoint",
@@ -406,8 +408,7 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
 
     def dense_of(x):  # a .cbk source holds QuantRecords: requantize from their dequantized weights
         if isinstance(x, QuantRecord):
-            from .linear import build_linear
-            return build_linear(x).dequantize(torch.float32)
+            return registry.dequantize(x, torch.float32)
         return x
 
     bar = tqdm(total=plan.config.num_layers, desc="quantize", unit="layer", disable=not progress, dynamic_ncols=True)

@@ -90,9 +90,11 @@ def gate_up(gate: Part, up: Part, act: str, device, kopts: KernelOptions = DEFAU
     return SeparateGateUp(act, projection([gate, up], device, kopts, precise=precise))
 
 
-def dequantize(weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense [out, in] weight a stored weight stands for."""
-    return scheme_of(weight).dequantize(weight, dtype)
+def dequantize(weight, dtype: torch.dtype = torch.float32, name: str = "?") -> torch.Tensor:
+    """The dense [out, in] weight a stored weight stands for (a record checked first: FormatError naming ``name``)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.to(dtype)
+    return reference_linear(weight, None, name, dtype=None, device=None).dequantize(dtype)
 
 
 def embedding_table(weight, device, dtype: torch.dtype = torch.float16) -> torch.Tensor:
