@@ -103,9 +103,9 @@ def _rows_equal_singles(call, x, res=None):
 def test_rows_bitwise_equal_single_rows(n, k, backend):
     """M = 1..16: each row of the M-row call equals the 1-D call on that row (plain, residual, gate/up)."""
     g = torch.Generator().manual_seed(n * k)
-    w = torch.randn(n, k, generator=g).half()
-    x = torch.randn(len(ROWS), k, generator=g).half()
-    res = torch.randn(len(ROWS), n, generator=g).half()
+    w = torch.randn(n, k, generator=g).half().to(DEVICE)
+    x = torch.randn(len(ROWS), k, generator=g).half().to(DEVICE)
+    res = torch.randn(len(ROWS), n, generator=g).half().to(DEVICE)
     _rows_equal_singles(lambda xm, rm: dense_gemv(xm, w, backend=backend), x)
     _rows_equal_singles(lambda xm, rm: dense_gemv(xm, w, rm, backend=backend), x, res)
     if n >= 2:

@@ -23,7 +23,8 @@ rope_kv_append's expressions, and the new tokens' rotated k and their v are writ
 split kernel (fused.rope_append_kv: rope_kv_append's bits) before any program reads them. One token: the program
 whose chunk holds the new position writes it, then a CTA barrier, then reads its chunk; the other programs cover
 older positions only. fused=False: rope_kv_append over the rows (q rotated in place), the split kernel without
-RoPE, the merge: the same bits.
+RoPE, the merge: the same cache bits; the output may differ from the fused kernel's by an fp16 ulp (q's RoPE is
+rounded by another kernel), and each mode's rows are bitwise its own successive decode calls.
 
 Rows and the batch-invariance contract: out[r] and the cache rows of attention_rows are bitwise what M successive
 single-token calls at pos, ..., pos + M - 1 give with the same config; M = 1 is the decode launch itself (constexpr
@@ -595,7 +596,8 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     Row r's k, v go to cache slot pos + r; out[r] attends to positions [lo_r, pos + r].
     Contract (module docstring): out[r] and the caches are bitwise what M successive calls at pos, ..., pos + M - 1
     give (M = 1: the decode launch itself); fused=False (per row: rope_kv_append, which rotates q in place, then the
-    split kernel without RoPE, then the merge) gives the same bits; fused=True leaves q untouched.
+    split kernel without RoPE, then the merge) gives the same bits as its own successive calls (within an fp16
+    ulp of the fused kernel's); fused=True leaves q untouched.
     workspace: attention_workspace(..., rows >= M); config as decode_attention; kopts: the PDL choice.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
