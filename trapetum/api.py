@@ -74,7 +74,7 @@ class Model:
         # the precise prefill belongs to the GPU engine (the CPU reference is fp32 already)
         self.precise_prefill = on_engine and options.prefill == "precise"
         self.dtype = dtype or default_dtype(ckpt, device, options)
-        self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
+        self.context_size = min(self.config.context_length, max_context or 1 << 30)
         if device.startswith("cuda"):
             self.context_size = min(self.context_size, ENGINE_MAX_LEN)
         self._decoder = None
