@@ -120,3 +120,44 @@ def test_bad_longrope_names_the_field(patch, field):
 
 def test_rope_families_listed():
     assert not set(ROPE_FAMILIES) & set(MOE_FAMILIES)
+
+
+@pytest.mark.usefixtures("torch_fallbacks")
+@pytest.mark.parametrize("prefill", ["default", "precise"])
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_engine_matches_reference_across_the_threshold(models, family, prefill):
+    """The engine (kernels' torch fallbacks) against the fp32 reference: a prompt pass past the threshold (its own
+    tables, GpuEngine.pass_rope), decode steps and a verify pass that cross it (the decode-step tables)."""
+    from trapetum.runtime.engine import GpuEngine
+    from trapetum.settings import Options
+    _, _, m = models[family]
+    t = THRESHOLD[family]
+    eng = GpuEngine(m.checkpoint, t + 24, device="cpu", options=Options(prefill=prefill))
+    ids = prompt(t + 10, 11)
+    ref = m.logits(ids)
+    assert float((eng.prefill(ids, all_logits=True) - ref).norm() / ref.norm()) < 2e-3
+    # decode steps from below the threshold to past it, as the reference's cached steps
+    short = ids[:t - 3]
+    dec = m.decoder
+    cache = dec.new_cache(1, t + 24)
+    with torch.no_grad():
+        dec(torch.tensor([short]), cache, 0)
+        steps = [dec(torch.tensor([[ids[p]]]), cache, p)[0, -1] for p in range(t - 3, t + 6)]
+    eng.prefill(short)
+    for i, p in enumerate(range(t - 3, t + 6)):
+        eng.set_position(ids[p], p)
+        eng.step(greedy=False)
+        assert float((eng.logits - steps[i]).norm() / steps[i].norm()) < 2e-3, p
+    eng.prefill(short)
+    rows = eng.verify(ids[t - 3:t + 6], t - 3)
+    for i in range(9):
+        assert float((rows[i] - steps[i]).norm() / steps[i].norm()) < 2e-3, i
+
+
+def test_engine_refuses_moe_with_one_line(tmp_path):
+    from trapetum.formats.detect import load_checkpoint
+    from trapetum.runtime.engine import GpuEngine
+    build("qwen3_moe", tmp_path)
+    with pytest.raises(TrapetumError) as e:
+        GpuEngine(load_checkpoint(tmp_path), 32, device="cpu")
+    assert "mixture-of-experts" in str(e.value) and "\n" not in str(e.value)

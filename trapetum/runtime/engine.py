@@ -22,8 +22,8 @@ from typing import Iterator
 
 import torch
 
+from ..errors import UnsupportedError
 from ..kernels.attention import attention_workspace, fixed_chunk_config, named_config
-from ..kernels.fused import rope_tables
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.checkpoint import Checkpoint
@@ -48,14 +48,18 @@ class GpuEngine:
         dev = self.device = torch.device(device)
         self.use_graph = options.graph and dev.type == "cuda"
         self.max_len = max_len
+        if cfg.moe or cfg.mla:
+            raise UnsupportedError(f"{ckpt.source}: the GPU engine does not run mixture-of-experts or latent-attention "
+                                   "layers yet (the reference decoder does: TRAPETUM_ENGINE=reference)")
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
         self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float16) if cfg.embed_scale is not None else None
-        g, loc = rotaries(cfg)
-        self.rope = rope_tables(max_len, cfg.rotary_dim, inv_freq=g.inv_freq, device=dev)
-        self.rope_local = rope_tables(max_len, cfg.rotary_dim, inv_freq=loc.inv_freq, device=dev) \
-            if loc is not None else self.rope
+        self.rotaries = g, loc = rotaries(cfg)
+        # row p of each table rotates as a decode step at p (models/rope.py: YaRN's attention factor folded in;
+        # longrope / dynamic with the frequencies of length p + 1); a prompt pass may need its own (pass_rope)
+        self.rope = g.spec.table(max_len, device=dev)
+        self.rope_local = loc.spec.table(max_len, device=dev) if loc is not None else self.rope
         # attention config: a named one (Options.attn_config), else fixed 64-position chunks when the o projections
         # are dense fp16 (NOTES-engine.md: the adaptive splits slowed the fp16 7B), else the kernel's choice
         hd, G = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
@@ -85,6 +89,17 @@ class GpuEngine:
     @property
     def v_cache(self) -> torch.Tensor:
         return self.kv.v
+
+    def pass_rope(self, sliding: bool, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables of a PREFILL pass over positions start .. start + T - 1: the decode-step tables, except
+        for a length-dependent RoPE (longrope, dynamic NTK) whose pass crosses its threshold, which rotates every
+        position of the pass with the frequencies of length start + T (as the reference and transformers)."""
+        g, loc = self.rotaries
+        rope = loc if sliding and loc is not None else g
+        n = start + T
+        if rope.spec.length_dependent and n > rope.spec.threshold:
+            return rope.spec.table(n, seq_len=n, device=self.device)
+        return self.rope_local if sliding else self.rope
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()

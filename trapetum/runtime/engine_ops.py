@@ -83,16 +83,18 @@ class EngineOps:
     # -- attention ---------------------------------------------------------------------------
     def attend(self, q, k, v, batch: ForwardBatch, p):
         eng, cfg = self.eng, self.cfg
-        cos, sin = eng.rope_local if p.sliding else eng.rope
         kc, vc = eng.kv.k[p.layer], eng.kv.v[p.layer]
         window = cfg.sliding_window if p.sliding else None
         if self.rows:
+            cos, sin = eng.rope_local if p.sliding else eng.rope
             out = torch.empty(q.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float16, device=q.device)
             attention_rows(q, k, v, kc, vc, batch.start, cos, sin, scale=cfg.scale, window=window,
                            softcap=cfg.attn_softcap, out=out, workspace=eng.attn_ws, config=eng.attn_config,
                            fused=eng.options.attention == "fused", kopts=self.kopts)
             return out.view(q.shape[0], -1)
-        return self._prefill_attention(q, k, v, kc, vc, int(batch.start), cos, sin, window)
+        start = int(batch.start)
+        cos, sin = eng.pass_rope(p.sliding, start, q.shape[0])
+        return self._prefill_attention(q, k, v, kc, vc, start, cos, sin, window)
 
     def _prefill_attention(self, q, k, v, kc, vc, start, cos, sin, window):
         cfg = self.cfg
