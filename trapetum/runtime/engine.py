@@ -28,6 +28,7 @@ from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.checkpoint import Checkpoint
 from ..models.layers import rotaries
+from ..models.rope import deinterleave_index
 from ..settings import Options
 from .engine_model import build_model
 from .engine_ops import EngineOps
@@ -48,9 +49,12 @@ class GpuEngine:
         dev = self.device = torch.device(device)
         self.use_graph = options.graph and dev.type == "cuda"
         self.max_len = max_len
-        if cfg.moe or cfg.mla:
-            raise UnsupportedError(f"{ckpt.source}: the GPU engine does not run mixture-of-experts or latent-attention "
-                                   "layers yet (the reference decoder does: TRAPETUM_ENGINE=reference)")
+        if (cfg.moe or cfg.mla) and options.prefill == "precise":
+            raise UnsupportedError(f"{ckpt.source}: the precise prefill does not run mixture-of-experts or "
+                                   "latent-attention layers yet (TRAPETUM_PREFILL=default or exact)")
+        # per-head cache and attention size: latent attention's keys and values padded to one (engine_ops.py)
+        self.head_dim = max(cfg.head_dim, cfg.v_head_dim) if cfg.mla else cfg.head_dim
+        self.rope_perm = deinterleave_index(cfg.qk_rope_head_dim).to(dev) if cfg.mla and cfg.rope_interleave else None
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
         self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")
@@ -62,14 +66,14 @@ class GpuEngine:
         self.rope_local = loc.spec.table(max_len, device=dev) if loc is not None else self.rope
         # attention config: a named one (Options.attn_config), else fixed 64-position chunks when the o projections
         # are dense fp16 (NOTES-engine.md: the adaptive splits slowed the fp16 7B), else the kernel's choice
-        hd, G = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        hd, G = self.head_dim, cfg.num_heads // cfg.num_kv_heads
         if options.attn_config:
             self.attn_config = named_config(options.attn_config)
         elif all(L.attention.o.kind == "fp16" for L in self.model.layers):
             self.attn_config = fixed_chunk_config(hd, G)
         else:
             self.attn_config = None
-        self.kv = ContiguousKV(cfg, max_len, dev)
+        self.kv = ContiguousKV(cfg, max_len, dev, head_dim=hd)
         self.attn_ws = attention_workspace(cfg.num_heads, hd, max_len, dev, hkv=cfg.num_kv_heads,
                                            config=self.attn_config, rows=MAX_VERIFY_ROWS)
         self.row_tokens = torch.zeros(MAX_VERIFY_ROWS, dtype=torch.long, device=dev)
