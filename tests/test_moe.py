@@ -139,3 +139,36 @@ def test_missing_expert_tensor_names_it(tmp_path):
 
 def test_moe_families_listed():
     assert set(FAMS) <= set(MOE_FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_info_shows_experts_and_active_parameters(tmp_path, family):
+    """trapetum info: the parameter count is transformers' (plus DeepSeek-V3's correction bias, a buffer there), the
+    active count leaves out the unchosen experts of each MoE layer; the CLI prints both."""
+    import os
+    import subprocess
+    import sys
+    from trapetum.api import describe
+    from trapetum.formats.detect import load_checkpoint
+    hf = build(family, tmp_path)
+    info = describe(load_checkpoint(tmp_path))
+    cfg = load_checkpoint(tmp_path).config
+    n_moe = cfg.mlp_types.count("moe")
+    extra = n_moe * cfg.num_experts if cfg.router_bias else 0
+    assert info["parameters"] == sum(p.numel() for p in hf.parameters()) + extra
+    layer = f".layers.{cfg.mlp_types.index('moe')}."
+    expert = sum(p.numel() for n, p in hf.named_parameters() if ".experts.0." in n and layer in n)
+    if expert == 0:  # transformers 5 stacks a layer's experts: [E, ...] tensors
+        expert = sum(p.numel() // cfg.num_experts for n, p in hf.named_parameters()
+                     if ".experts." in n and layer in n and "shared" not in n)
+    assert expert == 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    moe = info["moe"]
+    assert moe["experts"] == 8 and moe["top_k"] == cfg.num_experts_per_tok
+    assert moe["active_parameters_per_token"] == info["parameters"] - n_moe * (8 - moe["top_k"]) * expert
+    assert ("mla" in info) == (family == "deepseek_v3")
+    out = subprocess.run([sys.executable, "-m", "trapetum.cli", "info", str(tmp_path)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"{moe['active_parameters_per_token']:,} parameters per token" in out.stdout
+    assert f"8 routed, top-{moe['top_k']}" in out.stdout
+    assert ("kv_lora_rank 32" in out.stdout) == (family == "deepseek_v3")
