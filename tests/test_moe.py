@@ -172,3 +172,17 @@ def test_info_shows_experts_and_active_parameters(tmp_path, family):
     assert f"{moe['active_parameters_per_token']:,} parameters per token" in out.stdout
     assert f"8 routed, top-{moe['top_k']}" in out.stdout
     assert ("kv_lora_rank 32" in out.stdout) == (family == "deepseek_v3")
+
+
+def test_benchmark_shapes_of_the_issue():
+    """eval/random_model's MoE shapes (bench_e2e --models deepseek-v2-lite / mixtral-8x7b): valid configs with the
+    published sizes (no tensor is generated: they are lazy)."""
+    from trapetum.api import describe
+    from trapetum.eval.random_model import random_checkpoint
+    v2 = describe(random_checkpoint("deepseek-v2-lite", "cb4", device="cpu"))
+    assert round(v2["parameters"] / 1e9, 1) == 15.7 and v2["moe"]["top_k"] == 6 and v2["mla"]["kv_lora_rank"] == 512
+    mx = describe(random_checkpoint("mixtral-8x7b", "cb4", device="cpu"))
+    assert round(mx["parameters"] / 1e9, 1) == 46.7 and round(mx["moe"]["active_parameters_per_token"] / 1e9, 1) == 12.9
+    two = random_checkpoint("deepseek-v2-lite", "cb4", device="cpu", layers=2)
+    assert two.config.mlp_types == ["dense", "moe"]
+    assert isinstance(two.tensors["model.layers.1.mlp.gate.weight"], torch.Tensor)  # routers stay dense
