@@ -1,11 +1,12 @@
 """GPU-only checks of the engine on mixture-of-experts and latent-attention models (skipped without CUDA): the
 CPU reference within 2e-3 and 16/16 greedy tokens (dense fp16 and a 4-bit .cbk), graph replays bitwise over 100
-steps, graph == eager, verify rows bitwise equal to decode steps. The CPU versions: tests/test_moe_engine.py."""
+steps, graph == eager, verify rows bitwise equal to decode steps; the RoPE variants' families across their
+thresholds. The CPU versions: tests/test_moe_engine.py, tests/test_rope_variants.py."""
 import pytest
 import torch
 
 import trapetum
-from tests.tiny_models import MOE_FAMILIES, build, build_cbk
+from tests.tiny_models import MOE_FAMILIES, ROPE_FAMILIES, build, build_cbk
 from trapetum.eval.verify_exact import check
 from trapetum.runtime.engine import GpuEngine
 from trapetum.settings import Options
@@ -67,3 +68,15 @@ def test_replays_bitwise_and_verify_rows_are_decode_steps(pairs, family):
     assert torch.equal(eager.logits, outs[0])
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+def test_gpu_rope_variants_match_cpu_reference(tmp_path, family):
+    """A prompt past the variant's threshold (its own tables) and 16 greedy tokens from below it to past it."""
+    build(family, tmp_path)
+    cpu, gpu = trapetum.load(tmp_path), trapetum.load(tmp_path, device="cuda")
+    long = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert rel(gpu.runner.prefill(long, all_logits=True), cpu.logits(long)) < 2e-3
+    ids = long[:40]  # 40 + 32 crosses 32, 48 and 64
+    assert gpu.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids == \
+        cpu.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids
