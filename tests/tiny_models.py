@@ -57,10 +57,63 @@ def family_configs():
             common, head_dim=16, sliding_window=8, query_pre_attn_scalar=16, num_hidden_layers=7,
             rope_local_base_freq=10000.0, rope_theta=1000000.0)),
         "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(common)),
+        **moe_family_configs(common),
+        **rope_family_configs(common),
     }
 
 
-FAMILIES = list(family_configs())
+def moe_family_configs(common: dict) -> dict:
+    """Mixture-of-experts and latent-attention families (issue 17): every routing variant, dense layers among the
+    experts, shared experts, MLA with and without q_lora, YaRN with mscale / mscale_all_dim."""
+    import transformers as T
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24)
+    ds = dict(common, **mla, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+              first_k_dense_replace=1)
+    return {
+        "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(common, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, dict(
+            common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            mlp_only_layers=[1], norm_topk_prob=False)),
+        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+            common, head_dim=16, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+            decoder_sparse_step=2, num_hidden_layers=4)),
+        # DeepSeek-V2: no q_lora, group-limited greedy routing, YaRN with mscale == mscale_all_dim (V2's values)
+        "deepseek_v2": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM, dict(
+            ds, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                          "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})),
+        # DeepSeek-V3: q_lora, sigmoid scores with the correction bias, noaux_tc groups, renormalized and scaled;
+        # YaRN with mscale != mscale_all_dim (an attention factor on cos / sin besides the softmax scale)
+        "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+            ds, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+            rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                          "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})),
+    }
+
+
+def rope_family_configs(common: dict) -> dict:
+    """Dense families with the RoPE variants (issue 17): longrope on a partial rotary (Phi-4-mini's form), YaRN,
+    dynamic NTK; each original context is shorter than the test prompts."""
+    import transformers as T
+    g = torch.Generator().manual_seed(5)
+    half = int(16 * 0.75) // 2
+    short = (1.0 + torch.rand(half, generator=g)).tolist()
+    long = (1.0 + 8 * torch.rand(half, generator=g)).tolist()
+    return {
+        "phi3_longrope": (T.Phi3Config, T.Phi3ForCausalLM, dict(
+            common, partial_rotary_factor=0.75, original_max_position_embeddings=64,
+            rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long})),
+        "qwen2_yarn": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(
+            common, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
+        "llama_dynamic": (T.LlamaConfig, T.LlamaForCausalLM, dict(
+            common, max_position_embeddings=48, rope_scaling={"rope_type": "dynamic", "factor": 2.0})),
+    }
+
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+ROPE_FAMILIES = ["phi3_longrope", "qwen2_yarn", "llama_dynamic"]
+# the dense families every suite runs (the families above have their own: tests/test_moe*.py, test_mla*, test_rope*)
+FAMILIES = [f for f in family_configs() if f not in MOE_FAMILIES + ROPE_FAMILIES]
 
 
 def build(family: str, path, seed: int = 0, tokenizer: bool = False):
@@ -76,6 +129,11 @@ def build(family: str, path, seed: int = 0, tokenizer: bool = False):
                 p.add_(torch.randn_like(p) * 0.1)
             elif "bias" in n:
                 p.normal_(0, 0.1)
+            elif n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)  # decisive routing: no near-ties for an fp16 engine to flip
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer:
         save_tokenizer(path)

@@ -74,7 +74,7 @@ class Model:
         # the precise prefill belongs to the GPU engine (the CPU reference is fp32 already)
         self.precise_prefill = on_engine and options.prefill == "precise"
         self.dtype = dtype or default_dtype(ckpt, device, options)
-        self.context_size = min(self.config.max_position_embeddings, max_context or 1 << 30)
+        self.context_size = min(self.config.context_length, max_context or 1 << 30)
         if device.startswith("cuda"):
             self.context_size = min(self.context_size, ENGINE_MAX_LEN)
         self._decoder = None
@@ -209,7 +209,9 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 weight_bytes += t.numel() * t.element_size()
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    # the engine's cache: per-head keys and values (latent attention's padded to one size, runtime/engine_ops.py)
+    hd = max(cfg.head_dim, cfg.v_head_dim) if cfg.mla else cfg.head_dim
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * hd
     info = {
         "source": ckpt.source, "format": ckpt.source_format, "family": cfg.family,
         "parameters": n_params, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
@@ -219,11 +221,36 @@ def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]
         "memory_fp16_weights_bytes": 2 * n_params,
         "kv_cache_fp16_bytes_per_token": 2 * kv_per_token,
     }
+    info.update(moe_mla_structure(cfg, n_params))
     if weight_bytes is not None:
         info["memory_loaded_weights_bytes"] = weight_bytes
     if ckpt.meta:
         info["meta"] = {k: v for k, v in ckpt.meta.items() if k in ("recipe", "provenance", "sizes")}
     return info
+
+
+def moe_mla_structure(cfg, n_params: int) -> dict[str, Any]:
+    """``moe``: experts, top-k, routing, MoE / dense layers and the active parameters per token (every parameter
+    but the experts a token's router does not choose: (E - k) x 3 x hidden x expert ffn per MoE layer); ``mla``:
+    the latent attention's ranks and the latent cache a token would need (kv_lora_rank + qk_rope per layer)."""
+    out: dict[str, Any] = {}
+    if cfg.moe:
+        n_moe = cfg.mlp_types.count("moe")
+        idle = n_moe * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        out["moe"] = {"experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
+                      "expert_intermediate_size": cfg.moe_intermediate_size,
+                      "shared_intermediate_size": cfg.shared_expert_intermediate_size,
+                      "shared_expert_gate": cfg.shared_expert_gate, "scoring": cfg.router_scoring,
+                      "choice": cfg.router_topk, "groups": [cfg.n_group, cfg.topk_group],
+                      "norm_topk_prob": cfg.norm_topk_prob, "routed_scaling_factor": cfg.routed_scaling_factor,
+                      "moe_layers": n_moe, "dense_layers": cfg.num_layers - n_moe,
+                      "active_parameters_per_token": n_params - idle}
+    if cfg.mla:
+        out["mla"] = {"q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+                      "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+                      "v_head_dim": cfg.v_head_dim,
+                      "latent_cache_fp16_bytes_per_token": 2 * cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+    return out
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,

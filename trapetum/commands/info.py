@@ -44,6 +44,19 @@ def run(args) -> int:
         quirks.append(f"rope {cfg.rope_scaling.get('rope_type')}")
     print(f"quirks       {', '.join(quirks) or 'none'}; act {cfg.hidden_act}; rope theta {cfg.rope_theta:g}")
     print(f"parameters   {info['parameters']:,}")
+    moe, mla = info.get("moe"), info.get("mla")
+    if moe:
+        shared = f", shared expert ffn {moe['shared_intermediate_size']}" if moe["shared_intermediate_size"] else ""
+        groups = f" in {moe['groups'][1]} of {moe['groups'][0]} groups" if moe["choice"] != "greedy" else ""
+        print(f"experts      {moe['experts']} routed, top-{moe['top_k']} ({moe['scoring']}, {moe['choice']}{groups}), "
+              f"expert ffn {moe['expert_intermediate_size']}{shared}; {moe['moe_layers']} MoE layers, "
+              f"{moe['dense_layers']} dense")
+        print(f"active       {moe['active_parameters_per_token']:,} parameters per token "
+              f"({moe['active_parameters_per_token'] / info['parameters']:.1%})")
+    if mla:
+        print(f"latent attn  q_lora_rank {mla['q_lora_rank'] or 'none'}, kv_lora_rank {mla['kv_lora_rank']}, "
+              f"qk {mla['qk_nope_head_dim']} + rope {mla['qk_rope_head_dim']}, v {mla['v_head_dim']}; latent cache "
+              f"{_size(mla['latent_cache_fp16_bytes_per_token'] * 1024)} per 1k positions (fp16)")
     print(f"context      {cfg.max_position_embeddings} positions")
     print("formats      " + ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_formats"].items())))
     print(f"memory       {_size(info['memory_fp16_weights_bytes'])} as fp16 weights; KV cache "

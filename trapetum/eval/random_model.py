@@ -2,7 +2,7 @@
 nothing to download or send, and the engine builds from them exactly as from a file).
 
     SHAPES                     model name -> ModelConfig fields (Llama-2-7B, Llama-3-8B, Llama-2-70B,
-                               Llama-3.2-1B, Qwen2.5-0.5B)
+                               Llama-3.2-1B, Qwen2.5-0.5B, Mixtral-8x7B, DeepSeek-V2-Lite)
     random_checkpoint(shape, fmt, device)
         fmt "fp16"      dense fp16 projections and head
             "cb4"       4-bit per-row codebook projections, 8-bit codebook head (records as a .cbk holds them)
@@ -12,6 +12,7 @@ nothing to download or send, and the engine builds from them exactly as from a f
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
@@ -36,6 +37,20 @@ SHAPES = {
     "qwen2.5-0.5b": dict(family="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                          num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=8192,
                          rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True),
+    # mixture of experts (issue 17): every expert a projection of the format, routers dense fp16
+    "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768,
+                         rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+                         mlp_types=["moe"] * 32, norm_topk_prob=True),
+    # DeepSeek-V2-Lite: latent attention (no q_lora), 64 routed experts top-6 + 2 shared, the first layer dense
+    "deepseek-v2-lite": dict(
+        family="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+        num_heads=16, num_kv_heads=16, head_dim=192, max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+        attn_scale=192 ** -0.5 * (0.1 * 0.707 * math.log(40.0) + 1.0) ** 2, kv_lora_rank=512, qk_rope_head_dim=64,
+        v_head_dim=128, rope_interleave=True, num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+        mlp_types=["dense"] + ["moe"] * 26, shared_expert_intermediate_size=2 * 1408),
 }
 FORMATS = ("fp16", "cb4", "aqlm-2x8", "aqlm-1x16")
 AQLM = {"aqlm-2x8": (2, 8), "aqlm-1x16": (1, 16)}
@@ -69,13 +84,17 @@ def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = 
     if fmt not in FORMATS:
         raise ValueError(f"fmt: one of {', '.join(FORMATS)}, got {fmt!r}")
     fields = dict(SHAPES[shape], **({"num_layers": layers} if layers else {}))
+    if layers and "mlp_types" in fields:
+        fields["mlp_types"] = fields["mlp_types"][:layers]
     cfg = ModelConfig(**fields).validate(shape)
 
     def make(name: str, shp: tuple[int, ...]):
         def get():
             g = _gen(name, device)
             if len(shp) == 1:
-                return torch.ones(shp, device=device)
+                return (torch.zeros if name.endswith("e_score_correction_bias") else torch.ones)(shp, device=device)
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # routers stay dense
+                return torch.randn(shp, device=device, dtype=torch.float16, generator=g) * 0.02
             if name == "model.embed_tokens.weight" or fmt == "fp16" or (fmt.startswith("aqlm") and name == "lm_head.weight"):
                 return torch.randn(shp, device=device, dtype=torch.float16, generator=g) * 0.02
             if fmt == "cb4":

@@ -26,7 +26,9 @@ import torch
 from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
 from ..models.config import LIMITS, ModelConfig
 from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.rope import yarn_softmax_mscale
 from ..models.schema import expected_names, expected_shapes
+from . import gguf_moe
 
 GGUF_MAGIC = b"GGUF"
 FP16_MAX = 65504.0
@@ -40,6 +42,10 @@ GGUF_ARCHS: dict[str, dict[str, Any]] = {
     "gemma3": {"family": "gemma3", "hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True,
                "sandwich_norms": True, "qk_norm": True, "sliding_pattern": "every_n", "local_theta": 10000.0},
     "phi3": {"family": "phi3", "fused": True},
+    # mixture of experts / latent attention (formats/gguf_moe.py; llama with llama.expert_count is Mixtral)
+    "qwen2moe": {"family": "qwen2_moe", "qkv_bias": True},
+    "qwen3moe": {"family": "qwen3_moe", "qk_norm": True},
+    "deepseek2": {"family": "deepseek_v2"},
 }
 
 # Per-layer GGUF tensor (without "blk.N." and ".weight"/".bias") -> canonical name (without "model.layers.N.").
@@ -362,9 +368,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     scaling: dict[str, Any] = {}
     kind = g("rope.scaling.type", str)
     if kind and kind != "none":
-        if kind != "linear":
-            raise UnsupportedError(f"{where}: RoPE scaling type {kind!r} is not supported (linear, llama3)")
-        scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", 1.0)}
+        if kind not in ("linear", "yarn"):
+            raise UnsupportedError(f"{where}: RoPE scaling type {kind!r} is not supported (linear, llama3, yarn)")
+        scaling = {"rope_type": "linear", "factor": real("rope.scaling.factor", 1.0)} if kind == "linear" \
+            else gguf_moe.yarn_scaling(g, arch)
     if "rope_freqs.weight" in config_tensors:
         scaling = _llama3_scaling(config_tensors["rope_freqs.weight"](), theta, rot, where) or scaling
     if "rope_factors_long.weight" in config_tensors:
@@ -407,6 +414,13 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         final_softcap = real("final_logit_softcapping", None)
 
     has_bias = any(k.endswith(".attn_q.bias") for k in tensor_shapes)
+    extra: dict[str, Any] = {"partial_rotary_factor": rot / hd if hd else 1.0}
+    if gguf_moe.is_moe(arch, meta):
+        extra.update(gguf_moe.config_fields(arch, meta, tensor_shapes, g, L, H, I, where))
+        family = extra.pop("family")
+        if extra.get("kv_lora_rank"):  # latent attention: head sizes from its own keys, the YaRN softmax factor
+            Hkv, hd = extra.pop("num_kv_heads"), extra.pop("head_dim")
+            attn_scale = hd ** -0.5 * yarn_softmax_mscale(scaling or None)
     cfg = ModelConfig(
         family=family, vocab_size=V, hidden_size=D, intermediate_size=I, num_layers=L, num_heads=H,
         num_kv_heads=Hkv, head_dim=hd,
@@ -424,7 +438,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         rope_theta=theta,
         rope_local_theta=q.get("local_theta") if family == "gemma3" else None,
         rope_scaling=scaling or None,
-        partial_rotary_factor=rot / hd if hd else 1.0,
+        **extra,
     )
     return cfg.validate(where)
 
@@ -498,7 +512,19 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     permute = GGUF_ARCHS[arch].get("permute_qk", False)
     gemma = cfg.norm_offset != 0.0
 
+    moe = gguf_moe.is_moe(arch, meta)
+    pending: dict = {}  # deepseek2's split kv_b halves, joined after the loop
     for t in gf.tensors:
+        if moe:
+            got = gguf_moe.expand(t.name, raw_shapes[t.name], _dequantizer(t, raw_shapes[t.name], where), cfg,
+                                  pending, where)
+            if got is not None:
+                if not _supported_type(t.tensor_type):
+                    raise UnsupportedError(f"{where}: tensor {t.name} has GGUF type {t.tensor_type.name}, "
+                                           "which the gguf package cannot dequantize")
+                for n, (fn, shp) in got.items():
+                    getters[n], shapes[n], formats[n] = fn, shp, t.tensor_type.name
+                continue
         canon = canonical_gguf_name(t.name, arch)
         if canon is None:
             if t.name not in CONFIG_TENSORS:
@@ -542,6 +568,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
                 raise FormatError(f"{where}: tensor {n} is given twice (last by {t.name})")
             getters[n], shapes[n], formats[n] = fn, shp, tname
 
+    for n, (fn, shp) in gguf_moe.join_kv_b(pending, cfg, where).items():
+        getters[n], shapes[n], formats[n] = fn, shp, "F32"
     _check_shapes(cfg, shapes, where)
     from .gguf_vocab import tokenizer_from_gguf
 

@@ -179,9 +179,13 @@ def load_hf(path: str | os.PathLike) -> Checkpoint:
                 except (SafetensorError, OSError, ValueError, RuntimeError) as e:
                     raise FormatError(f"{file}: cannot read tensor {k!r} ({e})") from None
 
-            for cname, g in split_fused(name, get, config).items():
+            parts = split_fused(name, get, config)
+            for cname, g in parts.items():
                 getters[cname] = g
                 formats[cname] = dtype
-            shapes[name] = tuple(sl.get_shape())
+            if len(parts) == 1:  # renamed at most: the source's shape is the canonical tensor's
+                shapes[next(iter(parts))] = tuple(sl.get_shape())
+            elif parts:
+                shapes[name] = tuple(sl.get_shape())
     return Checkpoint(config=config, tensors=LazyTensors(getters, formats, shapes), tokenizer=read_tokenizer(d, gen),
                       source=str(d), source_format="hf", generation=gen)

@@ -3,13 +3,15 @@ submodule names are the canonical checkpoint names (``model.layers.0.self_attn.q
 calibration find projections by name.
 
 Every supported family is this one decoder; quirks come from ModelConfig flags. A layer is an attention block
-then an MLP block (models/blocks/attention.py, mlp.py: the data path, written once for every executor).
+(attention.py, or mla.py: latent attention) then an MLP block (mlp.py, or moe.py: a mixture of experts) of
+models/blocks/ (the data path, written once for every executor); ``ModelConfig.block_kinds`` says which.
 """
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
@@ -18,10 +20,10 @@ from ..schemes.dense import Embedding, Linear
 from .batch import ForwardBatch, Mode
 from .blocks import decoder_forward, layer_forward
 from .checkpoint import Checkpoint
-from .config import ModelConfig
+from .config import LATENT_NORM_EPS, ModelConfig
 from .kv_cache import KVCache
 from .layers import RMSNorm, activation, rotaries
-from .schema import attention_names, expected_shapes, fetch, mlp_names
+from .schema import attention_names, expected_shapes, fetch, mla_names, mlp_names, moe_names
 from .torch_ops import TorchOps
 
 
@@ -40,13 +42,61 @@ class MLP(nn.Module):
         self.act = activation(cfg.hidden_act)
 
 
+class MLAttention(nn.Module):
+    """Latent attention's modules (canonical names: q_proj or q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj,
+    kv_a_layernorm, kv_b_proj, o_proj)."""
+
+    def __init__(self, mods: dict[str, nn.Module]):
+        super().__init__()
+        for role, name in (("q", "q_proj"), ("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj"),
+                           ("kv_a", "kv_a_proj"), ("kv_a_norm", "kv_a_layernorm"), ("kv_b", "kv_b_proj"),
+                           ("o", "o_proj")):
+            setattr(self, name, mods.get(role))
+
+
+class Router(nn.Module):
+    """The experts' router: fp32 logits [..., E] = x W^T (DeepSeek-V3's correction bias as a buffer; it enters the
+    choice of experts only, models/blocks/moe.py)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            self.register_buffer("e_score_correction_bias", bias)
+        else:
+            self.e_score_correction_bias = None
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.e_score_correction_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP's modules: gate (Router), experts (MLP each), shared_experts, shared_expert_gate."""
+
+    def __init__(self, router: Router, experts: list[MLP], shared: MLP | None, shared_gate: nn.Module | None):
+        super().__init__()
+        self.gate = router
+        self.experts = nn.ModuleList(experts)
+        self.shared_experts = shared
+        self.shared_expert_gate = shared_gate
+
+
+def _gate_up(m: MLP) -> SimpleNamespace:
+    return SimpleNamespace(gate_up=(m.gate_proj, m.up_proj, m.act), down=m.down_proj)
+
+
 class Block(nn.Module):
     """One decoder layer's modules; ``blocks`` gives them to the block functions by role."""
 
     def __init__(self, cfg: ModelConfig, layer: int, mods: dict[str, nn.Module]):
         super().__init__()
-        self.self_attn = Attention(mods)
-        self.mlp = MLP(cfg, mods)
+        self.kinds = cfg.block_kinds(layer)
+        self.self_attn = MLAttention(mods) if self.kinds[0] == "mla" else Attention(mods)
+        self.mlp = mods["moe"] if self.kinds[1] == "moe" else MLP(cfg, mods)
         self.input_layernorm = mods["input_norm"]
         self.post_attention_layernorm = mods["post_attn_norm"]
         self.sandwich = cfg.sandwich_norms
@@ -59,13 +109,24 @@ class Block(nn.Module):
     @property
     def blocks(self) -> list:
         a, m, sw = self.self_attn, self.mlp, self.sandwich
-        attn = SimpleNamespace(input_norm=self.input_layernorm, qkv=(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj,
-                               q_norm=a.q_norm, k_norm=a.k_norm, layer=self.layer_index, sliding=self.sliding,
-                               post_norm=self.post_attention_layernorm if sw else None)
-        mlp = SimpleNamespace(norm=self.pre_feedforward_layernorm if sw else self.post_attention_layernorm,
-                              gate_up=(m.gate_proj, m.up_proj, m.act), down=m.down_proj,
-                              post_norm=self.post_feedforward_layernorm if sw else None)
-        return [("attention", attn), ("mlp", mlp)]
+        if self.kinds[0] == "mla":
+            attn = SimpleNamespace(input_norm=self.input_layernorm, q=a.q_proj, q_a=a.q_a_proj, q_a_norm=a.q_a_layernorm,
+                                   q_b=a.q_b_proj, kv_a=a.kv_a_proj, kv_a_norm=a.kv_a_layernorm, kv_b=a.kv_b_proj,
+                                   o=a.o_proj, layer=self.layer_index, sliding=False)
+        else:
+            attn = SimpleNamespace(input_norm=self.input_layernorm, qkv=(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj,
+                                   q_norm=a.q_norm, k_norm=a.k_norm, layer=self.layer_index, sliding=self.sliding,
+                                   post_norm=self.post_attention_layernorm if sw else None)
+        norm = self.pre_feedforward_layernorm if sw else self.post_attention_layernorm
+        post = self.post_feedforward_layernorm if sw else None
+        if self.kinds[1] == "moe":
+            mlp = SimpleNamespace(norm=norm, router=m.gate, experts=[_gate_up(e) for e in m.experts],
+                                  shared=_gate_up(m.shared_experts) if m.shared_experts is not None else None,
+                                  shared_gate=m.shared_expert_gate, post_norm=post)
+        else:
+            mlp = SimpleNamespace(norm=norm, gate_up=(m.gate_proj, m.up_proj, m.act), down=m.down_proj,
+                                  post_norm=post)
+        return [(self.kinds[0], attn), (self.kinds[1], mlp)]
 
 
 class Decoder(nn.Module):
@@ -120,11 +181,17 @@ class Decoder(nn.Module):
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         p = next(self.parameters())
-        return KVCache(self.config, batch, max_len or self.config.max_position_embeddings, p.dtype, p.device)
+        return KVCache(self.config, batch, max_len or self.config.context_length, p.dtype, p.device)
 
     def projections(self) -> dict[str, nn.Module]:
-        """Canonical name -> projection module (q/k/v/o, gate/up/down, lm_head)."""
+        """Canonical name -> projection module (q/k/v/o, gate/up/down, MLA's and the experts' projections,
+        lm_head)."""
         return {name: mod for name, mod in self.named_modules() if name.endswith("_proj") or name == "lm_head"}
+
+    def routers(self) -> dict[str, nn.Module]:
+        """Canonical name -> router of each mixture-of-experts layer (``model.layers.{i}.mlp.gate``): its input is
+        every row of the layer's MLP (calibration's fallback for experts that see few rows)."""
+        return {name: mod for name, mod in self.named_modules() if isinstance(mod, Router)}
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -141,19 +208,39 @@ class Decoder(nn.Module):
             return registry.reference_linear(w, get(name + ".bias", required=False), name + ".weight",
                                              dtype=dtype, device=device)
 
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(get(name + ".weight").to(device=device, dtype=dtype), cfg.rms_norm_eps, cfg.norm_offset)
+        def norm(name: str, eps: float = cfg.rms_norm_eps) -> RMSNorm:
+            return RMSNorm(get(name + ".weight").to(device=device, dtype=dtype), eps, cfg.norm_offset)
+
+        def mlp(names: dict) -> MLP:
+            return MLP(cfg, {r: proj(names[r]) for r in ("gate", "up", "down")})
 
         embed = registry.reference_embedding(get("model.embed_tokens.weight"), dtype=dtype, device=device)
         blocks = []
         for i in range(cfg.num_layers):
-            an, mn = attention_names(cfg, i), mlp_names(cfg, i)
-            mods: dict[str, nn.Module] = {r: proj(an[r]) for r in ("q", "k", "v", "o")}
-            mods.update({r: proj(mn[r]) for r in ("gate", "up", "down")})
+            attn_kind, mlp_kind = cfg.block_kinds(i)
+            mods: dict[str, nn.Module] = {}
+            if attn_kind == "mla":
+                an = mla_names(cfg, i)
+                mods.update({r: proj(an[r]) for r in ("q", "q_a", "q_b", "kv_a", "kv_b", "o") if an[r] is not None})
+                mods.update({r: norm(an[r], LATENT_NORM_EPS) for r in ("q_a_norm", "kv_a_norm") if an[r] is not None})
+            else:
+                an = attention_names(cfg, i)
+                mods.update({r: proj(an[r]) for r in ("q", "k", "v", "o")})
+                if cfg.qk_norm:
+                    mods["q_norm"], mods["k_norm"] = norm(an["q_norm"]), norm(an["k_norm"])
             mods["input_norm"] = norm(an["input_norm"])
             mods["post_attn_norm"] = norm(f"model.layers.{i}.post_attention_layernorm")
-            if cfg.qk_norm:
-                mods["q_norm"], mods["k_norm"] = norm(an["q_norm"]), norm(an["k_norm"])
+            mn = mlp_names(cfg, i)
+            if mlp_kind == "moe":
+                m = moe_names(cfg, i)
+                bias = get(m["router_bias"]) if m["router_bias"] is not None else None
+                router = Router(get(m["router"] + ".weight").to(device=device, dtype=torch.float32),
+                                None if bias is None else bias.to(device=device, dtype=torch.float32))
+                mods["moe"] = MoE(router, [mlp(e) for e in m["experts"]],
+                                  mlp(m["shared"]) if m["shared"] is not None else None,
+                                  proj(m["shared_gate"]) if m["shared_gate"] is not None else None)
+            else:
+                mods.update({r: proj(mn[r]) for r in ("gate", "up", "down")})
             if cfg.sandwich_norms:
                 mods["pre_ffn_norm"], mods["post_ffn_norm"] = norm(mn["norm"]), norm(mn["post_norm"])
             blocks.append(Block(cfg, i, mods))

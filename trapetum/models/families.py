@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from ..errors import ConfigError, UnsupportedError
 from .config import LIMITS, ModelConfig
+from .families_moe import mla_fields, moe_fields
 
 # HF model_type -> quirk flags that are fixed for the family (the rest is read from config.json).
 FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
@@ -20,13 +21,28 @@ FAMILY_QUIRKS: dict[str, dict[str, Any]] = {
                "tie_default": True, "sliding_pattern": "alternate", "fp16_overflow": True},
     "gemma3_text": {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "scale_embed": True, "sandwich_norms": True,
                     "qk_norm": True, "tie_default": True, "sliding_pattern": "every_n", "fp16_overflow": True},
-    "phi3": {"fused": True},
+    "phi3": {"fused": True, "yarn_is_longrope": True},
+    # mixture of experts ("moe": how the config names its experts, models/families_moe.py) and latent attention
+    "mixtral": {"moe": "mixtral", "all_sliding": True},
+    "qwen2_moe": {"moe": "qwen", "qkv_bias_key": "qkv_bias", "shared_gate": True},
+    "qwen3_moe": {"moe": "qwen", "qk_norm": True},
+    "deepseek_v2": {"moe": "deepseek", "mla": True, "scoring": "softmax", "rope_interleave": True,
+                    "ignore_norm_topk": True},
+    "deepseek_v3": {"moe": "deepseek", "mla": True, "scoring": "sigmoid", "router_topk": "noaux_tc",
+                    "router_bias": True},
 }
 ALIASES = {"gemma3": "gemma3_text"}
+ROPE_KINDS = ("linear", "llama3", "yarn", "longrope", "dynamic")
 
 # Phi-3 style fused projections, split at load time into the canonical names.
 FUSED_QKV = "self_attn.qkv_proj.weight"
 FUSED_GATE_UP = "mlp.gate_up_proj.weight"
+# transformers 5's stacked experts ([E, 2 Im, D] gate then up; [E, D, Im]), split per expert at load time
+STACKED_GATE_UP, STACKED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# per-layer HF names -> canonical (schema.py): Mixtral's experts, Qwen2-MoE's shared expert, DeepSeek's kv_a
+LAYER_RENAMES = (("block_sparse_moe.gate.", "mlp.gate."), ("mlp.shared_expert.", "mlp.shared_experts."),
+                 ("self_attn.kv_a_proj_with_mqa.", "self_attn.kv_a_proj."))
+EXPERT_RENAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _layer_type(t: str) -> str:
@@ -94,10 +110,22 @@ def _rope(cfg: dict[str, Any], where: str) -> tuple[float, dict | None, float | 
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         scaling["rope_type"] = kind
         scaling.pop("type", None)
+        if kind == "su":  # Phi-3's first name for longrope
+            kind = scaling["rope_type"] = "longrope"
         if kind == "default":
             scaling = {}
-        elif not isinstance(kind, str) or kind not in ("linear", "llama3"):
-            raise UnsupportedError(f"{where}: RoPE scaling type {_show(kind)} is not supported (linear, llama3)")
+        elif not isinstance(kind, str) or kind not in ROPE_KINDS:
+            raise UnsupportedError(f"{where}: RoPE scaling type {_show(kind)} is not supported "
+                                   f"({', '.join(ROPE_KINDS)})")
+        elif kind in ("llama3", "yarn", "longrope"):
+            # transformers: a top-level original_max_position_embeddings (Phi-3) wins over the dict's, which
+            # defaults to max_position_embeddings
+            top = _int(cfg, "original_max_position_embeddings", where)
+            if top is not None:
+                scaling["original_max_position_embeddings"] = top
+            elif kind != "llama3":
+                scaling.setdefault("original_max_position_embeddings",
+                                   _int(cfg, "max_position_embeddings", where, 4096))
     return theta, (scaling or None), (local or None), partial
 
 
@@ -134,6 +162,12 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     Hkv = _int(cfg, "num_key_value_heads", where, H)
     hd = _int(cfg, "head_dim", where, D // H)
     theta, scaling, local_theta, partial = _rope(cfg, where)
+    if q.get("yarn_is_longrope") and scaling and scaling["rope_type"] == "yarn":
+        scaling["rope_type"] = "longrope"  # Phi-3: transformers reads an old "yarn" as longrope
+    extra = moe_fields(cfg, q, L, where)
+    if q.get("mla"):
+        extra.update(mla_fields(cfg, H, scaling, where))
+        Hkv, hd = H, extra.pop("head_dim")
 
     window = _int(cfg, "sliding_window", where)
     raw_types = cfg.get("layer_types") or []
@@ -176,6 +210,13 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
     final_cap = _num(cfg, "final_logit_softcapping", where)
     attn_bias = bool(cfg.get("attention_bias") or False)
     qkv_bias = bool(q.get("qkv_bias") or attn_bias)
+    if q.get("qkv_bias_key"):  # Qwen2-MoE names it (default true)
+        v = cfg.get(q["qkv_bias_key"], True)
+        if not isinstance(v, bool):
+            raise ConfigError(f"{where}: {q['qkv_bias_key']} must be true or false, got {_show(v)}")
+        qkv_bias = v or attn_bias
+    if q.get("mla") and attn_bias:
+        raise UnsupportedError(f"{where}: attention_bias with latent attention is not supported")
     mc = ModelConfig(
         family=mt.replace("_text", ""),
         vocab_size=V, hidden_size=D, intermediate_size=I, num_layers=L, num_heads=H, num_kv_heads=Hkv,
@@ -193,19 +234,41 @@ def config_from_hf(cfg: dict[str, Any], where: str = "config.json") -> ModelConf
         sandwich_norms=bool(q.get("sandwich_norms", False)),
         attn_softcap=attn_cap if mt == "gemma2" else None,
         final_softcap=final_cap if mt in ("gemma2", "gemma3_text") else None,
-        attn_scale=qpas ** -0.5 if qpas else None,
+        attn_scale=extra.pop("attn_scale", None) or (qpas ** -0.5 if qpas else None),
         sliding_window=window or None,
         layer_types=layer_types,
         rope_theta=theta,
         rope_local_theta=local_theta if mt == "gemma3_text" else None,
         rope_scaling=scaling,
         partial_rotary_factor=partial,
+        **extra,
     )
     return mc.validate(where)
 
 
+def canonical_layer_name(name: str) -> str:
+    """A per-layer HF tensor name in the canonical spelling (LAYER_RENAMES, Mixtral's experts.{e}.w1/w2/w3)."""
+    for a, b in LAYER_RENAMES:
+        if a in name:
+            name = name.replace(a, b, 1)
+    marker = ".block_sparse_moe.experts."
+    if marker in name:
+        head, _, rest = name.partition(marker)
+        parts = rest.split(".")
+        if len(parts) == 3 and parts[1] in EXPERT_RENAMES:
+            name = f"{head}.mlp.experts.{parts[0]}.{EXPERT_RENAMES[parts[1]]}.{parts[2]}"
+    return name
+
+
 def split_fused(name: str, tensor_getter: Callable[[], Any], cfg: ModelConfig) -> dict[str, Callable[[], Any]]:
-    """Map one source tensor to canonical getters, splitting Phi-3's fused projections."""
+    """Map one source tensor to canonical getters: the canonical spelling, Phi-3's fused projections split, stacked
+    experts split per expert; a layer past the config's (DeepSeek-V3's multi-token-prediction layer) maps to
+    nothing."""
+    if name.startswith("model.layers."):
+        idx = name.split(".", 3)[2]
+        if idx.isdigit() and int(idx) >= cfg.num_layers:
+            return {}
+        name = canonical_layer_name(name)
     if name.endswith(FUSED_QKV):
         p = name[: -len(FUSED_QKV)]
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -217,4 +280,15 @@ def split_fused(name: str, tensor_getter: Callable[[], Any], cfg: ModelConfig) -
         i = cfg.intermediate_size
         return {p + "mlp.gate_proj.weight": lambda: tensor_getter()[:i],
                 p + "mlp.up_proj.weight": lambda: tensor_getter()[i:]}
+    if name.endswith((STACKED_GATE_UP, STACKED_DOWN)) and cfg.num_experts:
+        p = name[: -len(STACKED_DOWN if name.endswith(STACKED_DOWN) else STACKED_GATE_UP)]
+        im = cfg.moe_intermediate_size
+        out = {}
+        for e in range(cfg.num_experts):
+            if name.endswith(STACKED_DOWN):
+                out[f"{p}mlp.experts.{e}.down_proj.weight"] = lambda e=e: tensor_getter()[e].clone()
+            else:
+                out[f"{p}mlp.experts.{e}.gate_proj.weight"] = lambda e=e: tensor_getter()[e, :im].clone()
+                out[f"{p}mlp.experts.{e}.up_proj.weight"] = lambda e=e: tensor_getter()[e, im:].clone()
+        return out
     return {name: tensor_getter}

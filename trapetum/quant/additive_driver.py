@@ -40,10 +40,11 @@ from ..errors import ConfigError
 from ..formats.cbk import write_cbk
 from ..formats.detect import load_checkpoint
 from ..kernels import beam_search as beam_step
+from ..models.schema import layer_projections
 from ..schemes import registry
 from ..schemes.record import QuantRecord
 from .additive import SCHEMES, AdditiveLinear, dequantize_aqlm, quantize_additive
-from .quantize import (PROJ_SUFFIXES, QuantizedModel, Recipe, calibration_stats, quantize_checkpoint, recipe_summary,
+from .quantize import (QuantizedModel, Recipe, calibration_stats, quantize_checkpoint, recipe_summary,
                        source_provenance)
 
 __all__ = ["AdditiveRecipe", "quantize_additive_checkpoint", "quantize_additive_to_cbk", "model_fingerprint",
@@ -213,11 +214,13 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                              .encode()).hexdigest()
         part = work / f"layer_{i:04d}.safetensors"
         got = _load_if(part, lfp)
+        # the layer's projections (attention or MLA; the dense MLP or every expert): name suffixes
+        sufs = [n[len(f"model.layers.{i}."):] for n in layer_projections(cfg, i)]
         if got is None:
             tensors: dict[str, torch.Tensor] = {}
             errs: dict[str, float] = {}
             errs_w: dict[str, float] = {}
-            for suf in PROJ_SUFFIXES:
+            for suf in sufs:
                 name = f"model.layers.{i}.{suf}"
                 W = T[name + ".weight"]
                 if isinstance(W, QuantRecord):
@@ -241,7 +244,7 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
         else:
             tensors, meta = got
         errs, errs_w = json.loads(meta["errors"]), json.loads(meta["errors_weighted"])
-        for suf in PROJ_SUFFIXES:
+        for suf in sufs:
             name = f"model.layers.{i}.{suf}"
             bias = T[name + ".bias"] if (name + ".bias") in T else None
             mod = AdditiveLinear(tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"],
@@ -249,11 +252,11 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
             quantized[name + ".weight"] = mod.to_record()
             report.append({"name": name, "scheme": recipe.scheme, "shape": [mod.out_features, mod.in_features],
                            "rel_err": errs[suf], "rel_err_weighted": errs_w[suf]})
+        owned = {f"model.layers.{i}.{s}.{x}" for s in sufs for x in ("weight", "bias")}
         for key in T:
-            if key.startswith(f"model.layers.{i}.") and not any(key.startswith(f"model.layers.{i}.{s}.")
-                                                                  for s in PROJ_SUFFIXES):
-                dense[key] = T[key].detach().float().cpu()  # norms
-        msg = "  ".join(f"{s.rsplit('.', 1)[-1]}:{errs[s]:.4f}" for s in PROJ_SUFFIXES)
+            if key.startswith(f"model.layers.{i}.") and key not in owned:
+                dense[key] = T[key].detach().float().cpu()  # norms, routers, the correction bias, shared gate
+        msg = "  ".join(f"{s.rsplit('.', 1)[-1]}:{errs[s]:.4f}" for s in sufs)
         (tqdm.write if progress else log)(f"layer {i:3d}  rel. weight error  {msg}"
                                           + ("" if got is None else "  (resumed)"))
         if stop_after is not None and computed >= stop_after and i + 1 < cfg.num_layers:

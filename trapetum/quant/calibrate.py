@@ -47,6 +47,7 @@ from torch import nn
 
 from ..errors import TrapetumError
 from ..models.checkpoint import Checkpoint, LazyTensors
+from ..models.decoder import Router
 from ..models.schema import expected_shapes
 
 __all__ = ["file_calibration_tokens", "sampled_calibration_tokens", "collect_input_stats",
@@ -108,7 +109,8 @@ def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: li
 
     Returns canonical projection name (``model.layers.0.self_attn.q_proj``, ``lm_head``) ->
     float32 [in_features] on the CPU."""
-    projs = decoder.projections()
+    projs = dict(decoder.projections())
+    projs.update(decoder.routers() if hasattr(decoder, "routers") else {})  # every row of an MoE layer
     if names is not None:
         projs = {n: m for n, m in projs.items() if n in names}
     sums: dict[str, torch.Tensor] = {}
@@ -142,7 +144,7 @@ def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: li
             h.remove()
     if not sums:
         raise TrapetumError("calibration saw no projection inputs")
-    return {n: (sums[n] / counts[n]).float().cpu() for n in sums}
+    return Stats({n: (sums[n] / counts[n]).float().cpu() for n in sums}, counts)
 
 
 @torch.inference_mode()
@@ -175,12 +177,14 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     del E
     D = cfg.hidden_size
     sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
     count = tokens.numel()
 
     def make_hook(name):
         def hook(mod, args):
-            x2 = args[0].detach().double().pow(2).reshape(-1, args[0].shape[-1]).sum(0)
-            sums[name] = sums[name] + x2 if name in sums else x2
+            x2 = args[0].detach().double().pow(2).reshape(-1, args[0].shape[-1])
+            sums[name] = sums[name] + x2.sum(0) if name in sums else x2.sum(0)
+            counts[name] = counts.get(name, 0) + x2.shape[0]  # an expert sees only the rows routed to it
         return hook
 
     layers = range(cfg.num_layers)
@@ -192,7 +196,7 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         dec = _block_decoder(ckpt, i, device)
         block = dec.model.layers[0]
         hooks = [m.register_forward_pre_hook(make_hook(prefix + n)) for n, m in block.named_modules()
-                 if n.endswith("_proj")]
+                 if n.endswith("_proj") or isinstance(m, Router)]
         try:
             xs = [dec.run_layer(block, x) for x in xs]
         finally:
@@ -203,7 +207,61 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     for x in xs:
         h = norm(x).double().pow(2).reshape(-1, D).sum(0)
         sums["lm_head"] = sums["lm_head"] + h if "lm_head" in sums else h
-    return {n: (s / count).float().cpu() for n, s in sums.items()}
+    counts["lm_head"] = count
+    return Stats({n: (s / counts[n]).float().cpu() for n, s in sums.items()}, counts)
+
+
+# Calibration of the experts of a mixture-of-experts layer: expert e's E[x^2] is over the rows routed to it, and a
+# rarely chosen expert sees few (or none). An expert with n < EXPERT_MIN_ROWS rows is given EXPERT_MIN_ROWS rows'
+# worth of statistics: its own n rows plus EXPERT_MIN_ROWS - n rows of a fallback, the statistics of its layer:
+# gate / up (input h, the MLP's normed input) from the router's input (every row of the layer); down (input
+# act(gate h) * up h, the expert's own intermediate features) from the row-weighted mean over the layer's experts'
+# down inputs (uniform weights when no expert of the layer saw a row). n = 0 is the fallback alone.
+EXPERT_MIN_ROWS = 64
+
+
+class Stats(dict):
+    """Projection name -> E[x^2] fp32 [in_features]; ``counts``: how many rows each saw."""
+
+    def __init__(self, stats: dict, counts: dict[str, int]):
+        super().__init__(stats)
+        self.counts = dict(counts)
+
+
+def expert_fallback(stats: dict, cfg) -> str | None:
+    """Apply the fallback above in place to ``stats`` (a ``Stats``) for every expert of every MoE layer of ``cfg``;
+    return a one-line note of how many experts needed it (None when none did)."""
+    from ..models.schema import moe_names
+    counts = getattr(stats, "counts", {})
+    short = total = 0
+    for i in range(cfg.num_layers):
+        if cfg.block_kinds(i)[1] != "moe":
+            continue
+        m = moe_names(cfg, i)
+        router = stats.get(m["router"])
+        downs = [(ex["down"], counts.get(ex["down"], 0)) for ex in m["experts"]]
+        seen = sum(c for _, c in downs)
+        if seen:
+            down_mean = sum(stats[n].double() * c for n, c in downs if c) / seen
+        else:
+            down_mean = torch.ones(cfg.moe_intermediate_size, dtype=torch.float64)
+        for ex in m["experts"]:
+            total += 1
+            n = min(counts.get(ex["gate"], 0), EXPERT_MIN_ROWS)
+            if n >= EXPERT_MIN_ROWS:
+                continue
+            short += 1
+            for role, fb in (("gate", router), ("up", router), ("down", down_mean)):
+                name = ex[role]
+                if fb is None:  # no router statistics (a collector without them): leave the expert unweighted
+                    stats.pop(name, None)
+                    continue
+                own = stats[name].double() * n if n else 0.0
+                stats[name] = ((own + fb.double() * (EXPERT_MIN_ROWS - n)) / EXPERT_MIN_ROWS).float()
+    if not short:
+        return None
+    return (f"calibration: {short} of {total} experts saw fewer than {EXPERT_MIN_ROWS} rows: their statistics are "
+            f"completed with their layer's (router input for gate/up, the experts' mean for down)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,7 +291,8 @@ def _block_decoder(ckpt: Checkpoint, i: int, device: str | torch.device = "cpu",
     getters = {"model.layers.0." + n[len(prefix):]: (lambda n=n: T[n]) for n in names}
     getters.update({"model.embed_tokens.weight": lambda: torch.zeros(1, cfg.hidden_size),
                     "model.norm.weight": lambda: torch.ones(cfg.hidden_size)})
-    cfg1 = replace(cfg, num_layers=1, vocab_size=1, tie_word_embeddings=True, layer_types=[cfg.layer_types[i]])
+    cfg1 = replace(cfg, num_layers=1, vocab_size=1, tie_word_embeddings=True, layer_types=[cfg.layer_types[i]],
+                   mlp_types=[cfg.mlp_types[i]])
     return _view_decoder(ckpt, cfg1, getters, device)
 
 
@@ -250,7 +309,7 @@ def _ends_decoder(ckpt: Checkpoint, part: str, device: str | torch.device = "cpu
         getters[E] = lambda: torch.zeros(1, cfg.hidden_size, device=device).expand(cfg.vocab_size, -1)
     else:
         getters[E] = lambda: T[E]
-    cfg0 = replace(cfg, num_layers=0, layer_types=[], tie_word_embeddings=cfg.tie_word_embeddings or part == "embed")
+    cfg0 = replace(cfg, num_layers=0, layer_types=[], mlp_types=[], tie_word_embeddings=cfg.tie_word_embeddings or part == "embed")
     return _view_decoder(ckpt, cfg0, getters, device)
 
 

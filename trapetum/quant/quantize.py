@@ -50,7 +50,7 @@ from ..formats.cbk import CbkFile, CbkWriter, sha256_file
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
 from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
-from ..models.schema import expected_shapes
+from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows
 from ..kernels.pack import SUPPORTED_BITS, pack_codes, packed_width
@@ -214,6 +214,9 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
         stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
     else:
         stats = calibrate.collect_input_stats(dec, toks, progress=progress)
+    note = calibrate.expert_fallback(stats, ckpt.config)
+    if note:
+        log(note)
     log(f"calibration: {what}, {'layer by layer' if bounded else 'whole model'}, {time.perf_counter() - t0:.1f} s")
     return stats
 
@@ -346,11 +349,12 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
             if idx.isdigit():
                 by_layer.setdefault(int(idx), []).append(key)
     for i in range(cfg.num_layers if layers else 0):
-        for suf in PROJ_SUFFIXES:
-            name = f"model.layers.{i}.{suf}"
+        names = layer_projections(cfg, i)  # attention or MLA, then dense MLP or every expert (shared ones too)
+        for name in names:
             proj(name, name + ".weight", recipe.bits_for(name), name, layer=i)
-        for key in by_layer.get(i, []):
-            if not any(key.startswith(f"model.layers.{i}.{s}.") for s in PROJ_SUFFIXES):
+        owned = {n + suffix for n in names for suffix in (".weight", ".bias")}
+        for key in by_layer.get(i, []):  # norms, routers, their correction bias, the shared-expert gate: exact
+            if key not in owned:
                 jobs.append(_Job("norm", key, key, shape_of(key), layer=i))
     jobs.append(_Job("norm", "model.norm.weight", "model.norm.weight", shape_of("model.norm.weight")))
 

@@ -22,12 +22,13 @@ from typing import Iterator
 
 import torch
 
+from ..errors import UnsupportedError
 from ..kernels.attention import attention_workspace, fixed_chunk_config, named_config
-from ..kernels.fused import rope_tables
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.checkpoint import Checkpoint
 from ..models.layers import rotaries
+from ..models.rope import deinterleave_index
 from ..settings import Options
 from .engine_model import build_model
 from .engine_ops import EngineOps
@@ -48,24 +49,31 @@ class GpuEngine:
         dev = self.device = torch.device(device)
         self.use_graph = options.graph and dev.type == "cuda"
         self.max_len = max_len
+        if (cfg.moe or cfg.mla) and options.prefill == "precise":
+            raise UnsupportedError(f"{ckpt.source}: the precise prefill does not run mixture-of-experts or "
+                                   "latent-attention layers yet (TRAPETUM_PREFILL=default or exact)")
+        # per-head cache and attention size: latent attention's keys and values padded to one (engine_ops.py)
+        self.head_dim = max(cfg.head_dim, cfg.v_head_dim) if cfg.mla else cfg.head_dim
+        self.rope_perm = deinterleave_index(cfg.qk_rope_head_dim).to(dev) if cfg.mla and cfg.rope_interleave else None
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
         self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float16) if cfg.embed_scale is not None else None
-        g, loc = rotaries(cfg)
-        self.rope = rope_tables(max_len, cfg.rotary_dim, inv_freq=g.inv_freq, device=dev)
-        self.rope_local = rope_tables(max_len, cfg.rotary_dim, inv_freq=loc.inv_freq, device=dev) \
-            if loc is not None else self.rope
+        self.rotaries = g, loc = rotaries(cfg)
+        # row p of each table rotates as a decode step at p (models/rope.py: YaRN's attention factor folded in;
+        # longrope / dynamic with the frequencies of length p + 1); a prompt pass may need its own (pass_rope)
+        self.rope = g.spec.table(max_len, device=dev)
+        self.rope_local = loc.spec.table(max_len, device=dev) if loc is not None else self.rope
         # attention config: a named one (Options.attn_config), else fixed 64-position chunks when the o projections
         # are dense fp16 (NOTES-engine.md: the adaptive splits slowed the fp16 7B), else the kernel's choice
-        hd, G = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+        hd, G = self.head_dim, cfg.num_heads // cfg.num_kv_heads
         if options.attn_config:
             self.attn_config = named_config(options.attn_config)
         elif all(L.attention.o.kind == "fp16" for L in self.model.layers):
             self.attn_config = fixed_chunk_config(hd, G)
         else:
             self.attn_config = None
-        self.kv = ContiguousKV(cfg, max_len, dev)
+        self.kv = ContiguousKV(cfg, max_len, dev, head_dim=hd)
         self.attn_ws = attention_workspace(cfg.num_heads, hd, max_len, dev, hkv=cfg.num_kv_heads,
                                            config=self.attn_config, rows=MAX_VERIFY_ROWS)
         self.row_tokens = torch.zeros(MAX_VERIFY_ROWS, dtype=torch.long, device=dev)
@@ -85,6 +93,17 @@ class GpuEngine:
     @property
     def v_cache(self) -> torch.Tensor:
         return self.kv.v
+
+    def pass_rope(self, sliding: bool, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables of a PREFILL pass over positions start .. start + T - 1: the decode-step tables, except
+        for a length-dependent RoPE (longrope, dynamic NTK) whose pass crosses its threshold, which rotates every
+        position of the pass with the frequencies of length start + T (as the reference and transformers)."""
+        g, loc = self.rotaries
+        rope = loc if sliding and loc is not None else g
+        n = start + T
+        if rope.spec.length_dependent and n > rope.spec.threshold:
+            return rope.spec.table(n, seq_len=n, device=self.device)
+        return self.rope_local if sliding else self.rope
 
     def weight_bytes(self) -> int:
         return self.model.weight_bytes()

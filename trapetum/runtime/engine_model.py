@@ -2,8 +2,9 @@
 kernels' layouts on the device (no reference decoder in between; the source tensors are read one at a time and
 dropped, so loading peaks near the engine's own weights).
 
-    EngineModel: embed (fp16 [V, D]), layers (EngineLayer: ``blocks`` = [("attention", AttnWeights),
-                 ("mlp", MlpWeights)]), final_norm (fp32 [D]), head (Projection)
+    EngineModel: embed (fp16 [V, D]), layers (EngineLayer: ``blocks`` = [("attention", AttnWeights) or
+                 ("mla", MlaWeights), ("mlp", MlpWeights) or ("moe", MoeWeights)]), final_norm (fp32 [D]),
+                 head (Projection)
 The roles and their tensor names come from models/schema.py; each projection's form from schemes/registry.py
 (q/k/v and gate/up fused where the scheme allows and ``Options.fuse``).
 """
@@ -15,7 +16,7 @@ import torch
 
 from ..errors import FormatError
 from ..models.checkpoint import Checkpoint
-from ..models.schema import attention_names, expected_shapes, fetch, mlp_names
+from ..models.schema import attention_names, expected_shapes, fetch, mla_names, mlp_names, moe_names
 from ..schemes import registry
 from ..schemes.base import GateUp, Projection, residual16
 from ..settings import Options
@@ -42,6 +43,62 @@ class MlpWeights:
 
 
 @dataclass
+class MlaWeights:
+    """Latent attention (models/blocks/mla.py): q or q_a / q_a_norm / q_b, kv_a, kv_a_norm, kv_b, o."""
+    layer: int
+    input_norm: torch.Tensor
+    q: Projection | None
+    q_a: Projection | None
+    q_a_norm: torch.Tensor | None
+    q_b: Projection | None
+    kv_a: Projection
+    kv_a_norm: torch.Tensor
+    kv_b: Projection
+    o: Projection
+    sliding: bool = False
+
+    def projections(self) -> list:
+        return [w for w in (self.q, self.q_a, self.q_b, self.kv_a, self.kv_b, self.o) if w is not None]
+
+    def tensors(self) -> list:
+        return [t for t in (self.input_norm, self.q_a_norm, self.kv_a_norm) if t is not None]
+
+
+@dataclass
+class ExpertWeights:
+    gate_up: GateUp
+    down: Projection
+
+
+@dataclass
+class EngineRouter:
+    """An MoE layer's router: ``proj`` the dense fp16 projection [E, D] (a batch-invariant GEMV; its logits are
+    rounded to fp16 like every engine projection's), ``bias`` fp32 [E] or None (DeepSeek-V3's correction bias)."""
+    proj: Projection
+    bias: torch.Tensor | None
+
+
+@dataclass
+class MoeWeights:
+    """A mixture-of-experts MLP (models/blocks/moe.py)."""
+    norm: torch.Tensor
+    router: EngineRouter
+    experts: list[ExpertWeights]
+    shared: ExpertWeights | None
+    shared_gate: Projection | None
+    post_norm: torch.Tensor | None
+
+    def projections(self) -> list:
+        out = [self.router.proj] + [w for e in self.experts for w in (e.gate_up, e.down)]
+        if self.shared is not None:
+            out += [self.shared.gate_up, self.shared.down]
+        return out + ([self.shared_gate] if self.shared_gate is not None else [])
+
+    def tensors(self) -> list:
+        return [t for t in (self.norm, self.router.bias, self.post_norm) if t is not None]
+
+
+@dataclass
 class EngineLayer:
     blocks: list  # [(kind, weights)]
 
@@ -65,8 +122,9 @@ class EngineModel:
     def projections(self) -> list:
         out = [self.head]
         for L in self.layers:
-            a, m = L.attention, L.mlp
-            out += [a.qkv, a.o, m.gate_up, m.down]
+            for _, w in L.blocks:
+                out += w.projections() if hasattr(w, "projections") else (
+                    [w.qkv, w.o] if isinstance(w, AttnWeights) else [w.gate_up, w.down])
         return out
 
     def weight_bytes(self) -> int:
@@ -75,11 +133,13 @@ class EngineModel:
         head = self.head
         shared = getattr(head, "w", None) is not None and head.w.data_ptr() == self.embed.data_ptr()
         n += 0 if shared else head.nbytes()
+        n += sum(p.nbytes() for p in self.projections()[1:])
         for L in self.layers:
-            a, m = L.attention, L.mlp
-            n += a.qkv.nbytes() + a.o.nbytes() + m.gate_up.nbytes() + m.down.nbytes()
-            n += sum(t.numel() * t.element_size() for t in (a.input_norm, a.q_norm, a.k_norm, a.post_norm,
-                                                             m.norm, m.post_norm) if t is not None)
+            for _, w in L.blocks:
+                ts = w.tensors() if hasattr(w, "tensors") else (
+                    [w.input_norm, w.q_norm, w.k_norm, w.post_norm] if isinstance(w, AttnWeights)
+                    else [w.norm, w.post_norm])
+                n += sum(t.numel() * t.element_size() for t in ts if t is not None)
         return n
 
 
@@ -104,16 +164,41 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
     e = get("model.embed_tokens.weight")
     embed = registry.embedding_table(e, device)
     embed_lo = residual16(e, embed) if precise and isinstance(e, torch.Tensor) else None
+    def gate_up(names):
+        return registry.gate_up(part(names["gate"]), part(names["up"]), cfg.hidden_act, device, kopts, fuse=fuse,
+                                precise=precise)
+
+    def opt(name):
+        return None if name is None else proj(name)
+
     layers = []
     for i in range(cfg.num_layers):
-        an, mn = attention_names(cfg, i), mlp_names(cfg, i)
-        attn = AttnWeights(layer=i, sliding=cfg.layer_types[i] == "sliding", input_norm=norm(an["input_norm"]),
-                           qkv=proj(an["q"], an["k"], an["v"]), o=proj(an["o"]), q_norm=norm(an["q_norm"]),
-                           k_norm=norm(an["k_norm"]), post_norm=norm(an["post_norm"]))
-        gu = registry.gate_up(part(mn["gate"]), part(mn["up"]), cfg.hidden_act, device, kopts, fuse=fuse,
-                              precise=precise)
-        mlp = MlpWeights(norm=norm(mn["norm"]), gate_up=gu, down=proj(mn["down"]), post_norm=norm(mn["post_norm"]))
-        layers.append(EngineLayer([("attention", attn), ("mlp", mlp)]))
+        attn_kind, mlp_kind = cfg.block_kinds(i)
+        if attn_kind == "mla":
+            an = mla_names(cfg, i)
+            attn = MlaWeights(layer=i, input_norm=norm(an["input_norm"]), q=opt(an["q"]), q_a=opt(an["q_a"]),
+                              q_a_norm=norm(an["q_a_norm"]), q_b=opt(an["q_b"]), kv_a=proj(an["kv_a"]),
+                              kv_a_norm=norm(an["kv_a_norm"]), kv_b=proj(an["kv_b"]), o=proj(an["o"]))
+        else:
+            an = attention_names(cfg, i)
+            attn = AttnWeights(layer=i, sliding=cfg.layer_types[i] == "sliding", input_norm=norm(an["input_norm"]),
+                               qkv=proj(an["q"], an["k"], an["v"]), o=proj(an["o"]), q_norm=norm(an["q_norm"]),
+                               k_norm=norm(an["k_norm"]), post_norm=norm(an["post_norm"]))
+        mn = mlp_names(cfg, i)
+        if mlp_kind == "moe":
+            m = moe_names(cfg, i)
+            router = get(m["router"] + ".weight")
+            router = registry.projection([registry.part(m["router"] + ".weight", router.float())], device, kopts,
+                                         precise=precise)
+            bias = None if m["router_bias"] is None else get(m["router_bias"]).to(device=device, dtype=torch.float32)
+            experts = [ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]]
+            shared = ExpertWeights(gate_up(m["shared"]), proj(m["shared"]["down"])) if m["shared"] else None
+            mlp = MoeWeights(norm=norm(m["norm"]), router=EngineRouter(router, bias), experts=experts, shared=shared,
+                             shared_gate=opt(m["shared_gate"]), post_norm=norm(m["post_norm"]))
+        else:
+            mlp = MlpWeights(norm=norm(mn["norm"]), gate_up=gate_up(mn), down=proj(mn["down"]),
+                             post_norm=norm(mn["post_norm"]))
+        layers.append(EngineLayer([(attn_kind, attn), (mlp_kind, mlp)]))
     if "lm_head.weight" in ckpt.tensors:
         head = proj("lm_head")
     elif cfg.tie_word_embeddings:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..kernels.attention import attention_rows
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
+from ..models.blocks.moe import select_experts
 
 
 class EngineOps:
@@ -29,8 +30,12 @@ class EngineOps:
         self.rows = mode is not Mode.PREFILL
 
     # -- norms, adds, heads --------------------------------------------------------------------
-    def norm(self, x, w):
-        return rmsnorm(x, w, self.cfg.rms_norm_eps, offset=self.cfg.norm_offset, kopts=self.kopts)
+    def norm(self, x, w, eps=None):
+        return rmsnorm(x.contiguous(), w, self.cfg.rms_norm_eps if eps is None else eps, offset=self.cfg.norm_offset,
+                       kopts=self.kopts)
+
+    def split(self, x, sizes):
+        return [t.contiguous() for t in torch.split(x, list(sizes), dim=-1)]
 
     def add(self, x, y):
         return x + y
@@ -83,16 +88,18 @@ class EngineOps:
     # -- attention ---------------------------------------------------------------------------
     def attend(self, q, k, v, batch: ForwardBatch, p):
         eng, cfg = self.eng, self.cfg
-        cos, sin = eng.rope_local if p.sliding else eng.rope
         kc, vc = eng.kv.k[p.layer], eng.kv.v[p.layer]
         window = cfg.sliding_window if p.sliding else None
         if self.rows:
-            out = torch.empty(q.shape[0], cfg.num_heads, cfg.head_dim, dtype=torch.float16, device=q.device)
+            cos, sin = eng.rope_local if p.sliding else eng.rope
+            out = torch.empty(q.shape[0], cfg.num_heads, eng.head_dim, dtype=torch.float16, device=q.device)
             attention_rows(q, k, v, kc, vc, batch.start, cos, sin, scale=cfg.scale, window=window,
                            softcap=cfg.attn_softcap, out=out, workspace=eng.attn_ws, config=eng.attn_config,
                            fused=eng.options.attention == "fused", kopts=self.kopts)
             return out.view(q.shape[0], -1)
-        return self._prefill_attention(q, k, v, kc, vc, int(batch.start), cos, sin, window)
+        start = int(batch.start)
+        cos, sin = eng.pass_rope(p.sliding, start, q.shape[0])
+        return self._prefill_attention(q, k, v, kc, vc, start, cos, sin, window)
 
     def _prefill_attention(self, q, k, v, kc, vc, start, cos, sin, window):
         cfg = self.cfg
@@ -121,3 +128,52 @@ class EngineOps:
             s = torch.tanh(s / cfg.attn_softcap) * cfg.attn_softcap
             a = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vv.float()).to(torch.float16)
         return a[0].transpose(0, 1).reshape(T, Hq * hd)
+
+    # -- mixture of experts (models/blocks/moe.py) -----------------------------------------------
+    # The correct formulation under the engine's contracts, not the fast one: the router is a batch-invariant
+    # fp16 GEMV and select_experts runs on the device (sort / gather / scatter: no host sync, capturable); every
+    # expert runs over every row (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for
+    # the experts it did not choose), in ascending e, in fp32. Each row's result is the bits it has alone; the work
+    # is E / k times the chosen experts' (a GPU kernel that gathers only the chosen experts: NOTES-engine.md).
+    def route(self, router, h):
+        logits = self.project(router.proj, h).float()  # [M, E]
+        return select_experts(logits, self.cfg, router.bias)
+
+    def experts(self, experts, h, weights, idx):
+        out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
+        for e, ex in enumerate(experts):
+            c = torch.where(idx == e, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)  # one match: exact
+            y = self.project(ex.down, self.gate_up(ex.gate_up, h))
+            out += c * y.float()
+        return out.to(h.dtype)
+
+    def sigmoid_gate(self, w, h, y):
+        # float64 sigmoid: a CPU elementwise kernel's vector body and scalar tail differ in float32 (moe.py)
+        g = torch.sigmoid(self.project(w, h).double()).to(torch.float32)
+        return (g * y.float()).to(y.dtype)
+
+    # -- latent attention (models/blocks/mla.py) ---------------------------------------------------
+    # The new rows' keys and values are expanded through kv_b once and cached per head ([H, T_max, P] with
+    # P = max(head_dim, v_head_dim), zero-padded), the rotary part first: q_h = [RoPE(q_rot_h), q_nope_h, 0],
+    # k_h = [RoPE(k_rot), k_nope_h, 0] (de-interleaved, so the kernels' rotate-half RoPE of the first qk_rope
+    # features is DeepSeek's interleaved rotation), v_h = [v_h, 0]; then the engine's ordinary attention (its
+    # contracts hold as they are). The absorbed form over the compressed latent cache (kv_lora_rank + qk_rope per
+    # position) is GPU work still to come (NOTES-engine.md).
+    def latent_attend(self, q, c, k_rot, batch: ForwardBatch, p):
+        cfg = self.cfg
+        n, H = q.shape[0], cfg.num_heads
+        nope, rope, vd, P = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, self.eng.head_dim
+        perm = self.eng.rope_perm  # on the device already: nothing crosses from the host inside a graph
+        q = q.view(n, H, cfg.head_dim)
+        kv = self.project(p.kv_b, c).view(n, H, nope + vd)
+        qr, kr = q[..., nope:], k_rot.view(n, 1, rope).expand(n, H, rope)
+        if perm is not None:
+            qr, kr = qr[..., perm], kr[..., perm]
+        qq = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
+        kk = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
+        vv = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
+        qq[..., :rope], qq[..., rope:rope + nope] = qr, q[..., :nope]
+        kk[..., :rope], kk[..., rope:rope + nope] = kr, kv[..., :nope]
+        vv[..., :vd] = kv[..., nope:]
+        a = self.attend(qq, kk, vv, batch, p)  # [n, H * P]
+        return a.view(n, H, P)[..., :vd].reshape(n, H * vd).contiguous()

@@ -183,7 +183,7 @@ class PreciseOps(EngineOps):
         start = int(batch.start)
         if start:
             raise ValueError("precise prefill: the prompt starts at position 0")
-        cos, sin = eng.rope_local if p.sliding else eng.rope
+        cos, sin = eng.pass_rope(p.sliding, start, T)
         c, s = cos[start:start + T], sin[start:start + T]
         q, k = rope32(q.float(), c, s), rope32(k.float(), c, s)
         eng.kv.k[p.layer, :, start:start + T].copy_(k.transpose(0, 1))  # fp16 K/V for the decode steps

@@ -1,7 +1,7 @@
 """The model, written once: block kinds as functions ``forward(x, batch, ops, p)`` over primitive ops.
 
-Each block kind is one module here (today ``attention`` and ``mlp``: a layer is an attention block then an MLP
-block; MLA and MoE blocks come as modules of their own). A block reads its weights from ``p`` (the block's
+Each block kind is one module here: ``attention`` or ``mla`` (latent attention), then ``mlp`` or ``moe``
+(mixture of experts); ``ModelConfig.block_kinds(i)`` says which a layer has. A block reads its weights from ``p`` (the block's
 parameters, by role: ``p.qkv``, ``p.o``, ``p.input_norm``, ...) and computes only through ``ops``, so the same
 code runs on every executor:
 
@@ -11,7 +11,7 @@ code runs on every executor:
 
 The ops an executor provides (x is the residual stream, [..., D]; a backend keeps it in its own dtype):
 
-    norm(x, w)                         RMSNorm over the last dim with the config's eps and offset
+    norm(x, w, eps=None)               RMSNorm over the last dim with the config's eps (or ``eps``) and offset
     project(w, x, residual=None)       x @ W^T (+ bias) (+ residual): a projection of the backend's form
     heads(qkv)                         (q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd]) views of a fused output
     attend(q, k, v, batch, p)          RoPE, KV-cache append and causal attention of the rows -> [..., Hq * hd]
@@ -19,13 +19,19 @@ The ops an executor provides (x is the residual stream, [..., D]; a backend keep
     add(x, y)                          x + y in the residual stream's dtype
     embed(table, batch)                token rows (times the config's embedding scale)
     logits(head, h)                    fp32 logits of the rows that need them (final softcap applied)
+    split(x, sizes)                    views of x along its last dim
+    latent_attend(q, c, k_rot, batch, p)   MLA: RoPE, cache append and causal attention over the latent
+                                       (mla.py) -> [..., Hq * v_head_dim]
+    route(router, h)                   (weights fp32 [..., k], experts int64 [..., k]) of each row (moe.select_experts)
+    experts(experts, h, weights, idx)  sum_j weights_j * expert_{idx_j}(h), in the residual stream's dtype
+    sigmoid_gate(w, h, y)              sigmoid(w . h) * y (Qwen2-MoE's shared-expert gate)
 """
 from __future__ import annotations
 
-from . import attention, mlp
+from . import attention, mla, mlp, moe
 
-# block kind -> forward function; a layer runs its kinds in order (ModelConfig.layer_kinds)
-FORWARD = {"attention": attention.forward, "mlp": mlp.forward}
+# block kind -> forward function; a layer runs its kinds in order (ModelConfig.block_kinds)
+FORWARD = {"attention": attention.forward, "mla": mla.forward, "mlp": mlp.forward, "moe": moe.forward}
 
 
 def layer_forward(x, batch, ops, layer):

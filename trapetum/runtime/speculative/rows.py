@@ -101,7 +101,7 @@ class ReferenceRows(Rows):
         self.decoder = decoder
         self.vocab_size = decoder.config.vocab_size
         self.device = next(decoder.parameters()).device
-        self.max_len = max_len or decoder.config.max_position_embeddings
+        self.max_len = max_len or decoder.config.context_length
         self.cache = None
 
     def prefill(self, prompt: list[int], max_len: int) -> torch.Tensor:

@@ -1,0 +1,88 @@
+"""The engine (runtime/engine_ops.py: route / experts / sigmoid_gate / latent_attend) on mixture-of-experts and
+latent-attention models, on the CPU with the kernels' torch fallbacks: against the fp32 reference (prefill, decode
+steps, verify rows, 16 greedy tokens), the VERIFY contract bitwise (rows route to different experts), and a 4-bit
+.cbk against the reference of that .cbk. The same on the GPU: tests/test_moe_engine_gpu.py."""
+import pytest
+import torch
+
+import trapetum
+from tests.tiny_models import MOE_FAMILIES, build, build_cbk
+from trapetum.eval.verify_exact import check
+from trapetum.runtime.engine import GpuEngine
+from trapetum.runtime.sampling import GenerationSettings
+from trapetum.settings import Options
+
+pytestmark = pytest.mark.usefixtures("torch_fallbacks")  # tests/conftest.py
+TOL = 2e-3  # the fp16 engine against the fp32 reference
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for fam in MOE_FAMILIES:
+        d = tmp_path_factory.mktemp(fam)
+        build(fam, d)
+        out[fam] = trapetum.load(d)
+    return out
+
+
+def assert_engine_matches(m, eng, n_new=16):
+    ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(0)).tolist()
+    ref = m.logits(ids)
+    assert rel(eng.prefill(ids[:-4]), ref[-5]) < TOL
+    for i, t in enumerate(ids[-4:]):
+        eng.set_position(t, 16 + i)
+        eng.step(greedy=False)
+        assert rel(eng.logits, ref[16 + i]) < TOL
+    eng.prefill(ids[:-4])
+    rows = eng.verify(ids[-4:], 16)
+    assert all(rel(rows[i], ref[16 + i]) < TOL for i in range(4))
+    toks = list(eng.tokens(ids, GenerationSettings(max_new_tokens=n_new), 20 + n_new))
+    assert toks == m.generate(ids, max_new_tokens=n_new, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_engine_matches_reference(models, family):
+    m = models[family]
+    assert_engine_matches(m, GpuEngine(m.checkpoint, 48, device="cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_engine_unfused_and_exact_prefill(models, family):
+    m = models[family]
+    assert_engine_matches(m, GpuEngine(m.checkpoint, 48, device="cpu", options=Options(fuse=False)))
+    assert_engine_matches(m, GpuEngine(m.checkpoint, 48, device="cpu", options=Options(prefill="exact")))
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_engine_verify_rows_equal_decode_steps(models, family):
+    """Logits rows, cache rows and the next step bitwise, for 1 to 16 rows (each row its own experts)."""
+    eng = GpuEngine(models[family].checkpoint, 48, device="cpu")
+    res = check(eng, rows=(1, 3, 16), bases=(6, 21))
+    assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+def test_mla_engine_cache_and_precise_prefill_refusal(models):
+    m = models["deepseek_v2"]
+    eng = GpuEngine(m.checkpoint, 32, device="cpu")
+    cfg = m.config
+    assert eng.kv.k.shape == (cfg.num_layers, cfg.num_heads, 32, max(cfg.head_dim, cfg.v_head_dim))
+    from trapetum.errors import TrapetumError
+    with pytest.raises(TrapetumError) as e:
+        GpuEngine(m.checkpoint, 32, device="cpu", options=Options(prefill="precise"))
+    assert "precise prefill" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_engine_runs_a_4bit_cbk_like_its_reference(tmp_path, family):
+    """A 4-bit .cbk (every expert a codebook projection): the engine against the CPU reference of the same file,
+    16 greedy tokens, verify rows bitwise."""
+    m = trapetum.load(build_cbk(family, tmp_path, iters=3))
+    eng = GpuEngine(m.checkpoint, 48, device="cpu")
+    assert_engine_matches(m, eng)
+    res = check(eng, rows=(1, 5, 16), bases=(6,))
+    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
