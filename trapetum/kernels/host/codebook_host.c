@@ -1,0 +1,379 @@
+/* Host (CPU) GEMV of per-row scalar codebooks, decoding the stored codes in place (kernels/host_gemv.py).
+
+   y[m, n] = sum_k x[m, k] * cb[n, idx(n, k)]      x fp32 [M, K] (row stride ldx), y fp32 [M, N] (stride ldy)
+   codes: the canonical packing of kernels/pack.py, read where they lie (no copy, no dense weight):
+     4-bit  uint8 [N, ldc >= ceil(K/2)]  column 2j in the low nibble of byte j, 2j+1 in the high nibble
+     8-bit  uint8 [N, ldc >= K]          one index per byte
+   cb: fp16 bits (uint16) [N, 2^bits], converted exactly to fp32 (16 or 256 entries per row).
+
+   Contracts (tests/test_host_gemv.py):
+   - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
+     fixed sequence of fp32 FMAs / adds that depends only on (n, K, the code path), never on M or on the thread
+     count; rows of x are processed in register groups of up to 4, every group member running the same sequence;
+   - threads: output rows are split into `threads` contiguous ranges, one thread each (a persistent pool,
+     workers spin briefly then sleep); each element is computed by one thread: results are identical for every
+     thread count and run to run;
+   - code paths: AVX-512 (16-entry table in one register, vpermps), AVX2 (two 8-entry halves, vpermps + blend),
+     portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
+   x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
+   consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
+   last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
+   Build: gcc -O3 -shared -fPIC -pthread -ffp-contract=off (no FMA contraction outside the intrinsics). */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TP_X86 1
+#else
+#define TP_X86 0
+#endif
+
+/* ---------------------------------------------------------------- fp16 -> fp32 (exact, portable) */
+static float h2f(uint16_t h) {
+  uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+  if (e == 0) {
+    if (m == 0) { u = s; }
+    else { /* subnormal: normalise */
+      e = 127 - 15 + 1;
+      while (!(m & 0x400)) { m <<= 1; e--; }
+      u = s | (e << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (e == 31) { u = s | 0x7f800000u | (m << 13); }
+  else { u = s | ((e + 127 - 15) << 23) | (m << 13); }
+  float f; memcpy(&f, &u, 4); return f;
+}
+
+/* ---------------------------------------------------------------- the work item */
+typedef struct {
+  const float *xp; long M, K, Kp;  /* xp: prepared x [M, Kp] */
+  const uint8_t *codes; long ldc; const uint16_t *cb; long N;
+  float *y; long ldy; int bits, path;
+} job_t;
+
+/* ---------------------------------------------------------------- portable path */
+static void rows_c(const job_t *j, long n0, long n1) {
+  float t[256];
+  const int ne = 1 << j->bits;
+  for (long n = n0; n < n1; n++) {
+    for (int e = 0; e < ne; e++) t[e] = h2f(j->cb[n * ne + e]);
+    const uint8_t *c = j->codes + n * j->ldc;
+    for (long m = 0; m < j->M; m++) {
+      const float *x = j->xp + m * j->Kp;
+      float a[4] = {0, 0, 0, 0};
+      if (j->bits == 4) {
+        for (long k = 0; k < j->K; k++) a[k & 3] += t[(c[k >> 1] >> ((k & 1) * 4)) & 15] * x[k];
+      } else {
+        for (long k = 0; k < j->K; k++) a[k & 3] += t[c[k]] * x[k];
+      }
+      j->y[m * j->ldy + n] = (a[0] + a[1]) + (a[2] + a[3]);
+    }
+  }
+}
+
+#if TP_X86
+/* ---------------------------------------------------------------- AVX2 path */
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 look16(__m256 lo, __m256 hi, __m256i idx) {
+  __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1] */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_avx2(
+    const job_t *j, long n, long m0, int R) {
+  const uint16_t *cbn = j->cb + n * 16;
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
+  const __m256i mask = _mm256_set1_epi32(15);
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
+  __m256 a0[4], a1[4];
+  for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+  uint8_t tail[8];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 8;
+    if (b >= full) { /* the row's partial last block */
+      long have = (j->K + 1) / 2 - b * 8;
+      memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
+    }
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256 w0 = look16(lo, hi, _mm256_and_si256(v, mask));
+    __m256 w1 = look16(lo, hi, _mm256_srli_epi32(v, 4));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 16;
+      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* 8-bit, R x rows: blocks of 8 columns, 256-entry fp32 table on the stack, gathered */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_avx2(
+    const job_t *j, long n, long m0, int R, const float *t) {
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 8, full = j->K / 8;
+  __m256 a0[4], a1[4];
+  for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+  uint8_t tail[8];
+#define STEP8_AVX2(B, A)                                                                      \
+  do {                                                                                        \
+    const uint8_t *p = c + (B) * 8;                                                           \
+    if ((B) >= full) { memset(tail, 0, 8); memcpy(tail, p, j->K - (B) * 8); p = tail; }       \
+    __m256 w = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4); \
+    for (int r = 0; r < R; r++)                                                               \
+      A[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(j->xp + (m0 + r) * j->Kp + (B) * 8), A[r]);   \
+  } while (0)
+  long b = 0;
+  for (; b + 1 < nb; b += 2) { STEP8_AVX2(b, a0); STEP8_AVX2(b + 1, a1); }
+  if (b < nb) STEP8_AVX2(b, a0);
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, long n0, long n1) {
+  float t[256] __attribute__((aligned(32)));
+  for (long n = n0; n < n1; n++) {
+    if (j->bits == 8) {
+      for (int e = 0; e < 256; e += 8)
+        _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + n * 256 + e))));
+    }
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      if (j->bits == 4) {
+        switch (R) { case 4: row4_avx2(j, n, m, 4); break; case 3: row4_avx2(j, n, m, 3); break;
+                     case 2: row4_avx2(j, n, m, 2); break; default: row4_avx2(j, n, m, 1); }
+      } else {
+        switch (R) { case 4: row8_avx2(j, n, m, 4, t); break; case 3: row8_avx2(j, n, m, 3, t); break;
+                     case 2: row8_avx2(j, n, m, 2, t); break; default: row8_avx2(j, n, m, 1, t); }
+      }
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path */
+#define T512 "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+
+/* 4-bit: blocks of 32 columns = 16 code bytes; xp[32b + i] = x[32b + 2i], xp[32b + 16 + i] = x[32b + 2i + 1];
+   even blocks into a0/a1, odd blocks into a2/a3 (two FMA chains per half) */
+#define STEP4_512(B, A, C)                                                                          \
+  do {                                                                                              \
+    const uint8_t *p = c + (B) * 16;                                                                \
+    if ((B) >= full) { memset(tail, 0, 16); memcpy(tail, p, (j->K + 1) / 2 - (B) * 16); p = tail; } \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));                          \
+    __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, mask), tab);                              \
+    __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);                                \
+    for (int r = 0; r < R; r++) {                                                                   \
+      const float *x = j->xp + (m0 + r) * j->Kp + (B) * 32;                                         \
+      A[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), A[r]);                                         \
+      C[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), C[r]);                                    \
+    }                                                                                               \
+  } while (0)
+
+__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
+  const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+  const __m512i mask = _mm512_set1_epi32(15);
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 32, full = j->K / 32;
+  __m512 a0[4], a1[4], a2[4], a3[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+  uint8_t tail[16];
+  long b = 0;
+  for (; b + 1 < nb; b += 2) { STEP4_512(b, a0, a1); STEP4_512(b + 1, a2, a3); }
+  if (b < nb) STEP4_512(b, a0, a1);
+  for (int r = 0; r < R; r++)
+    j->y[(m0 + r) * j->ldy + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
+}
+
+/* 8-bit: blocks of 16 columns; the row's 256 fp32 entries in 16 registers, looked up by 8 two-table permutes
+   (index bits 0..4) and a blend tree on index bits 5, 6, 7 (no gather: slow where microcode mitigates it) */
+__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R) {
+  const uint16_t *cbn = j->cb + n * 256;
+  __m512 t[16];
+  for (int e = 0; e < 16; e++) t[e] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cbn + 16 * e)));
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 16, full = j->K / 16;
+  const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64), b7 = _mm512_set1_epi32(128);
+  __m512 a[4];
+  for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+  uint8_t tail[16];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 16;
+    if (b >= full) { memset(tail, 0, 16); memcpy(tail, p, j->K - b * 16); p = tail; }
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __mmask16 k5 = _mm512_test_epi32_mask(v, b5), k6 = _mm512_test_epi32_mask(v, b6);
+    __mmask16 k7 = _mm512_test_epi32_mask(v, b7);
+    __m512 q0 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[0], v, t[1]), _mm512_permutex2var_ps(t[2], v, t[3]));
+    __m512 q1 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[4], v, t[5]), _mm512_permutex2var_ps(t[6], v, t[7]));
+    __m512 q2 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[8], v, t[9]), _mm512_permutex2var_ps(t[10], v, t[11]));
+    __m512 q3 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[12], v, t[13]), _mm512_permutex2var_ps(t[14], v, t[15]));
+    __m512 w = _mm512_mask_blend_ps(k7, _mm512_mask_blend_ps(k6, q0, q1), _mm512_mask_blend_ps(k6, q2, q3));
+    for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(j->xp + (m0 + r) * j->Kp + b * 16), a[r]);
+  }
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(a[r]);
+}
+
+__attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
+  for (long n = n0; n < n1; n++) {
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      if (j->bits == 4) {
+        switch (R) { case 4: row4_512(j, n, m, 4); break; case 3: row4_512(j, n, m, 3); break;
+                     case 2: row4_512(j, n, m, 2); break; default: row4_512(j, n, m, 1); }
+      } else {
+        switch (R) { case 4: row8_512(j, n, m, 4); break; case 3: row8_512(j, n, m, 3); break;
+                     case 2: row8_512(j, n, m, 2); break; default: row8_512(j, n, m, 1); }
+      }
+    }
+  }
+}
+#endif
+
+/* ---------------------------------------------------------------- path choice */
+enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+int tp_path(void) { /* the best path this CPU runs */
+#if TP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+      && __builtin_cpu_supports("fma")) return PATH_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
+#endif
+  return PATH_C;
+}
+
+static void run_rows(const job_t *j, long n0, long n1) {
+#if TP_X86
+  if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
+  if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
+#endif
+  rows_c(j, n0, n1);
+}
+
+/* ---------------------------------------------------------------- the thread pool */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static int n_workers;                 /* workers started: thread ids 1..n_workers */
+static atomic_long gen;               /* bumped once per parallel call */
+static atomic_int pending;            /* workers still running the current call */
+static int sleepers;                  /* under wake_mu */
+static const job_t *cur_job;
+static int cur_nt;
+#define MAX_THREADS 256
+static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
+
+#define SPINS 20000
+
+static inline void relax(void) {
+#if TP_X86
+  __builtin_ia32_pause();
+#endif
+}
+
+static void share(const job_t *j, int tid, int nt) {
+  long n0 = j->N * tid / nt, n1 = j->N * (tid + 1) / nt;
+  if (n1 > n0) run_rows(j, n0, n1);
+}
+
+static void *worker(void *arg) {
+  int tid = (int)(intptr_t)arg;
+  long seen = start_gen[tid];
+  for (;;) {
+    long g;
+    int spins = 0;
+    while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
+      if (++spins < SPINS) { relax(); continue; }
+      pthread_mutex_lock(&wake_mu);
+      sleepers++;
+      while (atomic_load(&gen) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
+      sleepers--;
+      pthread_mutex_unlock(&wake_mu);
+    }
+    seen = g;
+    if (tid < cur_nt) share(cur_job, tid, cur_nt);
+    atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+  }
+  return NULL;
+}
+
+static void after_fork_child(void) { /* the workers did not survive the fork */
+  pthread_mutex_init(&pool_mu, NULL);
+  pthread_mutex_init(&wake_mu, NULL);
+  pthread_cond_init(&wake_cv, NULL);
+  n_workers = 0; sleepers = 0;
+  atomic_store(&pending, 0);
+}
+
+static int atfork_done;
+
+static void parallel(const job_t *j, int nt) {
+  pthread_mutex_lock(&pool_mu);
+  if (!atfork_done) { pthread_atfork(NULL, NULL, after_fork_child); atfork_done = 1; }
+  while (n_workers < nt - 1) {
+    pthread_t th;
+    start_gen[n_workers + 1] = atomic_load(&gen);
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&th, &at, worker, (void *)(intptr_t)(n_workers + 1)) == 0;
+    pthread_attr_destroy(&at);
+    if (!ok) break;
+    n_workers++;
+  }
+  if (nt > n_workers + 1) nt = n_workers + 1;  /* could not start more: fewer, larger ranges (same results) */
+  cur_job = j; cur_nt = nt;
+  atomic_store_explicit(&pending, n_workers, memory_order_relaxed);
+  pthread_mutex_lock(&wake_mu);
+  atomic_fetch_add_explicit(&gen, 1, memory_order_release);
+  if (sleepers) pthread_cond_broadcast(&wake_cv);
+  pthread_mutex_unlock(&wake_mu);
+  share(j, 0, nt);
+  int spins = 0;
+  while (atomic_load_explicit(&pending, memory_order_acquire) > 0) {
+    if (++spins < SPINS) relax(); else sched_yield();
+  }
+  pthread_mutex_unlock(&pool_mu);
+}
+
+/* ---------------------------------------------------------------- entry point */
+/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
+int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
+                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
+  if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
+  if (M == 0 || N == 0) return 0;
+  if (path < 0) path = tp_path();
+  long blk = path == PATH_AVX512 ? (bits == 4 ? 32 : 16) : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long Kp = (K + blk - 1) / blk * blk;
+  float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
+  if (!xp) return -2;
+  for (long m = 0; m < M; m++) {
+    const float *src = x + m * ldx;
+    float *dst = xp + m * Kp;
+    if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
+      long h = blk / 2;
+      for (long k = 0; k < K; k++) dst[(k / blk) * blk + (k & 1) * h + (k % blk) / 2] = src[k];
+    } else {
+      memcpy(dst, src, (size_t)K * sizeof(float));
+    }
+  }
+  job_t j = {xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads > N) threads = (int)N;
+  if (threads == 1) run_rows(&j, 0, N); else parallel(&j, threads);
+  free(xp);
+  return 0;
+}
