@@ -129,3 +129,15 @@ def test_the_build_is_cached_per_source(tmp_path, monkeypatch):
     mtime = files[0].stat().st_mtime_ns
     hg._build()
     assert files[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_host_gemv_object_matches_the_function_and_checks_once():
+    x, codes, cb = _case(8, 6, 257, 97, seed=11)
+    g = hg.HostGemv(codes, cb, 8, 97)
+    for t in (None, 1, 3):
+        assert torch.equal(g(x, t), hg.codebook_gemv_host(x, codes, cb, 8, 97, threads=1))
+    assert torch.equal(g(x.double()), hg.codebook_gemv_host(x, codes, cb, 8, 97))
+    with pytest.raises(ValueError, match="x must be"):
+        g(x[:, :5])
+    with pytest.raises(ValueError, match="codebook must be"):
+        hg.HostGemv(codes, cb[:, :16], 8, 97)

@@ -162,6 +162,39 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Ten
     return out
 
 
+class HostGemv:
+    """One weight's host GEMV with its arguments checked once (the per-call cost is a ctypes call): the codes and
+    codebook as ``codebook_gemv_host`` takes them, referenced (not copied) for the object's lifetime."""
+
+    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"host kernels unavailable: {_err}")
+        K = int(in_features)
+        codebook_gemv_host(torch.zeros(1, K), codes, codebook, bits, K, threads=1)  # checks the arguments
+        self.codes, self.codebook, self.bits, self.in_features = codes, codebook, bits, K
+        self.out_features = int(codes.shape[0])
+        self._fn = lib.tp_codebook_gemv
+        self._args = (codes.data_ptr(), codes.stride(0), codebook.data_ptr(), self.out_features, bits)
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x [M, K] on the CPU -> fp32 [M, N] (a fresh tensor)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu":
+            x = x.to(device="cpu", dtype=torch.float32).contiguous()
+        M, K = x.shape
+        if K != self.in_features:
+            raise ValueError(f"host GEMV: x must be [M, {self.in_features}], got {tuple(x.shape)}")
+        t = torch.get_num_threads() if threads is None else int(threads)
+        if t < 1:
+            raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
+        out = torch.empty(M, self.out_features, dtype=torch.float32)
+        c, ldc, cb, n, bits = self._args
+        rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, n, bits, out.data_ptr(), self.out_features, t, -1)
+        if rc != 0:
+            raise RuntimeError(f"host GEMV failed (code {rc})")
+        return out
+
+
 def reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
               in_features: int | None = None) -> torch.Tensor:
     """float64 dequantize-and-multiply: [M, N]."""

@@ -13,8 +13,8 @@
    - threads: output rows are split into `threads` contiguous ranges, one thread each (a persistent pool,
      workers spin briefly then sleep); each element is computed by one thread: results are identical for every
      thread count and run to run;
-   - code paths: AVX-512 (16-entry table in one register, vpermps), AVX2 (two 8-entry halves, vpermps + blend),
-     portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
+   - code paths: AVX-512 (4-bit: the 16-entry table in one register, vpermps; 8-bit: 16-bit permutes of the
+     fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit: gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
    consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
    last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
@@ -77,6 +77,8 @@ static void rows_c(const job_t *j, long n0, long n1) {
 
 #if TP_X86
 /* ---------------------------------------------------------------- AVX2 path */
+#define PF 4096 /* software prefetch distance along the codes (bytes): the hardware streamers alone leave the
+                   kernel latency-bound on DRAM */
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -95,6 +97,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
   const uint16_t *cbn = j->cb + n * 16;
   const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
   const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
+  _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
   const __m256i mask = _mm256_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
@@ -103,6 +106,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
   uint8_t tail[8];
   for (long b = 0; b < nb; b++) {
     const uint8_t *p = c + b * 8;
+    if (!(b & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
     if (b >= full) { /* the row's partial last block */
       long have = (j->K + 1) / 2 - b * 8;
       memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
@@ -130,6 +134,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_
 #define STEP8_AVX2(B, A)                                                                      \
   do {                                                                                        \
     const uint8_t *p = c + (B) * 8;                                                           \
+    if (!((B) & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                           \
     if ((B) >= full) { memset(tail, 0, 8); memcpy(tail, p, j->K - (B) * 8); p = tail; }       \
     __m256 w = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4); \
     for (int r = 0; r < R; r++)                                                               \
@@ -169,6 +174,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 #define STEP4_512(B, A, C)                                                                          \
   do {                                                                                              \
     const uint8_t *p = c + (B) * 16;                                                                \
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                                                \
     if ((B) >= full) { memset(tail, 0, 16); memcpy(tail, p, (j->K + 1) / 2 - (B) * 16); p = tail; } \
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));                          \
     __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, mask), tab);                              \
@@ -182,6 +188,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 
 __attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
   const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+  _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
   const __m512i mask = _mm512_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
@@ -196,32 +203,39 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
 }
 
-/* 8-bit: blocks of 16 columns; the row's 256 fp32 entries in 16 registers, looked up by 8 two-table permutes
-   (index bits 0..4) and a blend tree on index bits 5, 6, 7 (no gather: slow where microcode mitigates it) */
+/* 8-bit: blocks of 32 columns; the row's 256 fp16 entries (as stored) in 8 registers, looked up by 4 two-table
+   16-bit permutes (index bits 0..5) and a blend tree on bits 6, 7, then widened to fp32 (no gather: slow where
+   microcode mitigates it); even / odd 16-column halves into a0 / a1 */
 __attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R) {
   const uint16_t *cbn = j->cb + n * 256;
-  __m512 t[16];
-  for (int e = 0; e < 16; e++) t[e] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cbn + 16 * e)));
+  __m512i t[8];
+  for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
+  for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
   const uint8_t *c = j->codes + n * j->ldc;
-  const long nb = j->Kp / 16, full = j->K / 16;
-  const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64), b7 = _mm512_set1_epi32(128);
-  __m512 a[4];
-  for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
-  uint8_t tail[16];
+  const long nb = j->Kp / 32, full = j->K / 32;
+  const __m512i b6 = _mm512_set1_epi16(64), b7 = _mm512_set1_epi16(128);
+  __m512 a0[4], a1[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  uint8_t tail[32];
   for (long b = 0; b < nb; b++) {
-    const uint8_t *p = c + b * 16;
-    if (b >= full) { memset(tail, 0, 16); memcpy(tail, p, j->K - b * 16); p = tail; }
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __mmask16 k5 = _mm512_test_epi32_mask(v, b5), k6 = _mm512_test_epi32_mask(v, b6);
-    __mmask16 k7 = _mm512_test_epi32_mask(v, b7);
-    __m512 q0 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[0], v, t[1]), _mm512_permutex2var_ps(t[2], v, t[3]));
-    __m512 q1 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[4], v, t[5]), _mm512_permutex2var_ps(t[6], v, t[7]));
-    __m512 q2 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[8], v, t[9]), _mm512_permutex2var_ps(t[10], v, t[11]));
-    __m512 q3 = _mm512_mask_blend_ps(k5, _mm512_permutex2var_ps(t[12], v, t[13]), _mm512_permutex2var_ps(t[14], v, t[15]));
-    __m512 w = _mm512_mask_blend_ps(k7, _mm512_mask_blend_ps(k6, q0, q1), _mm512_mask_blend_ps(k6, q2, q3));
-    for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(j->xp + (m0 + r) * j->Kp + b * 16), a[r]);
+    const uint8_t *p = c + b * 32;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (b >= full) { memset(tail, 0, 32); memcpy(tail, p, j->K - b * 32); p = tail; }
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __mmask32 k6 = _mm512_test_epi16_mask(v, b6), k7 = _mm512_test_epi16_mask(v, b7);
+    __m512i q0 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[0], v, t[1]),
+                                         _mm512_permutex2var_epi16(t[2], v, t[3]));
+    __m512i q1 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[4], v, t[5]),
+                                         _mm512_permutex2var_epi16(t[6], v, t[7]));
+    __m512i w = _mm512_mask_blend_epi16(k7, q0, q1);
+    __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 32;
+      a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a0[r]);
+      a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), a1[r]);
+    }
   }
-  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(a[r]);
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
 __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
@@ -355,7 +369,7 @@ int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *co
   if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
   if (M == 0 || N == 0) return 0;
   if (path < 0) path = tp_path();
-  long blk = path == PATH_AVX512 ? (bits == 4 ? 32 : 16) : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long blk = path == PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
   if (!xp) return -2;
