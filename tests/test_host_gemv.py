@@ -141,3 +141,47 @@ def test_host_gemv_object_matches_the_function_and_checks_once():
         g(x[:, :5])
     with pytest.raises(ValueError, match="codebook must be"):
         hg.HostGemv(codes, cb[:, :16], 8, 97)
+
+
+def test_the_pool_under_rapid_and_concurrent_calls():
+    """Back-to-back calls of changing sizes and thread counts, and callers on several Python threads at once
+    (the pool takes one call at a time): every result is the single-thread one."""
+    import threading
+    cases = [_case(4 if i % 2 else 8, 1 + i % 3, (17, 400, 1, 129)[i % 4], 64 + i, seed=100 + i) for i in range(8)]
+    want = [hg.codebook_gemv_host(x, c, cb, 8 if i % 2 == 0 else 4, threads=1) for i, (x, c, cb) in enumerate(cases)]
+    for r in range(300):
+        i = r % 8
+        x, c, cb = cases[i]
+        assert torch.equal(hg.codebook_gemv_host(x, c, cb, 8 if i % 2 == 0 else 4, threads=1 + r % 4), want[i])
+    bad = []
+
+    def caller(k):
+        for r in range(100):
+            i = (r + k) % 8
+            x, c, cb = cases[i]
+            if not torch.equal(hg.codebook_gemv_host(x, c, cb, 8 if i % 2 == 0 else 4, threads=3), want[i]):
+                bad.append((k, r))
+
+    ts = [threading.Thread(target=caller, args=(k,)) for k in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
+
+
+def _child_sum(q):
+    x, c, cb = _case(4, 2, 300, 100, seed=9)
+    q.put(float(hg.codebook_gemv_host(x, c, cb, 4, threads=3).double().sum()))
+
+
+def test_a_forked_child_starts_its_own_pool():
+    import multiprocessing as mp
+    x, c, cb = _case(4, 2, 300, 100, seed=9)
+    want = float(hg.codebook_gemv_host(x, c, cb, 4, threads=3).double().sum())  # the parent's pool is running
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_sum, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and q.get(timeout=5) == want

@@ -10,9 +10,9 @@
    - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
      fixed sequence of fp32 FMAs / adds that depends only on (n, K, the code path), never on M or on the thread
      count; rows of x are processed in register groups of up to 4, every group member running the same sequence;
-   - threads: output rows are split into `threads` contiguous ranges, one thread each (a persistent pool,
-     workers spin briefly then sleep); each element is computed by one thread: results are identical for every
-     thread count and run to run;
+   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers (the pool
+     section below); each element is computed by one thread in a fixed order: results are identical for every
+     thread count, every schedule and run to run;
    - code paths: AVX-512 (4-bit: the 16-entry table in one register, vpermps; 8-bit: 16-bit permutes of the
      fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit: gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
@@ -276,15 +276,22 @@ static void run_rows(const job_t *j, long n0, long n1) {
 }
 
 /* ---------------------------------------------------------------- the thread pool */
+/* A call's output rows are cut into chunks that the caller and up to threads - 1 workers claim from one atomic
+   word (generation << 32 | next chunk): a thread that the OS does not schedule claims nothing and is not waited
+   for (the caller takes what is left), so a busy machine does not stall every call. Which thread computes a
+   chunk does not change a bit of it: every output element is one thread's fixed sequence. Workers spin briefly
+   after a call, then sleep. */
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
 static int n_workers;                 /* workers started: thread ids 1..n_workers */
-static atomic_long gen;               /* bumped once per parallel call */
-static atomic_int pending;            /* workers still running the current call */
+static atomic_long gen;               /* bumped once per parallel call (wakes the workers) */
+static atomic_ullong claim;           /* (generation << 32) | (chunks << 16) | next chunk index */
+static atomic_long done_chunks;       /* chunks finished in the current call */
 static int sleepers;                  /* under wake_mu */
 static const job_t *cur_job;
 static int cur_nt;
+static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
 #define MAX_THREADS 256
 static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
 
@@ -296,9 +303,21 @@ static inline void relax(void) {
 #endif
 }
 
-static void share(const job_t *j, int tid, int nt) {
-  long n0 = j->N * tid / nt, n1 = j->N * (tid + 1) / nt;
-  if (n1 > n0) run_rows(j, n0, n1);
+/* claim and run chunks of generation g until none is left (or the call moved on) */
+static void work(unsigned long long g) {
+  for (;;) {
+    unsigned long long c = atomic_load_explicit(&claim, memory_order_acquire);
+    if ((c >> 32) != (g & 0xffffffffull)) return;  /* another call's word */
+    long i = (long)(c & 0xffff), nch = (long)((c >> 16) & 0xffff);
+    if (i >= nch) return;
+    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
+      continue;
+    /* chunk i of a live call (it cannot finish before this chunk): its job is the one published with the word */
+    const job_t *j = cur_job;
+    long n0 = i * cur_chunk, n1 = n0 + cur_chunk < j->N ? n0 + cur_chunk : j->N;
+    run_rows(j, n0, n1);
+    atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
+  }
 }
 
 static void *worker(void *arg) {
@@ -316,8 +335,7 @@ static void *worker(void *arg) {
       pthread_mutex_unlock(&wake_mu);
     }
     seen = g;
-    if (tid < cur_nt) share(cur_job, tid, cur_nt);
-    atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    if (tid < cur_nt) work((unsigned long long)g);  /* a stale cur_nt only meets a claim word of another call */
   }
   return NULL;
 }
@@ -327,7 +345,6 @@ static void after_fork_child(void) { /* the workers did not survive the fork */
   pthread_mutex_init(&wake_mu, NULL);
   pthread_cond_init(&wake_cv, NULL);
   n_workers = 0; sleepers = 0;
-  atomic_store(&pending, 0);
 }
 
 static int atfork_done;
@@ -346,16 +363,21 @@ static void parallel(const job_t *j, int nt) {
     if (!ok) break;
     n_workers++;
   }
-  if (nt > n_workers + 1) nt = n_workers + 1;  /* could not start more: fewer, larger ranges (same results) */
-  cur_job = j; cur_nt = nt;
-  atomic_store_explicit(&pending, n_workers, memory_order_relaxed);
+  unsigned long long g = (unsigned long long)atomic_load(&gen) + 1;
+  long chunk = (j->N + 8L * nt - 1) / (8L * nt);
+  if (chunk < 16) chunk = 16;
+  cur_job = j; cur_nt = nt; cur_chunk = chunk; cur_nchunks = (j->N + chunk - 1) / chunk;
+  atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
+  /* a stale worker's compare-exchange on the previous word fails from here on */
+  atomic_store_explicit(&claim, ((g & 0xffffffffull) << 32) | ((unsigned long long)cur_nchunks << 16),
+                        memory_order_release);
   pthread_mutex_lock(&wake_mu);
-  atomic_fetch_add_explicit(&gen, 1, memory_order_release);
+  atomic_store_explicit(&gen, (long)g, memory_order_release);
   if (sleepers) pthread_cond_broadcast(&wake_cv);
   pthread_mutex_unlock(&wake_mu);
-  share(j, 0, nt);
+  work(g);
   int spins = 0;
-  while (atomic_load_explicit(&pending, memory_order_acquire) > 0) {
+  while (atomic_load_explicit(&done_chunks, memory_order_acquire) < cur_nchunks) {
     if (++spins < SPINS) relax(); else sched_yield();
   }
   pthread_mutex_unlock(&pool_mu);
