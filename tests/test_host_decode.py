@@ -96,6 +96,15 @@ def test_prompt_and_decode_logits_match_the_float64_reference(cbk):
         assert _rel(g, want[p]) < 1e-5, p
 
 
+def test_a_long_prompt_takes_the_dequantized_matmul_and_matches_the_reference(cbk):
+    ids = [(7 * i + 3) % 257 for i in range(40)]  # more than 16 rows: blocks dequantized in C, torch matmul
+    m = trapetum.load(cbk)
+    ref = Decoder.from_checkpoint(load_checkpoint(str(cbk)), dtype=torch.float64).eval()
+    with torch.inference_mode():
+        assert _rel(m.logits(ids), ref(torch.tensor([ids]))[0]) < 1e-5
+    assert not any("_dense" in mod.__dict__ for mod in _codebook_modules(m.decoder))
+
+
 def test_greedy_decode_end_to_end_follows_the_float64_reference(cbk):
     m = trapetum.load(cbk)
     prompt = IDS[:4]

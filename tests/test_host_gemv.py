@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trapetum.kernels import host_gemv as hg
-from trapetum.kernels.pack import pack_codes
+from trapetum.kernels.pack import pack_codes, unpack_codes
 
 if not hg.available():
     pytest.skip(f"host kernels unavailable: {hg.error()}", allow_module_level=True)
@@ -185,3 +185,16 @@ def test_a_forked_child_starts_its_own_pool():
     p.start()
     p.join(60)
     assert p.exitcode == 0 and q.get(timeout=5) == want
+
+
+@pytest.mark.parametrize("bits", (4, 8))
+def test_dequantize_is_exact_and_matmul_matches_the_reference(bits):
+    for i, (M, N, K) in enumerate([(17, 53, 97), (40, 257, 1), (64, 3000, 53), (33, 97, 257)]):
+        x, codes, cb = _case(bits, M, N, K, seed=50 + i)
+        g = hg.HostGemv(codes, cb, bits, K)
+        w = torch.gather(cb.float(), 1, unpack_codes(codes, bits, K).long())
+        assert torch.equal(g.dequantize(), w)
+        assert torch.equal(g.dequantize(5, 9) if N > 9 else g.dequantize(0, 1), w[5:9] if N > 9 else w[:1])
+        assert _rel(g.matmul(x, rows=128), hg.reference(x, codes, cb, bits, K)) < 2e-6
+    with pytest.raises(ValueError, match="outside"):
+        g.dequantize(3, 1000)

@@ -9,6 +9,8 @@ M = 1 result for every M (batch invariance); output rows are split over ``thread
 ``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
 for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, the best the CPU runs unless
 ``path`` names a lower one (they differ only in rounding). ``reference``: float64 dequantize-and-multiply.
+``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
+dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
 The C source ships in the package (kernels/host/codebook_host.c) and is compiled at first use with the
 system's C compiler (gcc or cc, about a second) into ``~/.cache/trapetum/host/``, keyed on the source text and
@@ -34,6 +36,7 @@ SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 PATHS = ("c", "avx2", "avx512")  # index = the C side's path number
 HOST_BITS = (4, 8)
+GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
 
 _lock = threading.Lock()
 _lib = None
@@ -79,6 +82,8 @@ def _build() -> ctypes.CDLL:
     L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
     lib.tp_codebook_gemv.restype = I
     lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, L, I, P, L, I, I]
+    lib.tp_codebook_dequant.restype = I
+    lib.tp_codebook_dequant.argtypes = [P, L, P, L, L, L, I, P, L]
     return lib
 
 
@@ -174,7 +179,7 @@ class HostGemv:
         codebook_gemv_host(torch.zeros(1, K), codes, codebook, bits, K, threads=1)  # checks the arguments
         self.codes, self.codebook, self.bits, self.in_features = codes, codebook, bits, K
         self.out_features = int(codes.shape[0])
-        self._fn = lib.tp_codebook_gemv
+        self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant
         self._args = (codes.data_ptr(), codes.stride(0), codebook.data_ptr(), self.out_features, bits)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -192,6 +197,27 @@ class HostGemv:
         rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, n, bits, out.data_ptr(), self.out_features, t, -1)
         if rc != 0:
             raise RuntimeError(f"host GEMV failed (code {rc})")
+        return out
+
+    def dequantize(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+        """Weight rows n0 .. n1 - 1 as fp32 [n1 - n0, K] (exact), decoded in C."""
+        n1 = self.out_features if n1 is None else n1
+        if not 0 <= n0 <= n1 <= self.out_features:
+            raise ValueError(f"host GEMV: rows {n0}..{n1} outside 0..{self.out_features}")
+        w = torch.empty(n1 - n0, self.in_features, dtype=torch.float32)
+        c, ldc, cb, _, bits = self._args
+        if self._dq(c, ldc, cb, n0, n1, self.in_features, bits, w.data_ptr(), self.in_features) != 0:
+            raise RuntimeError("host dequantize failed")
+        return w
+
+    def matmul(self, x: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+        """x [T, K] -> fp32 [T, N] for many rows (prefill): ``rows`` weight rows at a time dequantized into a
+        temporary and multiplied by torch (no dense copy kept; not batch-invariant, unlike the GEMV)."""
+        x = x.to(torch.float32)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        for n0 in range(0, self.out_features, rows):
+            n1 = min(n0 + rows, self.out_features)
+            torch.matmul(x, self.dequantize(n0, n1).T, out=out[:, n0:n1])
         return out
 
 

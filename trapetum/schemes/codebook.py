@@ -4,8 +4,8 @@ Stored (``QuantRecord("codebook", (out, in), {"bits": b}, {"codes", "codebook"})
     codes     uint8 [out, packed_width(in, b)]   canonical packing (kernels/pack.py)
     codebook  fp16  [out, 2**b]                  W[o, i] = codebook[o, idx(o, i)]
 Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory;
-``use_host()``: 4/8-bit fp32 rows on the CPU through the host GEMV, kernels/host_gemv.py, from the stored codes in
-place, no dense copy) and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
+``use_host()``: 4/8-bit fp32 inputs on the CPU through kernels/host_gemv.py, no dense copy: up to 16 rows the
+batch-invariant GEMV on the stored codes in place, more rows blocks dequantized into a temporary and a matmul) and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
 that share an input concatenated along their rows (per-row codebooks make that a plain concatenation), codes in
 the tensor-core kernel's tiled layout when the CUDA kernels run (4/8-bit, 64 code bytes per row | in); the
 GEMV is batch-invariant (kernels/codebook_gemv.py). Gate/up: ``InterleavedGateUp``, rows interleaved 8 gate /
@@ -85,7 +85,9 @@ class CodebookLinear(nn.Module):
         host = self.host
         if host is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
                 and host.codes is self.codes and host.codebook is self.codebook:  # (not moved or cast since)
-            y = host(x.reshape(-1, self.in_features), self.host_threads)
+            rows = x.reshape(-1, self.in_features)
+            # up to 16 rows (decode, verify): the batch-invariant GEMV; more (prefill): dequantized blocks, matmul
+            y = host(rows, self.host_threads) if rows.shape[0] <= hg.GEMV_ROWS else host.matmul(rows)
             if self.bias is not None:
                 y.add_(self.bias.to(y.dtype))
             return y.view(*x.shape[:-1], self.out_features)

@@ -383,6 +383,27 @@ static void parallel(const job_t *j, int nt) {
   pthread_mutex_unlock(&pool_mu);
 }
 
+/* ---------------------------------------------------------------- dequantize (prefill) */
+/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened) */
+int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long n0, long n1, long K, int bits,
+                        float *out, long ldo) {
+  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0) return -1;
+  const int ne = 1 << bits;
+  float t[256];
+  for (long n = n0; n < n1; n++) {
+    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+    const uint8_t *c = codes + n * ldc;
+    float *o = out + (n - n0) * ldo;
+    if (bits == 8) {
+      for (long k = 0; k < K; k++) o[k] = t[c[k]];
+    } else {
+      for (long k = 0; k + 1 < K; k += 2) { o[k] = t[c[k >> 1] & 15]; o[k + 1] = t[c[k >> 1] >> 4]; }
+      if (K & 1) o[K - 1] = t[c[K >> 1] & 15];
+    }
+  }
+  return 0;
+}
+
 /* ---------------------------------------------------------------- entry point */
 /* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
 int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
