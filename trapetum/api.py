@@ -55,7 +55,7 @@ class Model:
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
                  draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-                 draft_mask_token: int | None = None):
+                 draft_mask_token: int | None = None, threads: int | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -64,6 +64,9 @@ class Model:
         if precise_prefill is not None:
             options = options.replace(prefill="precise" if precise_prefill else "default")
         self.options = options
+        if threads is not None and threads < 1:
+            raise TrapetumError(f"threads must be at least 1, got {threads}")
+        self.threads = threads  # the CPU's host kernels (None: torch.get_num_threads() at each call)
         self.checkpoint = ckpt
         self.config = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -106,7 +109,7 @@ class Model:
         else:
             def load_draft(path: str) -> Model:
                 return Model(load_checkpoint(path), device=self.device, max_context=self.context_size,
-                             options=self.options)
+                             options=self.options, threads=self.threads)
             drafter, dm = make_drafter(draft, load=load_draft, target_tokenizer=self.tokenizer,
                                        max_len=self.context_size, mask_token=mask_token)
         self.draft_model = dm
@@ -122,9 +125,13 @@ class Model:
     @property
     def decoder(self) -> Decoder:
         """The torch reference decoder (built on first use when the GPU engine runs the model: a second copy
-        of the weights, for checks and tools)."""
+        of the weights, for checks and tools). On the CPU its 4/8-bit codebook projections run the host GEMV
+        (``Options.host_kernels``; ``threads``), without dense copies."""
         if self._decoder is None:
-            self._decoder = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
+            dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
+            if self.device == "cpu" and self.options.host_kernels:
+                dec.use_host_kernels(self.threads)
+            self._decoder = dec
         return self._decoder
 
     # -- prompts ---------------------------------------------------------------------------
@@ -256,7 +263,7 @@ def moe_mla_structure(cfg, n_params: int) -> dict[str, Any]:
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
          max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
          draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-         draft_mask_token: int | None = None) -> Model:
+         draft_mask_token: int | None = None, threads: int | None = None) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
     On CUDA the GPU engine is built from the checkpoint tensor by tensor (its weights held once, in the kernels'
@@ -268,7 +275,10 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torc
     ``draft`` (exact speculative decoding, runtime/speculative): "ngram" (n-gram lookup), "pard:MODEL" (a PARD
     drafter; ``draft_mask_token`` when its config names no ``pard_token``), a model path with the target's
     tokenizer (e.g. a 2- or 3-bit .cbk of the same checkpoint), a loaded Model, or a Drafter; ``draft_k`` drafts
-    per verify round (1..15), ``draft_adaptive`` lets it move. The drafter runs on the same device."""
+    per verify round (1..15), ``draft_adaptive`` lets it move. The drafter runs on the same device.
+
+    ``threads``: threads of the CPU's host kernels (4/8-bit codebook projections; None: ``torch.get_num_threads()``
+    at each call, which the CLI's ``--threads`` sets)."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
                  precise_prefill=precise_prefill, options=options, draft=draft, draft_k=draft_k,
-                 draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token)
+                 draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token, threads=threads)

@@ -24,6 +24,9 @@ means the default; anything else is a ConfigError naming the variable.
 | TRAPETUM_AQLM_LAYOUT     | kernels.aqlm_layout        | slices, rows: 2x8 codes in the engine              |
 | TRAPETUM_AQLM_BPS        | kernels.aqlm_blocks_per_sm | 2, or 1..8: blocks per SM of the 2x8 CUDA kernel   |
 | TRAPETUM_API_KEY         | ServeEnv.api_key           | the API key of ``trapetum serve`` (not an Options) |
+
+Fields without a variable (API and benchmarks): ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
+projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply.
 """
 from __future__ import annotations
 
@@ -113,6 +116,7 @@ class Options:
     prefill: str = "default"
     engine: str = "gpu"
     calib_mem_gb: float | None = None
+    host_kernels: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):

@@ -183,6 +183,12 @@ class Decoder(nn.Module):
         p = next(self.parameters())
         return KVCache(self.config, batch, max_len or self.config.context_length, p.dtype, p.device)
 
+    def use_host_kernels(self, threads: int | None = None) -> int:
+        """Route the projections that can (4/8-bit codebooks on the CPU) through the host GEMV
+        (``CodebookLinear.use_host``; their dense copies dropped); ``threads``: None follows
+        ``torch.get_num_threads()``. Returns how many projections use it."""
+        return sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads))
+
     def projections(self) -> dict[str, nn.Module]:
         """Canonical name -> projection module (q/k/v/o, gate/up/down, MLA's and the experts' projections,
         lm_head)."""

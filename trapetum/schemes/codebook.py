@@ -3,8 +3,9 @@
 Stored (``QuantRecord("codebook", (out, in), {"bits": b}, {"codes", "codebook"})``):
     codes     uint8 [out, packed_width(in, b)]   canonical packing (kernels/pack.py)
     codebook  fp16  [out, 2**b]                  W[o, i] = codebook[o, idx(o, i)]
-Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory)
-and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
+Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory;
+``use_host()``: 4/8-bit fp32 inputs on the CPU through kernels/host_gemv.py, no dense copy: up to 16 rows the
+batch-invariant GEMV on the stored codes in place, more rows blocks dequantized into a temporary and a matmul) and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
 that share an input concatenated along their rows (per-row codebooks make that a plain concatenation), codes in
 the tensor-core kernel's tiled layout when the CUDA kernels run (4/8-bit, 64 code bytes per row | in); the
 GEMV is batch-invariant (kernels/codebook_gemv.py). Gate/up: ``InterleavedGateUp``, rows interleaved 8 gate /
@@ -20,6 +21,7 @@ from torch import nn
 from ..errors import FormatError
 from ..kernels import codebook_gemv as cg
 from ..kernels import cuda_ext
+from ..kernels import host_gemv as hg
 from ..kernels.codebook_layout import interleave_gate_up, tile_codes, untile_codes
 from ..kernels.dequant import dequantize as dequantize16
 from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
@@ -40,6 +42,19 @@ class CodebookLinear(nn.Module):
         self.register_buffer("codes", codes.contiguous())  # uint8 [out, packed_width(in, bits)]
         self.register_buffer("codebook", codebook.contiguous())  # fp16 [out, 2**bits]
         self.register_buffer("bias", None if bias is None else bias.contiguous())
+        self.host: hg.HostGemv | None = None  # use_host(): the host GEMV on the CPU
+        self.host_threads: int | None = None
+
+    def use_host(self, threads: int | None = None) -> bool:
+        """Multiply fp32 inputs on the CPU by the host GEMV (kernels/host_gemv.py: the codes decoded in place,
+        batch-invariant rows, the same bits for every thread count) and drop the dense copy; ``threads``: None is
+        ``torch.get_num_threads()`` at each call. False (nothing changes) where it does not apply: other bit
+        widths, codes not on the CPU, the kernels unavailable (no compiler: warned once)."""
+        if not hg.supports(self.bits) or self.codes.device.type != "cpu" or not hg.available():
+            return False
+        self.host, self.host_threads = hg.HostGemv(self.codes, self.codebook, self.bits, self.in_features), threads
+        self.__dict__.pop("_dense", None)
+        return True
 
     def to_record(self) -> QuantRecord:
         return QuantRecord(scheme="codebook", shape=(self.out_features, self.in_features),
@@ -67,6 +82,15 @@ class CodebookLinear(nn.Module):
         return rows.view(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        host = self.host
+        if host is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
+                and host.codes is self.codes and host.codebook is self.codebook:  # (not moved or cast since)
+            rows = x.reshape(-1, self.in_features)
+            # up to 16 rows (decode, verify): the batch-invariant GEMV; more (prefill): dequantized blocks, matmul
+            y = host(rows, self.host_threads) if rows.shape[0] <= hg.GEMV_ROWS else host.matmul(rows)
+            if self.bias is not None:
+                y.add_(self.bias.to(y.dtype))
+            return y.view(*x.shape[:-1], self.out_features)
         # dequantize once, then matmul; the dense copy is cached (the reference path trades memory for speed:
         # decode on the CPU would otherwise unpack every weight at every token)
         cached = self.__dict__.get("_dense")
@@ -99,6 +123,9 @@ class CodebookEmbedding(CodebookLinear):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids, self.dtype)
+
+    def use_host(self, threads: int | None = None) -> bool:
+        return False  # a table gathers rows (its tied head is a CodebookLinear of its own: ``as_linear``)
 
     def as_linear(self) -> CodebookLinear:
         """The tied LM head: a projection sharing this table's codes and codebook (no copy)."""

@@ -1,0 +1,156 @@
+"""CPU decode benchmark of a .cbk model: the host GEMV path against dequantize-and-multiply, in one process.
+
+    python -m trapetum.eval.bench_cpu MODEL.cbk [--threads 1,2] [--tokens 64] [--rounds 3] [--out DIR]
+                                      [--llama-bench PATH --gguf FILE]
+
+Measured, each round alternating every (threads, path) so that a busy machine slows all of them alike:
+  * decode tok/s, greedy, ``--tokens`` new tokens after a short prompt (``Completion.tokens_per_s``: the first
+    token excluded), for the torch path (``Options(host_kernels=False)``: dense copies of the codebook weights,
+    fp32 matmul) and the host path (``host_kernels=True``: kernels/host_gemv.py on the stored codes);
+  * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (a decode step's weight
+    bytes: codes + fp16 codebooks), against the memory read bandwidth measured the same way: a numpy sum over a
+    ``--bw-mb`` float32 array split over the same number of threads (best of 5 each);
+  * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
+Torch's thread count is set to T for both paths (the host path follows ``torch.get_num_threads()``). Prints a
+markdown table (medians over the rounds, with the range); ``--out``: results.json there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..kernels import host_gemv as hg
+
+PROMPT = "The history of the printing press begins"
+
+
+def read_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
+    """GB/s of a numpy float32 sum over ``mb`` MB, split over ``threads`` threads (best of ``reps``)."""
+    a = np.ones(mb * (1 << 20) // 4, dtype=np.float32)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def host_gemvs(decoder) -> list:
+    return [m.host for m in decoder.modules() if getattr(m, "host", None) is not None]
+
+
+def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, float]:
+    """(GB/s, ms) of one pass over ``gemvs`` with M = 1 (best of ``reps``)."""
+    xs = [torch.randn(1, g.in_features) for g in gemvs]
+    nbytes = sum(g.codes.numel() + g.codebook.numel() * 2 for g in gemvs)
+    for g, x in zip(gemvs, xs):
+        g(x, threads)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for g, x in zip(gemvs, xs):
+            g(x, threads)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9, best * 1e3
+
+
+def decode_rate(model, ids: list[int], tokens: int) -> float:
+    return model.generate(ids, max_new_tokens=tokens, ignore_eos=True).tokens_per_s
+
+
+def llama_bench(exe: str, gguf: str, threads: int, tokens: int) -> float:
+    r = subprocess.run([exe, "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1", "-o", "json"],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {r.stderr.strip()[-300:]}")
+    return float(json.loads(r.stdout)[0]["avg_ts"])
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def main(argv=None) -> int:
+    import trapetum
+    from ..settings import Options
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help=".cbk file (4/8-bit codebook projections)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bw-mb", type=int, default=512)
+    ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
+    ap.add_argument("--gguf", default=None, help="the GGUF that llama-bench decodes")
+    ap.add_argument("--out", default=None, metavar="DIR")
+    a = ap.parse_args(argv)
+    threads = [int(t) for t in a.threads.split(",")]
+    if not hg.available():
+        raise SystemExit(f"bench_cpu: host kernels unavailable: {hg.error()}")
+    models = {"torch": trapetum.load(a.model, options=Options(host_kernels=False)),
+              "host": trapetum.load(a.model, options=Options(host_kernels=True))}
+    ids = models["host"].encode(PROMPT)
+    gemvs = host_gemvs(models["host"].decoder)
+    if not gemvs:
+        raise SystemExit(f"bench_cpu: {a.model} has no 4/8-bit codebook projection")
+    for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
+        decode_rate(m, ids, 4)
+    runs: dict[str, list[float]] = {}
+    for r in range(a.rounds):
+        for t in threads:
+            torch.set_num_threads(t)
+            for name, m in models.items():
+                runs.setdefault(f"{name} t={t}", []).append(decode_rate(m, ids, a.tokens))
+            if a.llama_bench and a.gguf:
+                runs.setdefault(f"llama.cpp t={t}", []).append(llama_bench(a.llama_bench, a.gguf, t, a.tokens))
+            gbs, ms = gemv_bandwidth(gemvs, t)
+            runs.setdefault(f"gemv GB/s t={t}", []).append(gbs)
+            runs.setdefault(f"gemv ms t={t}", []).append(ms)
+            runs.setdefault(f"read GB/s t={t}", []).append(read_bandwidth(t, a.bw_mb))
+        print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
+    nbytes = sum(g.codes.numel() + g.codebook.numel() * 2 for g in gemvs)
+    res = {"model": a.model, "cpu": _cpu_name(), "host_path": hg.best_path(), "tokens": a.tokens,
+           "rounds": a.rounds, "gemv_weight_bytes": nbytes, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "runs": runs}
+    lines = [f"{a.model}: {_cpu_name()}, host path {hg.best_path()}, {len(gemvs)} host GEMVs "
+             f"({nbytes / 1e6:.1f} MB per step), {a.tokens} new tokens, {a.rounds} rounds alternated",
+             "", "| threads | torch path tok/s | host path tok/s | speedup | llama.cpp tok/s | host GEMV GB/s "
+             "| read GB/s | GEMV / read |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(k):
+        v = runs.get(k)
+        return "-" if not v else f"{statistics.median(v):.1f} ({min(v):.1f}-{max(v):.1f})"
+
+    for t in threads:
+        med = {k: statistics.median(v) for k, v in runs.items() if k.endswith(f"t={t}")}
+        lines.append(f"| {t} | {cell(f'torch t={t}')} | {cell(f'host t={t}')} | "
+                     f"{med[f'host t={t}'] / med[f'torch t={t}']:.2f}x | {cell(f'llama.cpp t={t}')} | "
+                     f"{cell(f'gemv GB/s t={t}')} | {cell(f'read GB/s t={t}')} | "
+                     f"{med[f'gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} |")
+    print("\n".join(lines))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

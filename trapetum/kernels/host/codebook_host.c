@@ -1,0 +1,436 @@
+/* Host (CPU) GEMV of per-row scalar codebooks, decoding the stored codes in place (kernels/host_gemv.py).
+
+   y[m, n] = sum_k x[m, k] * cb[n, idx(n, k)]      x fp32 [M, K] (row stride ldx), y fp32 [M, N] (stride ldy)
+   codes: the canonical packing of kernels/pack.py, read where they lie (no copy, no dense weight):
+     4-bit  uint8 [N, ldc >= ceil(K/2)]  column 2j in the low nibble of byte j, 2j+1 in the high nibble
+     8-bit  uint8 [N, ldc >= K]          one index per byte
+   cb: fp16 bits (uint16) [N, 2^bits], converted exactly to fp32 (16 or 256 entries per row).
+
+   Contracts (tests/test_host_gemv.py):
+   - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
+     fixed sequence of fp32 FMAs / adds that depends only on (n, K, the code path), never on M or on the thread
+     count; rows of x are processed in register groups of up to 4, every group member running the same sequence;
+   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers (the pool
+     section below); each element is computed by one thread in a fixed order: results are identical for every
+     thread count, every schedule and run to run;
+   - code paths: AVX-512 (4-bit: the 16-entry table in one register, vpermps; 8-bit: 16-bit permutes of the
+     fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit: gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
+   x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
+   consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
+   last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
+   Build: gcc -O3 -shared -fPIC -pthread -ffp-contract=off (no FMA contraction outside the intrinsics). */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define TP_X86 1
+#else
+#define TP_X86 0
+#endif
+
+/* ---------------------------------------------------------------- fp16 -> fp32 (exact, portable) */
+static float h2f(uint16_t h) {
+  uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+  if (e == 0) {
+    if (m == 0) { u = s; }
+    else { /* subnormal: normalise */
+      e = 127 - 15 + 1;
+      while (!(m & 0x400)) { m <<= 1; e--; }
+      u = s | (e << 23) | ((m & 0x3ff) << 13);
+    }
+  } else if (e == 31) { u = s | 0x7f800000u | (m << 13); }
+  else { u = s | ((e + 127 - 15) << 23) | (m << 13); }
+  float f; memcpy(&f, &u, 4); return f;
+}
+
+/* ---------------------------------------------------------------- the work item */
+typedef struct {
+  const float *xp; long M, K, Kp;  /* xp: prepared x [M, Kp] */
+  const uint8_t *codes; long ldc; const uint16_t *cb; long N;
+  float *y; long ldy; int bits, path;
+} job_t;
+
+/* ---------------------------------------------------------------- portable path */
+static void rows_c(const job_t *j, long n0, long n1) {
+  float t[256];
+  const int ne = 1 << j->bits;
+  for (long n = n0; n < n1; n++) {
+    for (int e = 0; e < ne; e++) t[e] = h2f(j->cb[n * ne + e]);
+    const uint8_t *c = j->codes + n * j->ldc;
+    for (long m = 0; m < j->M; m++) {
+      const float *x = j->xp + m * j->Kp;
+      float a[4] = {0, 0, 0, 0};
+      if (j->bits == 4) {
+        for (long k = 0; k < j->K; k++) a[k & 3] += t[(c[k >> 1] >> ((k & 1) * 4)) & 15] * x[k];
+      } else {
+        for (long k = 0; k < j->K; k++) a[k & 3] += t[c[k]] * x[k];
+      }
+      j->y[m * j->ldy + n] = (a[0] + a[1]) + (a[2] + a[3]);
+    }
+  }
+}
+
+#if TP_X86
+/* ---------------------------------------------------------------- AVX2 path */
+#define PF 4096 /* software prefetch distance along the codes (bytes): the hardware streamers alone leave the
+                   kernel latency-bound on DRAM */
+__attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 look16(__m256 lo, __m256 hi, __m256i idx) {
+  __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1] */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_avx2(
+    const job_t *j, long n, long m0, int R) {
+  const uint16_t *cbn = j->cb + n * 16;
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
+  _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
+  const __m256i mask = _mm256_set1_epi32(15);
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
+  __m256 a0[4], a1[4];
+  for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+  uint8_t tail[8];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 8;
+    if (!(b & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (b >= full) { /* the row's partial last block */
+      long have = (j->K + 1) / 2 - b * 8;
+      memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
+    }
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256 w0 = look16(lo, hi, _mm256_and_si256(v, mask));
+    __m256 w1 = look16(lo, hi, _mm256_srli_epi32(v, 4));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 16;
+      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a0[r]);
+      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+/* 8-bit, R x rows: blocks of 8 columns, 256-entry fp32 table on the stack, gathered */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_avx2(
+    const job_t *j, long n, long m0, int R, const float *t) {
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 8, full = j->K / 8;
+  __m256 a0[4], a1[4];
+  for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
+  uint8_t tail[8];
+#define STEP8_AVX2(B, A)                                                                      \
+  do {                                                                                        \
+    const uint8_t *p = c + (B) * 8;                                                           \
+    if (!((B) & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                           \
+    if ((B) >= full) { memset(tail, 0, 8); memcpy(tail, p, j->K - (B) * 8); p = tail; }       \
+    __m256 w = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4); \
+    for (int r = 0; r < R; r++)                                                               \
+      A[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(j->xp + (m0 + r) * j->Kp + (B) * 8), A[r]);   \
+  } while (0)
+  long b = 0;
+  for (; b + 1 < nb; b += 2) { STEP8_AVX2(b, a0); STEP8_AVX2(b + 1, a1); }
+  if (b < nb) STEP8_AVX2(b, a0);
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, long n0, long n1) {
+  float t[256] __attribute__((aligned(32)));
+  for (long n = n0; n < n1; n++) {
+    if (j->bits == 8) {
+      for (int e = 0; e < 256; e += 8)
+        _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + n * 256 + e))));
+    }
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      if (j->bits == 4) {
+        switch (R) { case 4: row4_avx2(j, n, m, 4); break; case 3: row4_avx2(j, n, m, 3); break;
+                     case 2: row4_avx2(j, n, m, 2); break; default: row4_avx2(j, n, m, 1); }
+      } else {
+        switch (R) { case 4: row8_avx2(j, n, m, 4, t); break; case 3: row8_avx2(j, n, m, 3, t); break;
+                     case 2: row8_avx2(j, n, m, 2, t); break; default: row8_avx2(j, n, m, 1, t); }
+      }
+    }
+  }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path */
+#define T512 "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+
+/* 4-bit: blocks of 32 columns = 16 code bytes; xp[32b + i] = x[32b + 2i], xp[32b + 16 + i] = x[32b + 2i + 1];
+   even blocks into a0/a1, odd blocks into a2/a3 (two FMA chains per half) */
+#define STEP4_512(B, A, C)                                                                          \
+  do {                                                                                              \
+    const uint8_t *p = c + (B) * 16;                                                                \
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                                                \
+    if ((B) >= full) { memset(tail, 0, 16); memcpy(tail, p, (j->K + 1) / 2 - (B) * 16); p = tail; } \
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));                          \
+    __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, mask), tab);                              \
+    __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);                                \
+    for (int r = 0; r < R; r++) {                                                                   \
+      const float *x = j->xp + (m0 + r) * j->Kp + (B) * 32;                                         \
+      A[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), A[r]);                                         \
+      C[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), C[r]);                                    \
+    }                                                                                               \
+  } while (0)
+
+__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
+  const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+  _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+  const __m512i mask = _mm512_set1_epi32(15);
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 32, full = j->K / 32;
+  __m512 a0[4], a1[4], a2[4], a3[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+  uint8_t tail[16];
+  long b = 0;
+  for (; b + 1 < nb; b += 2) { STEP4_512(b, a0, a1); STEP4_512(b + 1, a2, a3); }
+  if (b < nb) STEP4_512(b, a0, a1);
+  for (int r = 0; r < R; r++)
+    j->y[(m0 + r) * j->ldy + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
+}
+
+/* 8-bit: blocks of 32 columns; the row's 256 fp16 entries (as stored) in 8 registers, looked up by 4 two-table
+   16-bit permutes (index bits 0..5) and a blend tree on bits 6, 7, then widened to fp32 (no gather: slow where
+   microcode mitigates it); even / odd 16-column halves into a0 / a1 */
+__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R) {
+  const uint16_t *cbn = j->cb + n * 256;
+  __m512i t[8];
+  for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
+  for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 32, full = j->K / 32;
+  const __m512i b6 = _mm512_set1_epi16(64), b7 = _mm512_set1_epi16(128);
+  __m512 a0[4], a1[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  uint8_t tail[32];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 32;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (b >= full) { memset(tail, 0, 32); memcpy(tail, p, j->K - b * 32); p = tail; }
+    __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __mmask32 k6 = _mm512_test_epi16_mask(v, b6), k7 = _mm512_test_epi16_mask(v, b7);
+    __m512i q0 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[0], v, t[1]),
+                                         _mm512_permutex2var_epi16(t[2], v, t[3]));
+    __m512i q1 = _mm512_mask_blend_epi16(k6, _mm512_permutex2var_epi16(t[4], v, t[5]),
+                                         _mm512_permutex2var_epi16(t[6], v, t[7]));
+    __m512i w = _mm512_mask_blend_epi16(k7, q0, q1);
+    __m512 w0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w)), w1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w, 1));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 32;
+      a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), a0[r]);
+      a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), a1[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+__attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
+  for (long n = n0; n < n1; n++) {
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      if (j->bits == 4) {
+        switch (R) { case 4: row4_512(j, n, m, 4); break; case 3: row4_512(j, n, m, 3); break;
+                     case 2: row4_512(j, n, m, 2); break; default: row4_512(j, n, m, 1); }
+      } else {
+        switch (R) { case 4: row8_512(j, n, m, 4); break; case 3: row8_512(j, n, m, 3); break;
+                     case 2: row8_512(j, n, m, 2); break; default: row8_512(j, n, m, 1); }
+      }
+    }
+  }
+}
+#endif
+
+/* ---------------------------------------------------------------- path choice */
+enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+int tp_path(void) { /* the best path this CPU runs */
+#if TP_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
+      && __builtin_cpu_supports("fma")) return PATH_AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
+#endif
+  return PATH_C;
+}
+
+static void run_rows(const job_t *j, long n0, long n1) {
+#if TP_X86
+  if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
+  if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
+#endif
+  rows_c(j, n0, n1);
+}
+
+/* ---------------------------------------------------------------- the thread pool */
+/* A call's output rows are cut into chunks that the caller and up to threads - 1 workers claim from one atomic
+   word (generation << 32 | next chunk): a thread that the OS does not schedule claims nothing and is not waited
+   for (the caller takes what is left), so a busy machine does not stall every call. Which thread computes a
+   chunk does not change a bit of it: every output element is one thread's fixed sequence. Workers spin briefly
+   after a call, then sleep. */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
+static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
+static int n_workers;                 /* workers started: thread ids 1..n_workers */
+static atomic_long gen;               /* bumped once per parallel call (wakes the workers) */
+static atomic_ullong claim;           /* (generation << 32) | (chunks << 16) | next chunk index */
+static atomic_long done_chunks;       /* chunks finished in the current call */
+static int sleepers;                  /* under wake_mu */
+static const job_t *cur_job;
+static int cur_nt;
+static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
+#define MAX_THREADS 256
+static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
+
+#define SPINS 20000
+
+static inline void relax(void) {
+#if TP_X86
+  __builtin_ia32_pause();
+#endif
+}
+
+/* claim and run chunks of generation g until none is left (or the call moved on) */
+static void work(unsigned long long g) {
+  for (;;) {
+    unsigned long long c = atomic_load_explicit(&claim, memory_order_acquire);
+    if ((c >> 32) != (g & 0xffffffffull)) return;  /* another call's word */
+    long i = (long)(c & 0xffff), nch = (long)((c >> 16) & 0xffff);
+    if (i >= nch) return;
+    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
+      continue;
+    /* chunk i of a live call (it cannot finish before this chunk): its job is the one published with the word */
+    const job_t *j = cur_job;
+    long n0 = i * cur_chunk, n1 = n0 + cur_chunk < j->N ? n0 + cur_chunk : j->N;
+    run_rows(j, n0, n1);
+    atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
+  }
+}
+
+static void *worker(void *arg) {
+  int tid = (int)(intptr_t)arg;
+  long seen = start_gen[tid];
+  for (;;) {
+    long g;
+    int spins = 0;
+    while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
+      if (++spins < SPINS) { relax(); continue; }
+      pthread_mutex_lock(&wake_mu);
+      sleepers++;
+      while (atomic_load(&gen) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
+      sleepers--;
+      pthread_mutex_unlock(&wake_mu);
+    }
+    seen = g;
+    if (tid < cur_nt) work((unsigned long long)g);  /* a stale cur_nt only meets a claim word of another call */
+  }
+  return NULL;
+}
+
+static void after_fork_child(void) { /* the workers did not survive the fork */
+  pthread_mutex_init(&pool_mu, NULL);
+  pthread_mutex_init(&wake_mu, NULL);
+  pthread_cond_init(&wake_cv, NULL);
+  n_workers = 0; sleepers = 0;
+}
+
+static int atfork_done;
+
+static void parallel(const job_t *j, int nt) {
+  pthread_mutex_lock(&pool_mu);
+  if (!atfork_done) { pthread_atfork(NULL, NULL, after_fork_child); atfork_done = 1; }
+  while (n_workers < nt - 1) {
+    pthread_t th;
+    start_gen[n_workers + 1] = atomic_load(&gen);
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    int ok = pthread_create(&th, &at, worker, (void *)(intptr_t)(n_workers + 1)) == 0;
+    pthread_attr_destroy(&at);
+    if (!ok) break;
+    n_workers++;
+  }
+  unsigned long long g = (unsigned long long)atomic_load(&gen) + 1;
+  long chunk = (j->N + 8L * nt - 1) / (8L * nt);
+  if (chunk < 16) chunk = 16;
+  cur_job = j; cur_nt = nt; cur_chunk = chunk; cur_nchunks = (j->N + chunk - 1) / chunk;
+  atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
+  /* a stale worker's compare-exchange on the previous word fails from here on */
+  atomic_store_explicit(&claim, ((g & 0xffffffffull) << 32) | ((unsigned long long)cur_nchunks << 16),
+                        memory_order_release);
+  pthread_mutex_lock(&wake_mu);
+  atomic_store_explicit(&gen, (long)g, memory_order_release);
+  if (sleepers) pthread_cond_broadcast(&wake_cv);
+  pthread_mutex_unlock(&wake_mu);
+  work(g);
+  int spins = 0;
+  while (atomic_load_explicit(&done_chunks, memory_order_acquire) < cur_nchunks) {
+    if (++spins < SPINS) relax(); else sched_yield();
+  }
+  pthread_mutex_unlock(&pool_mu);
+}
+
+/* ---------------------------------------------------------------- dequantize (prefill) */
+/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened) */
+int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long n0, long n1, long K, int bits,
+                        float *out, long ldo) {
+  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0) return -1;
+  const int ne = 1 << bits;
+  float t[256];
+  for (long n = n0; n < n1; n++) {
+    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+    const uint8_t *c = codes + n * ldc;
+    float *o = out + (n - n0) * ldo;
+    if (bits == 8) {
+      for (long k = 0; k < K; k++) o[k] = t[c[k]];
+    } else {
+      for (long k = 0; k + 1 < K; k += 2) { o[k] = t[c[k >> 1] & 15]; o[k + 1] = t[c[k >> 1] >> 4]; }
+      if (K & 1) o[K - 1] = t[c[K >> 1] & 15];
+    }
+  }
+  return 0;
+}
+
+/* ---------------------------------------------------------------- entry point */
+/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
+int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
+                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
+  if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
+  if (M == 0 || N == 0) return 0;
+  if (path < 0) path = tp_path();
+  long blk = path == PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long Kp = (K + blk - 1) / blk * blk;
+  float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
+  if (!xp) return -2;
+  for (long m = 0; m < M; m++) {
+    const float *src = x + m * ldx;
+    float *dst = xp + m * Kp;
+    if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
+      long h = blk / 2;
+      for (long k = 0; k < K; k++) dst[(k / blk) * blk + (k & 1) * h + (k % blk) / 2] = src[k];
+    } else {
+      memcpy(dst, src, (size_t)K * sizeof(float));
+    }
+  }
+  job_t j = {xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  if (threads < 1) threads = 1;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads > N) threads = (int)N;
+  if (threads == 1) run_rows(&j, 0, N); else parallel(&j, threads);
+  free(xp);
+  return 0;
+}

@@ -1,0 +1,230 @@
+"""Host (CPU) GEMV of per-row scalar codebooks (4- and 8-bit), decoding the stored codes in place.
+
+    codebook_gemv_host(x [M, K] fp32, codes uint8 [N, packed_width(K, bits)], codebook fp16 [N, 2**bits], bits)
+        -> y fp32 [M, N],  y[m, n] = sum_k x[m, k] * codebook[n, idx(n, k)]
+
+The codes are the canonical packing of kernels/pack.py (what a ``.cbk`` stores; no copy, no dense weight), the
+codebook fp16 as stored. Contracts (host/codebook_host.c, tests/test_host_gemv.py): row m of y is bitwise the
+M = 1 result for every M (batch invariance); output rows are split over ``threads`` threads (default
+``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
+for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, the best the CPU runs unless
+``path`` names a lower one (they differ only in rounding). ``reference``: float64 dequantize-and-multiply.
+``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
+dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
+
+The C source ships in the package (kernels/host/codebook_host.c) and is compiled at first use with the
+system's C compiler (gcc or cc, about a second) into ``~/.cache/trapetum/host/``, keyed on the source text and
+the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
+turns False: callers keep their torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .pack import packed_width, unpack_codes
+
+SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
+FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
+PATHS = ("c", "avx2", "avx512")  # index = the C side's path number
+HOST_BITS = (4, 8)
+GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
+
+_lock = threading.Lock()
+_lib = None
+_err: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    return Path.home() / ".cache" / "trapetum" / "host"
+
+
+def _compiler() -> str | None:
+    for cc in ("gcc", "cc"):
+        p = shutil.which(cc)
+        if p:
+            return p
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (gcc or cc on PATH); install gcc for the host kernels")
+    src = SOURCE.read_bytes()
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(src + ver.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"codebook_host-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[:400]}")
+            os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    lib.tp_path.restype = ctypes.c_int
+    lib.tp_path.argtypes = []
+    L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
+    lib.tp_codebook_gemv.restype = I
+    lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, L, I, P, L, I, I]
+    lib.tp_codebook_dequant.restype = I
+    lib.tp_codebook_dequant.argtypes = [P, L, P, L, L, L, I, P, L]
+    return lib
+
+
+def _load():
+    global _lib, _err, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _err = str(e)
+                import warnings
+                warnings.warn(f"trapetum: host kernels unavailable, the CPU dequantizes and multiplies ({_err})")
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """Whether the host kernels are built (building them on first call)."""
+    return _load() is not None
+
+
+def error() -> str | None:
+    """Why the host kernels are unavailable (None when they are, or were not tried yet)."""
+    return _err
+
+
+def best_path() -> str:
+    """The best code path this CPU runs ("avx512", "avx2" or "c"); the kernels must be available."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"host kernels unavailable: {_err}")
+    return PATHS[lib.tp_path()]
+
+
+def supports(bits: int) -> bool:
+    return bits in HOST_BITS
+
+
+def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+                       in_features: int | None = None, *, threads: int | None = None, out: torch.Tensor | None = None,
+                       path: str | None = None) -> torch.Tensor:
+    """y = x W^T, W[n, k] = codebook[n, idx(n, k)] (module docstring); x fp32 [M, K] (any row stride, unit column
+    stride; other dtypes are converted), out fp32 [M, N] or None. Raises RuntimeError when the kernels are
+    unavailable (check ``available()``)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"host kernels unavailable: {_err}")
+    if bits not in HOST_BITS:
+        raise ValueError(f"host GEMV: {bits}-bit codes are not supported (supported: {HOST_BITS})")
+    K = int(in_features if in_features is not None else x.shape[-1])
+    N = int(codes.shape[0])
+    if x.dim() != 2 or x.shape[1] != K:
+        raise ValueError(f"host GEMV: x must be [M, {K}], got {tuple(x.shape)}")
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != packed_width(K, bits) \
+            or codes.stride(1) != 1:
+        raise ValueError(f"host GEMV: codes must be uint8 [{N}, {packed_width(K, bits)}] with unit column stride, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    if codebook.dtype != torch.float16 or tuple(codebook.shape) != (N, 1 << bits) or not codebook.is_contiguous():
+        raise ValueError(f"host GEMV: codebook must be contiguous fp16 [{N}, {1 << bits}], got "
+                         f"{codebook.dtype} {tuple(codebook.shape)}")
+    if any(t.device.type != "cpu" for t in (x, codes, codebook)):
+        raise ValueError("host GEMV: tensors must be on the CPU")
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        x = x.to(torch.float32).contiguous()
+    M = int(x.shape[0])
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    elif out.dtype != torch.float32 or tuple(out.shape) != (M, N) or out.stride(1) != 1 or out.device.type != "cpu":
+        raise ValueError(f"host GEMV: out must be fp32 [{M}, {N}] on the CPU with unit column stride")
+    t = torch.get_num_threads() if threads is None else int(threads)
+    if t < 1:
+        raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
+    p = -1 if path is None else PATHS.index(path)
+    rc = lib.tp_codebook_gemv(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), codes.stride(0),
+                              codebook.data_ptr(), N, bits, out.data_ptr(), out.stride(0), t, p)
+    if rc != 0:
+        raise RuntimeError(f"host GEMV failed (code {rc})")
+    return out
+
+
+class HostGemv:
+    """One weight's host GEMV with its arguments checked once (the per-call cost is a ctypes call): the codes and
+    codebook as ``codebook_gemv_host`` takes them, referenced (not copied) for the object's lifetime."""
+
+    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int):
+        lib = _load()
+        if lib is None:
+            raise RuntimeError(f"host kernels unavailable: {_err}")
+        K = int(in_features)
+        codebook_gemv_host(torch.zeros(1, K), codes, codebook, bits, K, threads=1)  # checks the arguments
+        self.codes, self.codebook, self.bits, self.in_features = codes, codebook, bits, K
+        self.out_features = int(codes.shape[0])
+        self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant
+        self._args = (codes.data_ptr(), codes.stride(0), codebook.data_ptr(), self.out_features, bits)
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x [M, K] on the CPU -> fp32 [M, N] (a fresh tensor)."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or x.device.type != "cpu":
+            x = x.to(device="cpu", dtype=torch.float32).contiguous()
+        M, K = x.shape
+        if K != self.in_features:
+            raise ValueError(f"host GEMV: x must be [M, {self.in_features}], got {tuple(x.shape)}")
+        t = torch.get_num_threads() if threads is None else int(threads)
+        if t < 1:
+            raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
+        out = torch.empty(M, self.out_features, dtype=torch.float32)
+        c, ldc, cb, n, bits = self._args
+        rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, n, bits, out.data_ptr(), self.out_features, t, -1)
+        if rc != 0:
+            raise RuntimeError(f"host GEMV failed (code {rc})")
+        return out
+
+    def dequantize(self, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+        """Weight rows n0 .. n1 - 1 as fp32 [n1 - n0, K] (exact), decoded in C."""
+        n1 = self.out_features if n1 is None else n1
+        if not 0 <= n0 <= n1 <= self.out_features:
+            raise ValueError(f"host GEMV: rows {n0}..{n1} outside 0..{self.out_features}")
+        w = torch.empty(n1 - n0, self.in_features, dtype=torch.float32)
+        c, ldc, cb, _, bits = self._args
+        if self._dq(c, ldc, cb, n0, n1, self.in_features, bits, w.data_ptr(), self.in_features) != 0:
+            raise RuntimeError("host dequantize failed")
+        return w
+
+    def matmul(self, x: torch.Tensor, rows: int = 2048) -> torch.Tensor:
+        """x [T, K] -> fp32 [T, N] for many rows (prefill): ``rows`` weight rows at a time dequantized into a
+        temporary and multiplied by torch (no dense copy kept; not batch-invariant, unlike the GEMV)."""
+        x = x.to(torch.float32)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        for n0 in range(0, self.out_features, rows):
+            n1 = min(n0 + rows, self.out_features)
+            torch.matmul(x, self.dequantize(n0, n1).T, out=out[:, n0:n1])
+        return out
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+              in_features: int | None = None) -> torch.Tensor:
+    """float64 dequantize-and-multiply: [M, N]."""
+    K = int(in_features if in_features is not None else x.shape[-1])
+    idx = unpack_codes(codes.contiguous(), bits, K).long()
+    w = torch.gather(codebook.double(), 1, idx)
+    return x.double() @ w.T
