@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]  # scripts/, repo
-from gpu_agreement import PROMPTS
+from gpu_agreement import PROMPTS  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "0"  # the engine's kernels run their torch fallbacks on the CPU
-import trapetum
-from trapetum.runtime.engine import GpuEngine
+import trapetum  # noqa: E402
+from trapetum.runtime.engine import GpuEngine  # noqa: E402
 
 F64 = torch.float64
 
