@@ -246,7 +246,7 @@ CASES = {
     "config_wrong_type": (meta(config(rms_norm_eps="tiny")), "invalid config"),
     "config_layer_types": (meta(config(layer_types=["full", "sliding"])), "sliding layers need"),
     "config_absurd_layers": (meta(config(num_layers=10**9, layer_types=[])), "10+ layers but the file stores only"),
-    "config_more_layers": (meta(config(num_layers=3, layer_types=["full"] * 3)),
+    "config_more_layers": (meta(config(num_layers=3, layer_types=["full"] * 3, mlp_types=["dense"] * 3)),
                            "'model.layers.2.input_layernorm.weight' required by the config is missing"),
     "config_other_hidden": (meta(config(hidden_size=48)), "has shape .*config expects"),
     # layers, dense, references
