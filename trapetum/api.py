@@ -9,10 +9,8 @@
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,8 +20,8 @@ from .errors import TrapetumError, UnsupportedError
 from .formats.detect import default_model_path, load_checkpoint
 from .models.checkpoint import Checkpoint
 from .models.decoder import Decoder
+from .models.describe import describe
 from .models.families import overflows_fp16
-from .models.schema import expected_shapes
 from .runtime.generate import Completion, ReferenceRunner, StreamEvent, stream_tokens
 from .runtime.sampling import GenerationSettings
 from .settings import Options
@@ -195,35 +193,6 @@ class Model:
             info["memory_loaded_weights_bytes"] = self.engine.weight_bytes()
             return info
         return describe(self.checkpoint, self.decoder)
-
-
-def describe(ckpt: Checkpoint, decoder: Decoder | None = None) -> dict[str, Any]:
-    cfg = ckpt.config
-    n_params = sum(math.prod(shp) for shp in expected_shapes(cfg).values())
-    formats = Counter(ckpt.tensor_formats().values())
-    weight_bytes = None
-    if decoder is not None:
-        seen = set()
-        weight_bytes = 0
-        for t in list(decoder.parameters()) + list(decoder.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                weight_bytes += t.numel() * t.element_size()
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-    info = {
-        "source": ckpt.source, "format": ckpt.source_format, "family": cfg.family,
-        "parameters": n_params, "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-        "heads": f"{cfg.num_heads} q / {cfg.num_kv_heads} kv x {cfg.head_dim}",
-        "vocab_size": cfg.vocab_size, "context": cfg.max_position_embeddings,
-        "tensor_formats": dict(formats),
-        "memory_fp16_weights_bytes": 2 * n_params,
-        "kv_cache_fp16_bytes_per_token": 2 * kv_per_token,
-    }
-    if weight_bytes is not None:
-        info["memory_loaded_weights_bytes"] = weight_bytes
-    if ckpt.meta:
-        info["meta"] = {k: v for k, v in ckpt.meta.items() if k in ("recipe", "provenance", "sizes")}
-    return info
 
 
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
