@@ -13,8 +13,8 @@ from trapetum.settings import CpuEnv
 
 
 @pytest.mark.parametrize("cpus,load,cap,want", [
-    (2, 0.0, 2, 2), (2, 0.3, 2, 2), (2, 0.6, 2, 1), (2, 1.0, 2, 1), (2, 17.0, 2, 1),   # the 2-core machine
-    (1, 0.0, 1, 1), (16, 0.0, 8, 8), (16, 4.0, 16, 12), (16, 40.0, 16, 1), (4, -1.0, None, 4)])
+    (2, 0.0, 2, 2), (2, 0.2, 2, 2), (2, 0.3, 2, 1), (2, 0.6, 2, 1), (2, 1.0, 2, 1), (2, 17.0, 2, 1),  # 2 cores
+    (1, 0.0, 1, 1), (16, 0.0, 8, 8), (16, 4.0, 16, 12), (16, 4.8, 16, 11), (16, 40.0, 16, 1), (4, -1.0, None, 4)])
 def test_auto_threads(cpus, load, cap, want):
     assert T.auto_threads(cpus, load, cap) == want
 

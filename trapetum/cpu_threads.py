@@ -5,10 +5,14 @@ is not given and ``OMP_NUM_THREADS`` is not set; CPU kernels that run their own 
 
 Why not torch's own default (one thread per physical core): on a small machine that is busy, a decode
 step's OpenMP threads wait for each other at every operation, and a thread that the scheduler has put
-aside stalls them all; on an idle machine the extra threads help. Measurements: BENCHMARKS.md, "CLI start-up
+aside stalls them all; on an idle machine more threads can help. Measurements: BENCHMARKS.md, "CLI start-up
 and default threads" (``trapetum bench cli``).
 
-The choice (``auto_threads``): ``round(cpus - load)`` threads, at least 1 and at most torch's default, where
+The choice (``auto_threads``): ``floor(cpus - load + SLACK)`` threads, at least 1 and at most torch's default:
+one thread per CPU that is at least 3/4 free (SLACK = 0.25). The rule leans low on purpose: a thread too few
+costs at most its share of the work, a thread too many can cost several times the whole step (an OpenMP team
+runs at the pace of its slowest thread, and one that waits for a busy CPU stalls the others at every
+operation). Here
 
 * ``cpus``: the CPUs of this process's affinity mask (``os.sched_getaffinity``), fewer if a cgroup CPU quota
   (``cpu.max``, ``cpu.cfs_quota_us``) allows less;
@@ -32,6 +36,7 @@ _WEIGHTS = (88761, 71755, 56483, 46273, 36291, 29154, 23254, 18705, 14949, 11916
             36, 29, 23, 18, 15)
 SAMPLES = 8          # snapshots of the runnable threads
 INTERVAL_S = 0.012   # between snapshots: about 0.1 s in all
+SLACK = 0.25         # a CPU counts as free when at most this much of it is taken (auto_threads)
 
 
 def weight(nice: int) -> int:
@@ -130,8 +135,8 @@ def competing_load(samples: int = SAMPLES, interval_s: float = INTERVAL_S, proc:
 
 
 def auto_threads(cpus: int, load: float, cap: int | None = None) -> int:
-    """``round(cpus - load)`` threads, at least 1, at most ``cap`` (torch's default) and ``cpus``."""
-    n = int(math.floor(cpus - min(max(load, 0.0), cpus) + 0.5))
+    """``floor(cpus - load + SLACK)`` threads, at least 1, at most ``cap`` (torch's default) and ``cpus``."""
+    n = int(math.floor(cpus - min(max(load, 0.0), cpus) + SLACK))
     return max(1, min(n, cpus, cap if cap else cpus))
 
 
