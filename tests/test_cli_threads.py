@@ -74,3 +74,19 @@ def test_usable_cpus():
     n = T.usable_cpus()
     assert 1 <= n <= (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     assert T._v2("max 100000", "") is None and T._v2("150000 100000", "") == 1.5
+
+
+def test_default_threads_takes_the_larger_load(monkeypatch):
+    """The instant picture and the 1-minute load average: the larger counts (a bursty neighbour is remembered)."""
+    monkeypatch.setattr(T, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(T, "competing_load", lambda: 0.0)
+    monkeypatch.setattr(T, "recent_load", lambda: 1.5)
+    assert T.default_threads(2) == T.ThreadChoice(1, "auto: 2 CPUs, competing load 1.5")
+    monkeypatch.setattr(T, "recent_load", lambda: 0.1)
+    assert T.default_threads(2).threads == 2
+    monkeypatch.setattr(T, "competing_load", lambda: 0.9)
+    assert T.default_threads(2).threads == 1
+
+
+def test_recent_load():
+    assert T.recent_load() >= 0.0

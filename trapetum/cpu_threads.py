@@ -16,10 +16,12 @@ operation). Here
 
 * ``cpus``: the CPUs of this process's affinity mask (``os.sched_getaffinity``), fewer if a cgroup CPU quota
   (``cpu.max``, ``cpu.cfs_quota_us``) allows less;
-* ``load``: the runnable threads of other processes, sampled a few times over about 0.1 s from
-  ``/proc/*/task/*/stat`` (an instant picture: the load average lags a minute behind), each weighted by its
-  scheduler weight relative to ours (a thread at nice 10 counts 0.11 against one at nice 0, at nice 19 0.015:
-  the kernel gives it that share of a core when both want one), at most ``cpus``.
+* ``load``: the larger of (a) the runnable threads of other processes, sampled a few times over about 0.1 s
+  from ``/proc/*/task/*/stat``, each weighted by its scheduler weight relative to ours (a thread at nice 10
+  counts 0.11 against one at nice 0, at nice 19 0.015: the kernel gives it that share of a core when both
+  want one), and (b) the 1-minute load average, which remembers bursty neighbours that an instant picture
+  misses (BENCHMARKS.md, "CLI start-up and default threads": on the shared development machine the instant
+  picture alone chose too many threads); at most ``cpus``.
 
 Nothing here reads the environment (``settings.CpuEnv`` says whether OMP_NUM_THREADS is set) or imports torch.
 """
@@ -142,12 +144,23 @@ def auto_threads(cpus: int, load: float, cap: int | None = None) -> int:
 
 def default_threads(cap: int | None = None, measure=None) -> ThreadChoice:
     """The thread count for CPU work started now: ``auto_threads(cpus, load, cap)`` with ``cpus, load`` from
-    ``measure()`` (default ``usable_cpus(), competing_load()``: about 0.1 s of sampling). ``cap``: at most this
+    ``measure()`` (default: ``usable_cpus()``, and the larger of ``competing_load()``, about 0.1 s of sampling,
+    and ``recent_load()``, the 1-minute load average). ``cap``: at most this
     many (torch's own default, one per physical core). ``why`` says the inputs, e.g.
     'auto: 2 CPUs, competing load 1.0'."""
-    cpus, load = measure() if measure is not None else (usable_cpus(), competing_load())
+    cpus, load = measure() if measure is not None else (usable_cpus(), max(competing_load(), recent_load()))
     n = auto_threads(cpus, load, cap)
     return ThreadChoice(n, f"auto: {cpus} CPU{'s' if cpus != 1 else ''}, competing load {load:.1f}")
+
+
+def recent_load() -> float:
+    """The 1-minute load average (0 where there is none). It lags, and that is its use here: it remembers the
+    neighbours whose work comes in bursts (a test suite between two files), which the 0.1 s picture of
+    ``competing_load`` can miss; ``default_threads`` takes the larger of the two."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def choose_threads(explicit: int | None, omp_set: bool = False, torch_default: int | None = None,
