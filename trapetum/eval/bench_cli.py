@@ -7,15 +7,16 @@ Every figure comes from a fresh ``python -m trapetum.cli`` process running the s
 the tree of this module; ``--tree`` names another checkout, e.g. an older commit for a before/after comparison;
 the console script on PATH may belong to another install), timed by wall clock from this process:
 
-* start-up: ``trapetum --help``, ``trapetum generate --help``, ``trapetum info FILE.cbk`` and ``trapetum info``
-  (the embedded GGUF), median of ``--repeats``. FILE.cbk is ``--cbk``, else a quick 4-bit .cbk of the embedded
-  model made once under DIR (``quantize --calib none --iters 2``: for timing ``info``, not for quality);
+* start-up: ``trapetum --help``, ``trapetum generate --help``, ``trapetum info FILE.cbk``, ``trapetum info``
+  (the embedded GGUF) and ``trapetum verify FILE.cbk`` (start-up plus hashing the file), median of
+  ``--repeats``. FILE.cbk is ``--cbk``, else a quick 4-bit .cbk of the embedded model made once under DIR
+  (``quantize --calib none --iters 2``: for timing ``info``, not for quality);
 * the README's first command after install, ``trapetum generate --chat "What is the capital of France?"
   --max-new-tokens 48``: wall time with no competing load;
 * threads: for each competing load L of ``--loads`` (L busy-looping processes that this benchmark starts, at
   ``--nice``), ``generate -n TOKENS --ignore-eos --stats`` on the embedded model with ``--threads 1 .. CPUs`` and
-  with the default, median tok/s and first-token time of ``--repeats``; the default's tok/s against the best
-  fixed count's (the bar: within 20%).
+  with the default, in turn (round robin, ``--repeats`` rounds), median tok/s and first-token time; the
+  default's tok/s against the best fixed count's (the bar: within 20%).
 
 Writes DIR/cli.json and DIR/cli.md and prints the tables. The machine's own load (other users) is recorded
 before each section: on a shared machine it is part of the conditions.
@@ -109,7 +110,8 @@ class Competitors:
     def __enter__(self):
         for _ in range(self.n):
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", f"import os; os.nice({self.nice})\nwhile True: pass"],
+                [sys.executable, "-c", f"import os; os.nice({self.nice}); p = os.getppid()\n"
+                                  "while os.getppid() == p: pass"],  # ends with this benchmark, however it ends
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.5 if self.n else 0)
         return self
@@ -138,8 +140,13 @@ def thread_table(loads: list[int], nice: int, repeats: int, tokens: int, cpus: i
     for n in loads:
         with Competitors(n, nice):
             row: dict = {"competitors": n, "nice": nice, "loadavg_1m": round(load_avg(), 2), "fixed": {}}
-            for t in list(range(1, cpus + 1)) + [None]:
-                runs = [generate_run(t, tokens) for _ in range(repeats)]
+            choices = list(range(1, cpus + 1)) + [None]
+            seen: dict = {t: [] for t in choices}
+            for _ in range(repeats):  # round robin: every choice sees the same changing conditions (other users)
+                for t in choices:
+                    seen[t].append(generate_run(t, tokens))
+            for t in choices:
+                runs = seen[t]
                 fig = {"tok_s": statistics.median(r["tok_s"] for r in runs),
                        "ttft_ms": statistics.median(r["ttft_ms"] for r in runs)}
                 if t is None:
@@ -199,7 +206,8 @@ def run_args(args: argparse.Namespace) -> int:
     cbk = Path(args.cbk).resolve() if args.cbk else quick_cbk(out.resolve())
     tc = trapetum_cmd()
     for name, argv in (("trapetum --help", ["--help"]), ("trapetum generate --help", ["generate", "--help"]),
-                       (f"trapetum info {cbk.name}", ["info", str(cbk)]), ("trapetum info", ["info"])):
+                       (f"trapetum info {cbk.name}", ["info", str(cbk)]), ("trapetum info", ["info"]),
+                       (f"trapetum verify {cbk.name}", ["verify", str(cbk)])):
         timed(tc + argv)  # warm the page cache first
         res["startup"][name] = {"wall_s": round(median_time(tc + argv, args.repeats), 3),
                                 "loadavg_1m": round(load_avg(), 2)}
