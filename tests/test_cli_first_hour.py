@@ -280,3 +280,10 @@ def test_already_quantized_source_warns():
     assert w and "Q4_1 x210 of 210 projections" in w, w
     assert already_quantized(formats, 3) is None
     assert already_quantized({"model.layers.0.mlp.up_proj.weight": "F16"}, 4) is None
+
+
+def test_stats_line_says_the_threads_and_bench_cli_reads_it(tiny, capsys):
+    from trapetum.eval.bench_cli import STATS
+    code, _, err = main(["generate", tiny, "hi", "-n", "2", "--stats", "-t", "1"], capsys)
+    m = STATS.search(err)
+    assert code == 0 and m and m.group(4) == "1" and m.group(5) == "--threads", err
