@@ -117,7 +117,7 @@ def test_pickle_only_dir_refused(llama_dir, tmp_path):
 
 
 def test_bad_sampling_argument(llama_dir):
-    assert_user_error(cli("generate", llama_dir, "hi", "--top-p", "1.5"), "top_p")
+    assert_user_error(cli("generate", llama_dir, "hi", "--top-p", "1.5"), "--top-p", "(0, 1]")
 
 
 def test_not_a_model_file(tmp_path):

@@ -154,6 +154,7 @@ def test_quantize_command_passes_the_env_budget(tmp_path, monkeypatch, capsys, s
         seen.update(k)
         raise _Called
     monkeypatch.setattr(driver, spy)
+    (tmp_path / "src").mkdir()  # quantize checks that the source exists before anything else (issue 22)
     argv = ["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "o.cbk"), "--scheme", scheme, "--quiet"]
     monkeypatch.setenv(calibrate.MEM_ENV, "0.5")
     with pytest.raises(_Called):

@@ -192,12 +192,14 @@ def test_tampered_tensor_fails_verify(tmp_path, capsys):
     assert len(problems) == 1
     assert "model.layers.1.self_attn.q_proj.codebook" in problems[0] and "checksum mismatch" in problems[0]
     assert cli.main(["verify", str(path)]) == 1
-    out = capsys.readouterr().out
-    assert "model.layers.1.self_attn.q_proj.codebook" in out and "FAILED" in out
-    # a malformed file is a problem for verify too, never a traceback
+    out, err = capsys.readouterr()
+    assert not out and all(line.startswith("trapetum: error: ") for line in err.splitlines()), err
+    assert "model.layers.1.self_attn.q_proj.codebook" in err and "FAILED" in err
+    # a malformed file is a problem for verify too, never a traceback: one line on stderr
     path.write_bytes(bytes(data[:100]))
     assert cli.main(["verify", str(path)]) == 1
-    assert str(path) in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert not out and len(err.splitlines()) == 1 and err.startswith("trapetum: error: ") and str(path) in err
 
 
 @pytest.mark.parametrize("version", [2, 0, 99])

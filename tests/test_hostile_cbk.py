@@ -200,7 +200,7 @@ def test_metadata_fuzz():
     ("recipe", "hf_config", {"quantization_config": []}, "quantization_config"),
     ("provenance", "source", 5, "provenance.source"),
 ])
-def test_known_crashers_refused_at_open(valid, tmp_path, section, field, value, match):
+def test_known_crashers_refused_at_open(valid, tmp_path, capsys, section, field, value, match):
     """The reproductions of issue 21 (4): refused by ``verify`` and ``load`` alike, the field named."""
     header, _ = split_file(valid)
     meta = json.loads(header["__metadata__"]["trapetum"])
@@ -210,11 +210,10 @@ def test_known_crashers_refused_at_open(valid, tmp_path, section, field, value, 
     with pytest.raises(FormatError, match=match) as e:
         open_cbk(path)
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
-    from trapetum.commands.verify import run as verify_run
-
-    class A:
-        file = str(path)
-    assert verify_run(A()) == 1
+    from trapetum import cli
+    assert cli.main(["verify", str(path)]) == 1  # one line on stderr (issue 22: errors with the prefix)
+    out, err = capsys.readouterr()
+    assert not out and err.startswith("trapetum: error: ") and len(err.splitlines()) == 1, err
 
 
 def _run_main(tmp: Path, seconds: float, cases: int | None, seed: int) -> dict:

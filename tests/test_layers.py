@@ -35,7 +35,7 @@ FLOORS: list[tuple[str, ...]] = [  # top first
     ("schemes",),
     ("kernels",),
     ("chat_template", "template_child"),  # bounded template rendering (the child process runs jinja2 alone)
-    ("settings", "errors", "jsondepth", "_version"),
+    ("settings", "errors", "jsondepth", "_version", "cpu_threads"),
 ]
 ROOT_ROOM = "api"  # trapetum/__init__.py: the API's facade (``trapetum.load``), so it stands where api stands
 SAME_FLOOR = {  # (importer, imported) within one floor, and why

@@ -20,7 +20,8 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs `pip install playwright`")
 if not shutil.which(CHROMIUM) and not os.path.exists(CHROMIUM):
-    pytest.skip(f"no Chromium at {CHROMIUM}", allow_module_level=True)
+    pytest.skip(f"no Chromium at {CHROMIUM} (scripts/install.sh --test installs it with apt-get, which needs root; "
+                "or set TRAPETUM_CHROMIUM to a Chromium binary)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

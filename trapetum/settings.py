@@ -24,6 +24,7 @@ means the default; anything else is a ConfigError naming the variable.
 | TRAPETUM_AQLM_LAYOUT     | kernels.aqlm_layout        | slices, rows: 2x8 codes in the engine              |
 | TRAPETUM_AQLM_BPS        | kernels.aqlm_blocks_per_sm | 2, or 1..8: blocks per SM of the 2x8 CUDA kernel   |
 | TRAPETUM_API_KEY         | ServeEnv.api_key           | the API key of ``trapetum serve`` (not an Options) |
+| OMP_NUM_THREADS          | CpuEnv.omp_threads_set     | set: torch's default (which follows it) is kept    |
 
 Fields without a variable (API and benchmarks): ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply.
@@ -169,6 +170,19 @@ class ServeEnv:
         env = os.environ if environ is None else environ
         key = (env.get("TRAPETUM_API_KEY") or "").strip()
         return cls(api_key=key or None)
+
+
+@dataclass(frozen=True)
+class CpuEnv:
+    """What the commands take from the environment for their CPU thread count (``cpu_threads.py``): whether
+    the standard ``OMP_NUM_THREADS`` is set (then torch's default, which follows it, is kept unless ``--threads``
+    is given). The count itself is ``--threads`` or the automatic choice; there is no Trapetum variable for it."""
+    omp_threads_set: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "CpuEnv":
+        env = os.environ if environ is None else environ
+        return cls(omp_threads_set=bool((env.get("OMP_NUM_THREADS") or "").strip()))
 
 
 def _pdl(value: str | None) -> str:

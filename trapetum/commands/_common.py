@@ -1,24 +1,57 @@
-"""Arguments shared by several commands (model selection, sampling settings, bit widths)."""
+"""Arguments shared by several commands (device and threads, context size, sampling, bit widths, drafts).
+
+Nothing heavy is imported at module level: ``trapetum --help`` builds every command's parser, and must not
+pay for torch (tests/test_cli_startup.py).
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
+import time
 
 from ..errors import ConfigError, TrapetumError
-from ..runtime.sampling import GenerationSettings
+from ._args import with_default
+
+DEVICE_HELP = ("cpu or cuda (default cpu: it runs the same everywhere, and the GPU engine compiles its CUDA "
+               "kernels on first use, about a minute)")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads for torch (default: torch's choice; 1 is faster on a busy machine)")
+    p.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads (default: OMP_NUM_THREADS when set, else chosen from the CPUs this process may "
+                        "use and what else runs now: fewer on a busy machine, where extra threads stall each other)")
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    if args.threads is not None:
-        if args.threads < 1:
-            raise TrapetumError(f"--threads must be at least 1, got {args.threads}")
-        import torch
-        torch.set_num_threads(args.threads)
+def apply_threads(args: argparse.Namespace):
+    """Set torch's CPU thread count for this command (``cpu_threads.choose_threads``); returns the ThreadChoice."""
+    from ..cpu_threads import choose_threads
+    from ..settings import CpuEnv
+    if args.threads is not None and args.threads < 1:
+        raise TrapetumError(f"--threads must be at least 1, got {args.threads}")
+    env = CpuEnv.from_env()
+    import torch
+    choice = choose_threads(args.threads, env.omp_threads_set, torch.get_num_threads())
+    if choice.threads is not None:
+        torch.set_num_threads(choice.threads)
+    return choice
+
+
+def add_context(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--ctx", type=int, default=None, metavar="N",
+                   help="context size in tokens: prompt plus answer (default: the model's, at most 8192 on the GPU)")
+
+
+def context_of(args: argparse.Namespace) -> int | None:
+    if args.ctx is not None and args.ctx < 1:
+        raise TrapetumError(f"--ctx must be at least 1, got {args.ctx}")
+    return args.ctx
+
+
+def add_model_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", dest="model_opt", default=None, metavar="MODEL",
+                   help="the model (instead of the first positional argument)")
 
 
 def add_draft(p: argparse.ArgumentParser) -> None:
@@ -39,23 +72,43 @@ def draft_kwargs(args: argparse.Namespace) -> dict:
                 draft_mask_token=args.draft_mask_token)
 
 
+# GenerationSettings field -> the flag that sets it (validation errors name the flag)
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+         "top_p": "--top-p", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
+         "stop": "--stop", "ignore_eos": "--ignore-eos"}
+
+
 def add_sampling(p: argparse.ArgumentParser, temperature: float = 0.0, max_new: int = 256) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=max_new, metavar="N")
-    g.add_argument("--temperature", type=float, default=temperature, metavar="T", help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    g.add_argument("--min-p", type=float, default=0.0, metavar="P")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R")
-    g.add_argument("--seed", type=int, default=None, metavar="S")
+    g.add_argument("-n", "--max-new-tokens", type=int, default=max_new, metavar="N",
+                   help=with_default("tokens to generate at most", max_new))
+    g.add_argument("--temperature", "--temp", type=float, default=temperature, metavar="T",
+                   help=with_default("0 = greedy", temperature))
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help=with_default("0 = off", 0))
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help=with_default("nucleus sampling, 1 = off", 1.0))
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P", help=with_default("0 = off", 0.0))
+    g.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help=with_default("1 = off", 1.0))
+    g.add_argument("-s", "--seed", type=int, default=None, metavar="S", help="random seed (default: a fresh one)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def settings_from(args: argparse.Namespace) -> GenerationSettings:
-    return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                              seed=args.seed, stop=list(args.stop), ignore_eos=args.ignore_eos).validate()
+def flag_message(e: TrapetumError) -> str:
+    """A GenerationSettings message ('top_p: must be in (0, 1], got 1.5') with the flag's name in front."""
+    msg = str(e)
+    field, sep, rest = msg.partition(":")
+    return f"{FLAGS[field]}:{rest}" if sep and field in FLAGS else msg
+
+
+def settings_from(args: argparse.Namespace):
+    from ..runtime.sampling import GenerationSettings
+    try:
+        return GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed, stop=list(args.stop),
+                                  ignore_eos=args.ignore_eos).validate()
+    except TrapetumError as e:
+        raise TrapetumError(flag_message(e)) from None
 
 
 def bits_or_none(s: str, what: str) -> int | None:
@@ -67,3 +120,23 @@ def bits_or_none(s: str, what: str) -> int | None:
         return int(s)
     except ValueError:
         raise ConfigError(f"{what} must be a number of bits or fp16, got {s!r}") from None
+
+
+@contextlib.contextmanager
+def loading(what: str, device: str, threads=None):
+    """A status line on a terminal's stderr while a model loads ('loading X on cpu (2 threads) ...', then the
+    time); nothing when stderr is not a terminal (pipes and logs get only the output and errors)."""
+    tty = sys.stderr.isatty()
+    t0 = time.perf_counter()
+    how = f" ({threads.threads} thread{'s' if threads.threads != 1 else ''})" if getattr(threads, "threads", None) else ""
+    if tty:
+        sys.stderr.write(f"loading {what} on {device}{how} ...")
+        sys.stderr.flush()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if tty:
+            sys.stderr.write(f" {time.perf_counter() - t0:.1f} s\n" if ok else "\n")
+            sys.stderr.flush()

@@ -1,43 +1,74 @@
-"""`trapetum bench kernels --out DIR`: kernel microbenchmarks (GEMV vs cuBLAS, attention, fused)."""
+"""``trapetum bench WHAT``: kernel, end-to-end, quantizer, serving and speculative benchmarks (GPU), and the CLI
+benchmark (start-up time, default thread count; CPU). Subcommands whose arguments live in a heavy module are
+populated only when chosen (``commands/_args.py``), so ``trapetum --help`` stays light."""
 from __future__ import annotations
+
+QUANT_SCHEMES = ("scalar", "aqlm-2x8", "aqlm-1x16")  # the names of `trapetum quantize --scheme`
+
+
+def _load_arguments(p) -> None:
+    from ..eval.loadbench import add_arguments
+    add_arguments(p)
+
+
+def _spec_arguments(p) -> None:
+    from ..eval.bench_spec import add_arguments
+    add_arguments(p)
+
+
+def _cli_arguments(p) -> None:
+    from ..eval.bench_cli import add_arguments
+    add_arguments(p)
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks (GPU)")
+    p = subparsers.add_parser("bench", help="benchmarks (GPU; 'bench cli' on any machine)")
     sub = p.add_subparsers(dest="bench_what", metavar="WHAT")
     k = sub.add_parser("kernels", help="codebook GEMV vs cuBLAS fp16, decode attention, fused kernels")
     k.add_argument("--out", default=None, help="directory for kernels.json and kernels.md")
     k.add_argument("--quick", action="store_true", help="fewer shapes (smoke test)")
     k.set_defaults(func=_kernels)
     e = sub.add_parser("e2e", help="end-to-end decode/prefill tok/s, fp16 vs 4-bit, random weights at real shapes")
-    e.add_argument("--out", default="out/bench-e2e")
-    e.add_argument("--models", default="llama2-7b,llama3-8b")
+    e.add_argument("--out", default="out/bench-e2e", metavar="DIR",
+                   help="directory for results.json and results.md (default out/bench-e2e)")
+    e.add_argument("--models", default="llama2-7b,llama3-8b", metavar="SHAPE,...",
+                   help="model shapes, comma-separated, from trapetum/eval/random_model.py SHAPES "
+                        "(default llama2-7b,llama3-8b)")
     e.add_argument("--switches", action="store_true", help="also measure with each kill switch")
     e.set_defaults(func=_e2e)
-    ld = sub.add_parser("load", help="serving load benchmark: TTFT, inter-token latency and throughput for N "
-                                     "concurrent streaming clients (starts `trapetum serve` unless --url)")
-    from ..eval.loadbench import add_arguments
-    add_arguments(ld)
+    ld = sub.add_parser("load", populate=_load_arguments,
+                        help="serving load benchmark: TTFT, inter-token latency and throughput for N "
+                             "concurrent streaming clients (starts `trapetum serve` unless --url)")
     ld.set_defaults(func=_load)
     q = sub.add_parser("quantize", help="quantizer speed on a random-weight model at a real shape")
-    q.add_argument("--shape", default="llama2-7b")
-    q.add_argument("--device", default=None, help="default: cuda when available")
+    q.add_argument("--shape", default="llama2-7b", help="model shape (default llama2-7b)")
+    q.add_argument("--device", default=None,
+                   help="default: cuda when available, as for `trapetum quantize` (k-means is the slow part)")
     q.add_argument("--layers", type=int, default=None, help="only the first N blocks (smoke run)")
-    q.add_argument("--scheme", default="cb4", choices=["cb4", "aqlm-2x8", "aqlm-1x16"],
-                   help="cb4: 4-bit scalar codebooks (default); aqlm-2x8 / aqlm-1x16: the additive quantizer")
+    q.add_argument("--scheme", default="scalar", metavar="|".join(QUANT_SCHEMES),
+                   help="scalar: 4-bit per-row scalar codebooks (default; 'cb4' is accepted too); aqlm-2x8 / "
+                        "aqlm-1x16: the additive quantizer (the names of `trapetum quantize --scheme`)")
     q.add_argument("--work", default=None,
                    help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
     q.set_defaults(func=_quantize)
-    sp = sub.add_parser("spec", help="speculative decoding end to end, plain and speculative in one process "
-                                     "(modeled acceptance on random models, real acceptance on real ones)")
-    from ..eval.bench_spec import add_arguments as spec_arguments
-    spec_arguments(sp)
+    c = sub.add_parser("cli", populate=_cli_arguments,
+                       help="CLI start-up times (--help, info) and the default thread count against fixed "
+                            "counts under a competing CPU load it creates (any machine)")
+    c.set_defaults(func=_cli)
+    sp = sub.add_parser("spec", populate=_spec_arguments,
+                        help="speculative decoding end to end, plain and speculative in one process "
+                             "(modeled acceptance on random models, real acceptance on real ones)")
     sp.set_defaults(func=_spec)
     s = sub.add_parser("suite", help="kernels (4-bit, 8-bit, fp16, 2-bit, attention), then end to end with kill "
                                      "switches, and 70B-shape 2-bit decode (one command for the GPU machine)")
     s.add_argument("--out", default="out/bench-suite")
     s.set_defaults(func=_suite)
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def _cli(args) -> int:
+    from ..eval.bench_cli import run_args
+    return run_args(args)
 
 
 def _spec(args) -> int:
@@ -106,7 +137,9 @@ def _quantize(args) -> int:
     from ..eval.bench_quantize import run, work_cbk
     if args.shape not in SHAPES:
         raise TrapetumError(f"--shape: unknown shape {args.shape!r} (known: {', '.join(sorted(SHAPES))})")
-    scheme = getattr(args, "scheme", "cb4")
+    scheme = {"scalar": "cb4", "cb4": "cb4"}.get(args.scheme, args.scheme)  # eval/bench_quantize's name
+    if scheme not in ("cb4", "aqlm-2x8", "aqlm-1x16"):
+        raise TrapetumError(f"--scheme: unknown scheme {args.scheme!r} (known: {', '.join(QUANT_SCHEMES)})")
     run(args.shape, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, args.layers,
         scheme=scheme, keep=work_cbk(getattr(args, "work", None), scheme))
     return 0

@@ -20,8 +20,8 @@ def _size(n: float) -> str:
 
 
 def run(args) -> int:
-    from ..api import describe
     from ..formats.detect import load_checkpoint
+    from ..models.describe import describe  # not api: info needs no decoder nor kernels
     ckpt = load_checkpoint(args.model)
     info = describe(ckpt)
     if ckpt.source_format == "cbk":

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import TrapetumError
 from ._common import bits_or_none
+
+BITS_HELP = "1, 2, 3, 4 or 8"  # quant.quantize.bits_choices() (tests/test_cli_first_hour.py checks that they agree)
+DEVICE_HELP = ("cpu or cuda (default: cuda when a GPU is present, else cpu. Unlike generate, chat and serve, "
+               "which default to the CPU, quantizing is a batch job whose k-means runs many times faster on a GPU)")
 
 
 def register(sub) -> None:
@@ -12,7 +17,7 @@ def register(sub) -> None:
                                    "k-means), the LM head to 8 bits, and write a .cbk file atomically.")
     p.add_argument("src", help="HF directory, .gguf or .cbk")
     p.add_argument("-o", "--output", required=True, metavar="OUT.cbk")
-    p.add_argument("--bits", type=int, default=4, help="index bits of the projections (2, 3, 4 or 8; default 4)")
+    p.add_argument("--bits", type=int, default=4, help=f"index bits of the projections ({BITS_HELP}; default 4)")
     p.add_argument("--head-bits", default="8", metavar="BITS|fp16",
                    help="LM head: codebook bits, or fp16 to keep it dense (default 8)")
     p.add_argument("--embed-bits", default="auto", metavar="BITS|fp16|auto",
@@ -27,14 +32,30 @@ def register(sub) -> None:
     p.add_argument("--layer-bits", action="append", default=[], metavar="PATTERN=BITS",
                    help="bits for matching projections, e.g. '*.mlp.down_proj=8' (repeatable, first match wins)")
     p.add_argument("--iters", type=int, default=60, help="Lloyd iterations per start (default 60)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--scheme", default="scalar", choices=["scalar", "aqlm-2x8", "aqlm-1x16"],
                    help="per-row scalar codebooks (default) or 2-bit additive codebooks in the AQLM layout")
     p.set_defaults(func=run)
 
 
+def preflight(args: argparse.Namespace) -> None:
+    """Before anything is loaded: the source exists, the output can be created (its directory exists and takes
+    a new file), the calibration file is readable. quantize_to_cbk then checks the disk space for its plan
+    (and warns about an already quantized source) before calibrating."""
+    import os
+
+    from ..formats.cbk_write import check_output_path
+    if not os.path.exists(args.src):
+        raise TrapetumError(f"{args.src}: file not found")
+    check_output_path(args.output, flag="-o")
+    c = args.calib
+    if c is not None and c != "none" and not (os.path.isfile(c) and os.access(c, os.R_OK)):
+        raise TrapetumError(f"--calib {c}: " + ("not a readable file" if os.path.exists(c) else "file not found"))
+
+
 def run(args: argparse.Namespace) -> int:
+    preflight(args)
     import torch
 
     from ..quant.quantize import Recipe, parse_bits_overrides, quantize_to_cbk

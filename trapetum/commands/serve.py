@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -46,9 +47,21 @@ def register(subparsers) -> None:
     p.add_argument("--device", default=None,
                    help="device for every model, or a comma list with one per model (for example "
                         "cuda:0,cuda:1). Models on one device share one engine and take turns.")
-    p.add_argument("--threads", type=_positive, default=None, metavar="N",
-                   help="CPU threads per engine for torch (default: torch's choice); on a busy or small "
-                        "machine 1 can be much faster than oversubscribing")
+    p.add_argument("-t", "--threads", type=_positive, default=None, metavar="N",
+                   help="CPU threads per engine (default: OMP_NUM_THREADS when set, else chosen at start from the "
+                        "CPUs this process may use and what else runs: fewer on a busy machine)")
+    p.add_argument("-c", "--ctx", type=_positive, default=None, metavar="N",
+                   help="context size of every model in tokens (default: the model's, at most 8192 on the GPU)")
+    g = p.add_argument_group(
+        "sampling defaults", "for requests that leave a field out; order: the request, these options, the model's "
+                             "generation_config.json, then temperature 0.7 (as chat and the web page) and the rest off")
+    g.add_argument("--temperature", "--temp", type=float, default=None, metavar="T",
+                   help="default temperature (0 = greedy; default: the model's, else 0.7)")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="default top_p (default: the model's, else 1)")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="default top_k (default: the model's, else 0 = off)")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="default min_p (default: the model's, else 0)")
+    g.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="default repetition_penalty (default: the model's, else 1)")
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
@@ -81,14 +94,50 @@ def run(args) -> int:
               "machine can use the models", file=sys.stderr)
     from ._common import draft_kwargs
     draft_kw = draft_kwargs(args) if args.draft is not None else {}
-    specs = [ModelSpec.parse(m, d, draft_kw) for m, d in zip(models, devices)]
+    sampling = _sampling(args)
+    specs = [ModelSpec.parse(m, d, draft_kw, args.ctx) for m, d in zip(models, devices)]
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
             raise TrapetumError(f"{s.path}: file not found")
+    threads, note = _threads(args)
     serve(specs, host=args.host, port=args.port, api_key=api_key, max_waiting=args.queue,
           max_body=args.max_body, log_level=args.log_level, access_log=not args.no_access_log,
-          threads=args.threads, cors_origins=args.cors_origin, allowed_hosts=args.allowed_host)
+          threads=threads, cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, sampling=sampling,
+          note=note)
     return 0
+
+
+def _threads(args) -> tuple[int | None, str]:
+    """--threads, else OMP_NUM_THREADS (torch's default), else the automatic choice (cpu_threads.py); and how
+    the "serving on" line says an automatic choice."""
+    from ..cpu_threads import choose_threads
+    from ..settings import CpuEnv
+    env = CpuEnv.from_env()
+    import torch
+    choice = choose_threads(args.threads, env.omp_threads_set, torch.get_num_threads())
+    note = ""
+    if choice.threads is not None and choice.why.startswith("auto"):
+        note = (f"; {choice.threads} CPU thread{'s' if choice.threads != 1 else ''} per engine ({choice.why}; "
+                "--threads N to choose)")
+    return choice.threads, note
+
+
+def _sampling(args) -> dict:
+    """serve's sampling defaults (the options given), checked like a request's fields, named by their flags."""
+    from ..serve.defaults import FIELDS
+    flags = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
+             "repetition_penalty": "--repetition-penalty"}
+    out = {}
+    for name, flag in flags.items():
+        v = getattr(args, name)
+        if v is None:
+            continue
+        kind, lo, hi, lo_open = FIELDS[name]
+        if not (math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi):
+            rng = f"at least {lo}" if kind is int else f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise TrapetumError(f"{flag} must be {rng}, got {v:g}")
+        out[name] = v
+    return out
 
 
 MAX_KEY_FILE = 4096

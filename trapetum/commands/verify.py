@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -13,13 +14,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..formats.cbk import verify_cbk
+    """OK line on stdout; a file that is not a .cbk (or cannot be opened) is one error line; each problem that
+    verify finds in a .cbk is an error line, then a summary, all on stderr; exit 1 on any problem."""
+    from ..formats.cbk import CbkFile
 
-    cbk, problems = verify_cbk(args.file)
+    cbk = CbkFile(args.file)  # FormatError (one line, naming the file) when it is no readable .cbk
+    problems = cbk.verify()
     if problems:
         for line in problems:
-            print(line)
-        print(f"FAILED {args.file}: {len(problems)} problem{'s' if len(problems) != 1 else ''}")
+            print(f"trapetum: error: {line}", file=sys.stderr)
+        print(f"trapetum: error: FAILED {args.file}: {len(problems)} problem{'s' if len(problems) != 1 else ''}",
+              file=sys.stderr)
         return 1
     n = len(cbk.tensors_table)
     data = cbk.file_bytes - cbk.header_bytes

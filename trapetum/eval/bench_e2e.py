@@ -181,8 +181,10 @@ def _ints(s: str) -> tuple[int, ...]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="out/bench-e2e")
-    p.add_argument("--models", default="llama2-7b,llama3-8b")
+    p.add_argument("--out", default="out/bench-e2e", metavar="DIR",
+                   help="directory for results.json and results.md (default out/bench-e2e)")
+    p.add_argument("--models", default="llama2-7b,llama3-8b", metavar="SHAPE,...",
+                   help="model shapes, comma-separated, from eval/random_model.py SHAPES (default llama2-7b,llama3-8b)")
     p.add_argument("--switches", action="store_true", help="also measure with each option off")
     p.add_argument("--formats", default="", help=f"comma list from {', '.join(FORMATS)} (default: "
                    f"{', '.join(DEFAULT_FORMATS)}; {', '.join(f'{k}: {v}' for k, v in SHAPE_FORMATS.items())})")

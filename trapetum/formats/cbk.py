@@ -95,6 +95,15 @@ def _parse_json(text: str, what: str, fail: Callable[[str], Any]) -> Any:
         fail(f"{what} is not valid JSON ({one_line(e, 80)})")
 
 
+_MAGICS = ((b"GGUF", "it is a GGUF file (info, generate and quantize read it as it is)"),
+           (b"PK\x03\x04", "it is a zip archive (a PyTorch checkpoint?)"))
+
+
+def _foreign_format(head: bytes) -> str | None:
+    """What a file that starts with ``head`` is, when that is a known format other than safetensors."""
+    return next((what for magic, what in _MAGICS if head.startswith(magic)), None)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -129,9 +138,17 @@ class CbkFile:
     def _read_header(self, f) -> None:
         fail = self._fail
         size = self.file_bytes
+        head = f.read(16)
         if size < 8:
             fail(f"file is {size} bytes, too short for a .cbk header (truncated?)")
-        (n,) = struct.unpack("<Q", f.read(8))
+        (n,) = struct.unpack("<Q", head[:8])
+        f.seek(8)
+        if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):  # a size no .cbk has: another format?
+            foreign = _foreign_format(head)
+            if foreign:
+                fail(f"not a .cbk file: {foreign}")
+            if head[8:9] not in (b"{", b""):
+                fail("not a .cbk file (it does not start with a safetensors header: an 8-byte length, then '{')")
         if n == 0:
             fail("header size is 0")
         if n > size - 8:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from .._version import __version__
+from ..errors import TrapetumError
 from ..models.config import ModelConfig
 from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
@@ -22,6 +24,38 @@ from .cbk_spec import (
     header_digest, itemsize, one_line)
 
 _MOVE_CHUNK = 16 * 2**20  # bytes per step when commit moves the data to grow the header
+SPACE_MARGIN = 16 << 20  # free bytes asked for beyond a planned file (header growth, the filesystem's own)
+
+
+def check_output_path(path: str | os.PathLike, nbytes: int | None = None, *, flag: str | None = None) -> Path:
+    """Before a long job that ends in writing ``path``: that a file can be created there and that the
+    filesystem has room for ``nbytes`` (plus ``SPACE_MARGIN``). The directory must exist and take a new file
+    (checked by creating and removing an empty one, which also catches read-only mounts and ACLs); ``path``
+    must not be a directory. A one-line TrapetumError naming ``flag`` (e.g. "-o") and the path otherwise."""
+    p = Path(path)
+    what = f"{flag} {p}" if flag else f"cannot write {p}"
+    if p.is_dir():
+        raise TrapetumError(f"{what}: is a directory; give a file name (e.g. {p / 'model.cbk'})")
+    d = p.parent
+    if not d.exists():
+        raise TrapetumError(f"{what}: the directory {d} does not exist")
+    if not d.is_dir():
+        raise TrapetumError(f"{what}: {d} is not a directory")
+    probe = d / f".{p.name[:200]}.{os.getpid()}.{os.urandom(4).hex()}.probe"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+    except OSError as e:
+        raise TrapetumError(f"{what}: cannot create a file in {d} ({one_line(e.strerror or e, 80)})") from None
+    if nbytes is not None:
+        try:
+            free = shutil.disk_usage(d).free
+        except OSError:
+            return p
+        if free < nbytes + SPACE_MARGIN:
+            raise TrapetumError(f"{what}: the file will be about {nbytes / 1e6:,.0f} MB and {d} has "
+                                f"{free / 1e6:,.0f} MB free")
+    return p
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -47,12 +48,14 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.cbk import CbkFile, CbkWriter, sha256_file
+from ..formats.cbk_write import check_output_path
 from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
 from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
 from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
 from .kmeans import kmeans_rows
+from .source_bits import already_quantized
 from ..kernels.pack import SUPPORTED_BITS, pack_codes, packed_width
 from ..schemes import registry
 from ..schemes.record import QuantRecord
@@ -84,10 +87,10 @@ class Recipe:
     def validate(self) -> "Recipe":
         for what, b in [("--bits", self.bits), ("--head-bits", self.head_bits), ("--embed-bits", self.embed_bits)]:
             if b is not None and b != "auto" and b not in SUPPORTED_BITS:
-                raise ConfigError(f"{what} must be one of {SUPPORTED_BITS}, got {b}")
+                raise ConfigError(f"{what} must be {bits_choices()}, got {b}")
         for pat, b in self.bits_overrides:
             if b not in SUPPORTED_BITS:
-                raise ConfigError(f"bits override {pat}={b}: bits must be one of {SUPPORTED_BITS}")
+                raise ConfigError(f"--layer-bits {pat}={b}: bits must be {bits_choices()}")
         if self.iters < 0:
             raise ConfigError(f"--iters must be >= 0, got {self.iters}")
         return self
@@ -108,6 +111,12 @@ class Recipe:
         d["method"] = ("per-row scalar codebook, " + ("E[x^2]-weighted" if self.weighted else "unweighted")
                        + " k-means, best of starts " + "/".join(self.starts) + f", up to {self.iters} Lloyd iterations")
         return d
+
+
+def bits_choices() -> str:
+    """'1, 2, 3, 4 or 8': the bit widths of the scalar codebooks, as the help and the errors say them."""
+    *head, last = (str(b) for b in SUPPORTED_BITS)
+    return f"{', '.join(head)} or {last}"
 
 
 def parse_bits_overrides(items: list[str]) -> list[tuple[str, int]]:
@@ -415,7 +424,10 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
             return registry.dequantize(x, torch.float32)
         return x
 
-    bar = tqdm(total=plan.config.num_layers, desc="quantize", unit="layer", disable=not progress, dynamic_ncols=True)
+    # one step per layer, and one per quantized embedding / head (minutes of k-means on a large vocabulary)
+    extra = [j for j in plan.jobs if j.kind == "proj" and j.layer is None and j.bits is not None]
+    bar = tqdm(total=plan.config.num_layers + len(extra), desc="quantize", unit="step", disable=not progress,
+               dynamic_ncols=True)
     rows: list[dict[str, Any]] = []
     cached: tuple[str, torch.Tensor] | None = None  # the embedding, read once for a tied head
     try:
@@ -440,6 +452,8 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                         yield j.out + ".bias", b.detach().to(torch.float16).cpu(), None
                 else:
                     t0 = time.perf_counter()
+                    if j.layer is None:  # the embedding / head: its own step of the bar, named
+                        bar.set_description(f"quantize {(j.label or j.out).split(' (')[0]} ({j.shape[0]} rows)")
                     shape, Wf = list(W.shape), W.float()
                     if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
                         W = src = None
@@ -450,7 +464,9 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     if j.layer is not None:
                         rows.append(row)
                     elif j.label:
-                        log(f"{j.label}  rel. weight error {row['rel_err']:.4f}")
+                        (tqdm.write if progress else log)(f"{j.label}  rel. weight error {row['rel_err']:.4f}")
+                    if j.layer is None:
+                        bar.update(1)
                     yield j.out + ".weight", rec, row
                     del rec
                 del W, b
@@ -501,6 +517,22 @@ def recipe_and_provenance(ckpt: Checkpoint, recipe: Recipe, qm: QuantizedModel) 
     return recipe_summary(recipe.to_dict(), qm), {**source_provenance(ckpt), "quantize_seconds": round(qm.seconds, 2)}
 
 
+def planned_bytes(plan: QuantPlan) -> int:
+    """The size of the file ``plan`` makes, near enough for a disk-space check: every tensor's bytes plus the
+    header's reserve and about 256 bytes of table per stored tensor."""
+    specs = list(plan.dense.values())
+    for q in plan.quantized.values():
+        specs += list(q.tensors.values()) + ([q.bias] if q.bias is not None else [])
+    return sum(t.nbytes for t in specs) + _header_reserve(plan) + 256 * len(specs)
+
+
+def check_inputs(recipe: Recipe) -> None:
+    """``--calib FILE`` must be readable now, not after loading and planning the model."""
+    c = recipe.calib
+    if c and c != "none" and not (Path(c).is_file() and os.access(c, os.R_OK)):
+        raise ConfigError(f"--calib {c}: " + ("not a readable file" if Path(c).exists() else "file not found"))
+
+
 def _header_reserve(plan: QuantPlan) -> int:
     """Header room for what ``quantize_to_cbk`` learns at the end: a layer_errors entry per quantized
     layer ("model.layers.12.self_attn.q_proj":0.012345, at most len(name) + 18 bytes once the quotes
@@ -525,6 +557,11 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
     ckpt = src if isinstance(src, Checkpoint) else load_checkpoint(src)
     t_start = time.perf_counter()
     plan = plan_quantization(ckpt, recipe)
+    check_inputs(recipe)  # before the work: every check that can fail (issue 22)
+    check_output_path(out, planned_bytes(plan))
+    warning = already_quantized(ckpt.tensor_formats(), recipe.bits)
+    if warning:
+        log(warning)
     if stats is None and recipe.weighted and recipe.calib != "none":
         stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
                                   mem_budget_gb=mem_budget_gb)
@@ -547,8 +584,12 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
                 report.append(row)
             del x
         summary = QuantizedModel(plan.config, {}, {}, report, time.perf_counter() - t_start, plan)
+        if progress and Path(ckpt.source).is_file():
+            log(f"hashing the source for the provenance ({Path(ckpt.source).stat().st_size / 1e6:,.0f} MB) ...")
         rd, prov = recipe_and_provenance(ckpt, recipe, summary)
         writer.update(recipe=rd, provenance=prov)
+        if progress:
+            log(f"writing {out} (header, fsync, rename) ...")
     path = writer.path
     if writer.header_moved_bytes:
         log(f"note: the header outgrew its reserved room; {writer.header_moved_bytes / 1e6:.1f} MB of data were moved")

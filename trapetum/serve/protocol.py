@@ -311,7 +311,8 @@ def _common(body: dict, default_max_tokens: int | None) -> dict:
 
     settings: dict[str, Any] = {}
     t = get_float(body, "temperature", lo=0.0, hi=2.0)
-    settings["temperature"] = 1.0 if t is None else t          # OpenAI's default
+    if t is not None:   # left out: the server's defaults (serve/defaults.py: the model's, else 0.7), not OpenAI's 1.0
+        settings["temperature"] = t
     tp = get_float(body, "top_p", lo=0.0, hi=1.0, lo_open=True)
     if tp is not None:
         settings["top_p"] = tp

@@ -47,6 +47,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..chat_template import ChatTemplateError
 from ..errors import TrapetumError
+from . import defaults as D
 from . import protocol as P
 from .guards import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, BodyLimit, HostGuard
 from .protocol import APIError
@@ -64,23 +65,26 @@ SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 @dataclass
 class ModelSpec:
     """One model to serve: ``path`` (None = the embedded default), optional ``alias`` (the id in
-    the API), ``device`` and ``draft_kw`` (speculative decoding: ``trapetum.load``'s draft options; the model is then
-    also served plainly as ``NAME:plain``). ``loader`` replaces ``trapetum.load`` (tests, embedding)."""
+    the API), ``device``, ``draft_kw`` (speculative decoding: ``trapetum.load``'s draft options; the model is then
+    also served plainly as ``NAME:plain``) and ``max_context`` (``--ctx``). ``loader`` replaces ``trapetum.load``
+    (tests, embedding)."""
     path: str | None = None
     alias: str | None = None
     device: str | None = None
     loader: Callable[[], Any] | None = None
     draft_kw: dict = field(default_factory=dict)
+    max_context: int | None = None
 
     def load(self) -> tuple[str | None, Any]:
         if self.loader is not None:
             return self.alias, self.loader()
         import trapetum
-        kw = {} if self.device is None else {"device": self.device}
+        kw = {k: v for k, v in (("device", self.device), ("max_context", self.max_context)) if v is not None}
         return self.alias, trapetum.load(self.path, **kw, **self.draft_kw)
 
     @staticmethod
-    def parse(text: str, device: str | None = None, draft_kw: dict | None = None) -> "ModelSpec":
+    def parse(text: str, device: str | None = None, draft_kw: dict | None = None,
+              max_context: int | None = None) -> "ModelSpec":
         """``PATH`` or ``ALIAS=PATH`` (``default`` or ``-`` = the embedded default model)."""
         alias = None
         if "=" in text and not os.path.exists(text):
@@ -88,13 +92,15 @@ class ModelSpec:
             if a and all(c.isalnum() or c in "._-:" for c in a):
                 alias, text = a, p
         path = None if text in ("", "-", "default") else text
-        return ModelSpec(path=path, alias=alias, device=device, draft_kw=dict(draft_kw or {}))
+        return ModelSpec(path=path, alias=alias, device=device, draft_kw=dict(draft_kw or {}), max_context=max_context)
 
 
 class Registry:
     """Model name -> (worker, model); filled as workers finish loading."""
 
-    def __init__(self):
+    def __init__(self, sampling: dict | None = None):
+        self.sampling = dict(sampling or {})   # serve's --temperature etc. (defaults.py)
+        self.defaults: dict[str, dict] = {}     # model name -> the sampling defaults of its requests
         self.lock = threading.Lock()
         self.names: list[str] = []          # claimed so far
         self.order: dict[str, int] = {}     # name -> position of its MODEL argument
@@ -151,7 +157,10 @@ class Registry:
             pass
         for name, m in w.models.items():
             info = _model_info(m)
+            defaults = D.sampling_defaults(m, self.sampling)
+            info["sampling_defaults"] = D.describe(defaults, m, self.sampling)
             with self.lock:
+                self.defaults[name] = defaults
                 self.owner[name] = w
                 self.info[name] = info
         print(f"trapetum: ready: {', '.join(w.models)} ({w.name}, loaded in {w.load_s:.1f} s)",
@@ -209,14 +218,15 @@ class _Channel:
 def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
                max_body: int = DEFAULT_MAX_BODY, threads: int | None = None,
                cors_origins: list[str] | None = None, allowed_hosts: set[str] | None = None,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None) -> FastAPI:
     """Build the ASGI app; engines start (and load their models) when the app starts.
     ``threads``: torch CPU threads per engine (None: torch's default); ``cors_origins``: web
     origins allowed to call the API from a browser (the page at / needs none); ``allowed_hosts``: the
-    Host names answered (None: any; ``run`` sets the loopback names for a loopback bind)."""
+    Host names answered (None: any; ``run`` sets the loopback names for a loopback bind); ``sampling``: the
+    defaults of requests that leave a field out, over the model's own (defaults.py)."""
     if not specs:
         specs = [ModelSpec()]
-    registry = Registry()
+    registry = Registry(sampling)
     groups: dict[str, list] = {}
     for i, s in enumerate(specs):
         reserved = registry.claim(s.alias) if s.alias else None
@@ -385,15 +395,17 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
                            f"its vocabulary of {vocab}: a fault of the model's file.", type="server_error",
                            code="tokenizer_error")
         ctx = int(model.context_size)
+        defaults = registry.defaults.get(name, D.BUILTIN)
         if req.max_tokens is None:
             if n_prompt >= ctx:
                 raise P.context_error(ctx, n_prompt, 1, where=where)
-            max_new = ctx - n_prompt
+            max_new = min(ctx - n_prompt, defaults.get("max_new_tokens", ctx))
         else:
             max_new = req.max_tokens
             if n_prompt + max_new > ctx:
                 raise P.context_error(ctx, n_prompt, max_new, where=where)
-        settings = {**req.settings, "max_new_tokens": max_new}
+        settings = {**{k: v for k, v in defaults.items() if k != "max_new_tokens"}, **req.settings,
+                    "max_new_tokens": max_new}
         validate_settings(settings)
         return name, w, n_prompt, settings, engine_inputs
 
@@ -542,13 +554,17 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
         max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
         access_log: bool = True, threads: int | None = None, cors_origins: list[str] | None = None,
         allowed_hosts: list[str] | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None, note: str = "") -> None:
     """Serve until interrupted (what ``trapetum serve`` runs). ``allowed_hosts``: Host names answered besides
-    the loopback names of a loopback bind (``guards.allowed_hosts_for``)."""
+    the loopback names of a loopback bind (``guards.allowed_hosts_for``); ``sampling``: see create_app; ``note``:
+    said after the address, once the socket is bound (listen.py: a port in use is a TrapetumError)."""
     import uvicorn
 
     from .guards import allowed_hosts_for, header_timeout_protocol
-    _raise_fd_limit()
+    from .listen import bind, raise_fd_limit
+    sock = bind(host, port)
+    port = sock.getsockname()[1]  # the port bound (--port 0: one the system chose)
+    raise_fd_limit()
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads is not None:
@@ -556,10 +572,10 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
         torch.set_num_threads(threads)      # this thread (tokenizing helpers) and the default
     app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads,
                      cors_origins=cors_origins, allowed_hosts=allowed_hosts_for(host, allowed_hosts),
-                     body_timeout_s=body_timeout_s)
+                     body_timeout_s=body_timeout_s, sampling=sampling)
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
-          f"GET /health is 200 once ready)", flush=True)
+          f"GET /health is 200 once ready){note}", flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=3, timeout_keep_alive=5,
                             http=header_timeout_protocol(header_timeout_s))
@@ -574,22 +590,10 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
 
     server = Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:        # uvicorn re-raises the signal it handled
         pass
+    finally:
+        sock.close()
     if not server.started:
-        raise TrapetumError(f"the server could not start on {shown}:{port} (see the message above; "
-                            "is the port in use?)")
-
-
-def _raise_fd_limit() -> None:
-    """Open files up to the hard limit: idle and slow connections are closed by the timeouts, and the soft
-    default (often 1024) is the first thing many open connections run into."""
-    try:
-        import resource
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
-        if soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass
+        raise TrapetumError(f"the server could not start on {shown}:{port} (see the message above)")
