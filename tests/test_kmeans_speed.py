@@ -70,8 +70,8 @@ def _assert_same(a, b):
     assert a.history == b.history
 
 
-CASES = [(1, 1, 2), (1, 53, 16), (3, 97, 16), (53, 3, 4), (97, 257, 16), (257, 53, 4), (64, 576, 16),
-         (3, 257, 256), (97, 300, 256), (53, 97, 8)]
+CASES = [(1, 1, 2), (1, 53, 16), (3, 97, 16), (53, 3, 4), (53, 257, 16), (257, 53, 4), (3, 257, 256),
+         (9, 300, 256), (53, 97, 8)]
 
 
 @pytest.mark.parametrize("R,C,K", CASES)
@@ -84,7 +84,7 @@ def test_fast_lloyd_equals_the_all_rows_loop_bitwise(monkeypatch, R, C, K, kind)
         W = (lv - 8) * 0.003 + torch.randn(R, (C + 31) // 32, generator=g).repeat_interleave(32, 1)[:, :C] * 0.01
     w = {"channel": torch.rand(C, generator=g) ** 3, "none": None, "full": torch.rand(R, C, generator=g) + 0.01,
          "q4_1": torch.rand(C, generator=g) ** 4}[kind]
-    fast, ref = _both(monkeypatch, W, K, w, iters=40)
+    fast, ref = _both(monkeypatch, W, K, w, iters=25)
     _assert_same(fast, ref)
 
 
