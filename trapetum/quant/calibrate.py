@@ -117,16 +117,16 @@ def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: li
     counts: dict[str, int] = {}
     hooks = []
 
+    square_sums = _SquareSums()
+
     def make_hook(name):
         def hook(mod, args):
-            x = args[0]
-            x2 = x.detach().double().pow(2).reshape(-1, x.shape[-1])
-            s = x2.sum(0)
+            s, n = square_sums(args[0])
             if name in sums:
                 sums[name] += s
             else:
                 sums[name] = s
-            counts[name] = counts.get(name, 0) + x2.shape[0]
+            counts[name] = counts.get(name, 0) + n
         return hook
 
     for n, m in projs.items():
@@ -180,11 +180,13 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     counts: dict[str, int] = {}
     count = tokens.numel()
 
+    square_sums = _SquareSums()
+
     def make_hook(name):
         def hook(mod, args):
-            x2 = args[0].detach().double().pow(2).reshape(-1, args[0].shape[-1])
-            sums[name] = sums[name] + x2.sum(0) if name in sums else x2.sum(0)
-            counts[name] = counts.get(name, 0) + x2.shape[0]  # an expert sees only the rows routed to it
+            s, n = square_sums(args[0])
+            sums[name] = sums[name] + s if name in sums else s
+            counts[name] = counts.get(name, 0) + n  # an expert sees only the rows routed to it
         return hook
 
     layers = range(cfg.num_layers)
@@ -209,6 +211,29 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
         sums["lm_head"] = sums["lm_head"] + h if "lm_head" in sums else h
     counts["lm_head"] = count
     return Stats({n: (s / counts[n]).float().cpu() for n, s in sums.items()}, counts)
+
+
+class _SquareSums:
+    """(sum over rows of x^2 in float64 [in_features], rows) of a projection's input x [..., in_features].
+
+    Projections fed the same tensor (q/k/v, gate/up: the reference forward passes one tensor object to each
+    and changes no projection input in place) get the sums computed once: the last input is remembered by
+    identity (and by its version counter outside inference mode, where tensors have one) and its result handed
+    out again. They are the same float64 operations, so the statistics are bit for bit those of summing at
+    every hook."""
+
+    def __init__(self):
+        self._x = self._version = self._out = None
+
+    @staticmethod
+    def _version_of(x: torch.Tensor):
+        return None if x.is_inference() else x._version
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self._x is not x or self._version != self._version_of(x):
+            x2 = x.detach().double().pow(2).reshape(-1, x.shape[-1])
+            self._x, self._version, self._out = x, self._version_of(x), (x2.sum(0), x2.shape[0])
+        return self._out[0].clone(), self._out[1]
 
 
 # Calibration of the experts of a mixture-of-experts layer: expert e's E[x^2] is over the rows routed to it, and a

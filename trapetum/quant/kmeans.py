@@ -209,49 +209,70 @@ def _init(start: str, xs: torch.Tensor, P0: torch.Tensor, K: int) -> torch.Tenso
     raise ValueError(f"unknown k-means start {start!r} (known: quantile, grid, cuberoot)")
 
 
-def _segments(c: torch.Tensor, xd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Start/end positions [R, K] of each centroid's run in the sorted row (nearest assignment)."""
+def _segment_sums(c: torch.Tensor, xd: torch.Tensor, P0: torch.Tensor, P1: torch.Tensor, P2: torch.Tensor):
+    """Sums (S0, S1, S2) [R, K] of w, w x, w x^2 over each centroid's run of the sorted row (nearest
+    assignment): centroid k's run is [b_k, b_{k+1}) with b_0 = 0, b_K = C and b_k (0 < k < K) the first
+    element >= the midpoint of centroids k-1 and k; each sum is P[b_{k+1}] - P[b_k] of its prefix sum P."""
     R, C = xd.shape
     mid = (c[:, :-1] + c[:, 1:]) * 0.5
     idx = torch.searchsorted(xd, mid.contiguous(), right=False)  # first element >= midpoint
-    z = torch.zeros(R, 1, dtype=idx.dtype, device=idx.device)
-    full = torch.full((R, 1), C, dtype=idx.dtype, device=idx.device)
-    return torch.cat([z, idx], 1), torch.cat([idx, full], 1)
+    b = torch.cat([idx.new_zeros(R, 1), idx, idx.new_full((R, 1), C)], 1)  # [R, K + 1]
+    out = []
+    for P in (P0, P1, P2):
+        G = torch.gather(P, 1, b)
+        out.append(G[:, 1:] - G[:, :-1])
+    return tuple(out)
 
 
-def _seg_sums(P: torch.Tensor, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    return torch.gather(P, 1, e) - torch.gather(P, 1, s)
+def _objective(c: torch.Tensor, xd: torch.Tensor, P0: torch.Tensor, P1: torch.Tensor, P2: torch.Tensor):
+    """Per-row weighted SSE [R] of sorted centroids c [R, K], and the segment sums (S0, S1, S2) behind it."""
+    S0, S1, S2 = _segment_sums(c, xd, P0, P1, P2)
+    return (S2 - 2 * c * S1 + c * c * S0).clamp_min(0).sum(1), (S0, S1, S2)
 
 
 def _lloyd(c: torch.Tensor, pre, iters: int, track: bool) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Lloyd iterations in the sorted domain. c: [R, K] float64 (any order). Returns sorted c,
-    the per-row objective of the returned centroids and (if track) the total per iteration."""
+    the per-row objective of the returned centroids and (if track) the total per iteration.
+
+    Every step is row-independent, and a row whose centroids did not move is a fixed point of the
+    step (the next one computes the same centroids from the same inputs), so a row is dropped from
+    the work once it stops moving; the set of rows still iterated is re-gathered whenever it has
+    shrunk to half (rows kept in between are fixed points: recomputing them changes nothing).
+    The result is bit for bit the one of iterating every row until no row moves (or ``iters``):
+    tests/test_kmeans_speed.py compares the two."""
     xs, xd, ws, P0, P1, P2 = pre
     c = c.sort(1).values
     hist: list[float] = []
-
-    def objective(c):
-        s, e = _segments(c, xd)
-        S0, S1, S2 = _seg_sums(P0, s, e), _seg_sums(P1, s, e), _seg_sums(P2, s, e)
-        return (S2 - 2 * c * S1 + c * c * S0).clamp_min(0).sum(1), (s, e, S0, S1, S2)
-
-    obj, seg = objective(c)
+    obj, seg = _objective(c, xd, P0, P1, P2)
     if track:
         hist.append(float(obj.sum()))
+    rows = None  # chunk rows of the working set (None: all of them, in order)
+    cw, xw, ww, Pw = c, xd, ws, (P0, P1, P2)  # the working set's centroids, rows, weights, prefix sums
     for _ in range(iters):
-        s, e, S0, S1, S2 = seg
+        S0, S1, S2 = seg
         empty = S0 <= 0
-        new_c = torch.where(empty, c, S1 / S0.clamp_min(1e-300))
+        new_c = torch.where(empty, cw, S1 / S0.clamp_min(1e-300))
         if empty.any():
-            new_c = _reseed_empty(new_c, empty, xd, ws)
+            new_c = _reseed_empty(new_c, empty, xw, ww)
         new_c = new_c.sort(1).values
-        moved = (new_c != c).any()
-        c = new_c
-        obj, seg = objective(c)
+        moved = (new_c != cw).any(1)
+        cw = new_c
+        objw, seg = _objective(cw, xw, *Pw)
+        if rows is None:
+            c, obj = cw, objw
+        else:
+            c[rows], obj[rows] = cw, objw
         if track:
             hist.append(float(obj.sum()))
-        if not moved:
+        n_moved = int(moved.sum())
+        if not n_moved:
             break
+        if 2 * n_moved <= moved.numel():  # compact the working set to the rows still moving
+            keep = moved.nonzero().squeeze(1)
+            rows = keep if rows is None else rows[keep]
+            cw, xw, ww = cw[keep], xw[keep], ww[keep]
+            Pw = tuple(P[keep] for P in Pw)
+            seg = tuple(t[keep] for t in seg)
     if track:
         hist += [hist[-1]] * (iters + 1 - len(hist))
     return c, obj, hist
