@@ -87,7 +87,16 @@ static void rows_c(const job_t *j, long n0, long n1) {
 
 #if TP_X86
 /* ---------------------------------------------------------------- AVX2 path */
-#define PF 4096 /* software prefetch distance along the codes (bytes): the hardware streamers alone leave the
+#ifndef PF
+#define PF 4096
+#endif
+#ifndef PF_MASK4
+#define PF_MASK4 3 /* 4-bit AVX-512: one prefetch per 4 blocks of 16 code bytes (a cache line) */
+#endif
+#ifndef PF_MASK8
+#define PF_MASK8 1 /* 8-bit AVX-512: one per 2 blocks of 32 */
+#endif
+/* PF: software prefetch distance along the codes (bytes): the hardware streamers alone leave the
                    kernel latency-bound on DRAM */
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -108,7 +117,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
   const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
   const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
   _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
-  const __m256i mask = _mm256_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
   __m256 a0[4], a1[4];
@@ -122,7 +130,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
       memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
     }
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256 w0 = look16(lo, hi, _mm256_and_si256(v, mask));
+    __m256 w0 = look16(lo, hi, v); /* bits 2:0 pick, bit 3 blends; the high nibble is shifted out */
     __m256 w1 = look16(lo, hi, _mm256_srli_epi32(v, 4));
     for (int r = 0; r < R; r++) {
       const float *x = j->xp + (m0 + r) * j->Kp + b * 16;
@@ -184,10 +192,10 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 #define STEP4_512(B, A, C)                                                                          \
   do {                                                                                              \
     const uint8_t *p = c + (B) * 16;                                                                \
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                                                \
+    if (!((B) & PF_MASK4)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                         \
     if ((B) >= full) { memset(tail, 0, 16); memcpy(tail, p, (j->K + 1) / 2 - (B) * 16); p = tail; } \
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));                          \
-    __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, mask), tab);                              \
+    __m512 w0 = _mm512_permutexvar_ps(v, tab); /* vpermps reads index bits 3:0: the low nibble */                              \
     __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);                                \
     for (int r = 0; r < R; r++) {                                                                   \
       const float *x = j->xp + (m0 + r) * j->Kp + (B) * 32;                                         \
@@ -199,7 +207,6 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 __attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
   const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
   _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
-  const __m512i mask = _mm512_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   __m512 a0[4], a1[4], a2[4], a3[4];
@@ -229,7 +236,7 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
   uint8_t tail[32];
   for (long b = 0; b < nb; b++) {
     const uint8_t *p = c + b * 32;
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (!(b & PF_MASK8)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
     if (b >= full) { memset(tail, 0, 32); memcpy(tail, p, j->K - b * 32); p = tail; }
     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     __mmask32 k6 = _mm512_test_epi16_mask(v, b6), k7 = _mm512_test_epi16_mask(v, b7);
