@@ -12,9 +12,9 @@ for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, 
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
-The C source ships in the package (kernels/host/codebook_host.c) and is compiled at first use with the
-system's C compiler (gcc or cc, about a second) into ``~/.cache/trapetum/host/``, keyed on the source text and
-the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
+The C sources ship in the package (kernels/host/codebook_host.c, and cpu_step.c: the decode step's small ops of
+kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
+second) into ``~/.cache/trapetum/host/``, keyed on the source texts and the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
 turns False: callers keep their torch path.
 """
 from __future__ import annotations
