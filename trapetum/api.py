@@ -128,7 +128,7 @@ class Model:
         if self._decoder is None:
             dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
             if self.device == "cpu" and self.options.host_kernels:
-                dec.use_host_kernels(self.threads)
+                dec.use_host_kernels(self.threads, step=self.options.cpu_step)
             self._decoder = dec
         return self._decoder
 

@@ -27,7 +27,9 @@ means the default; anything else is a ConfigError naming the variable.
 | OMP_NUM_THREADS          | CpuEnv.omp_threads_set     | set: torch's default (which follows it) is kept    |
 
 Fields without a variable (API and benchmarks): ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
-projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply.
+projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
+with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
+small ops in C) instead of the reference decoder's torch ops.
 """
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ class Options:
     engine: str = "gpu"
     calib_mem_gb: float | None = None
     host_kernels: bool = True
+    cpu_step: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):

@@ -1,18 +1,20 @@
 """CPU decode benchmark of a .cbk model: the host GEMV path against dequantize-and-multiply, in one process.
 
     python -m trapetum.eval.bench_cpu MODEL.cbk [--threads 1,2] [--tokens 64] [--rounds 3] [--out DIR]
-                                      [--llama-bench PATH --gguf FILE]
+                                      [--paths torch,host,step] [--llama-bench PATH --gguf FILE]
 
 Measured, each round alternating every (threads, path) so that a busy machine slows all of them alike:
   * decode tok/s, greedy, ``--tokens`` new tokens after a short prompt (``Completion.tokens_per_s``: the first
-    token excluded), for the torch path (``Options(host_kernels=False)``: dense copies of the codebook weights,
-    fp32 matmul) and the host path (``host_kernels=True``: kernels/host_gemv.py on the stored codes);
+    token excluded), for each of ``--paths``: torch (``Options(host_kernels=False)``: dense copies of the
+    codebook weights, fp32 matmul), host (``Options(cpu_step=False)``: the reference decoder's ops with
+    kernels/host_gemv.py on the stored codes) and step (the default: the CPU executor, models/cpu_ops.py);
   * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (a decode step's weight
     bytes: codes + fp16 codebooks), against the memory read bandwidth measured the same way: a numpy sum over a
     ``--bw-mb`` float32 array split over the same number of threads (best of 5 each);
   * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
-Torch's thread count is set to T for both paths (the host path follows ``torch.get_num_threads()``). Prints a
-markdown table (medians over the rounds, with the range); ``--out``: results.json there.
+Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``). Prints a
+markdown table (medians over the rounds, with the range; "step / llama.cpp" is the ratio of the medians);
+``--out``: results.json there.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import torch
 from ..kernels import host_gemv as hg
 
 PROMPT = "The history of the printing press begins"
+PATH_OPTIONS = {"torch": {"host_kernels": False}, "host": {"cpu_step": False}, "step": {}}
 
 
 def read_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
@@ -98,15 +101,19 @@ def main(argv=None) -> int:
     ap.add_argument("--bw-mb", type=int, default=512)
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
     ap.add_argument("--gguf", default=None, help="the GGUF that llama-bench decodes")
+    ap.add_argument("--paths", default="torch,host,step", help="comma-separated: torch, host, step")
     ap.add_argument("--out", default=None, metavar="DIR")
     a = ap.parse_args(argv)
     threads = [int(t) for t in a.threads.split(",")]
+    paths = [p for p in a.paths.split(",") if p]
+    if not paths or any(p not in PATH_OPTIONS for p in paths):
+        raise SystemExit(f"bench_cpu: --paths takes {', '.join(PATH_OPTIONS)}, got {a.paths!r}")
     if not hg.available():
         raise SystemExit(f"bench_cpu: host kernels unavailable: {hg.error()}")
-    models = {"torch": trapetum.load(a.model, options=Options(host_kernels=False)),
-              "host": trapetum.load(a.model, options=Options(host_kernels=True))}
-    ids = models["host"].encode(PROMPT)
-    gemvs = host_gemvs(models["host"].decoder)
+    models = {p: trapetum.load(a.model, options=Options(**PATH_OPTIONS[p])) for p in paths}
+    probe = models.get("step") or models.get("host") or trapetum.load(a.model)
+    ids = probe.encode(PROMPT)
+    gemvs = host_gemvs(probe.decoder)
     if not gemvs:
         raise SystemExit(f"bench_cpu: {a.model} has no 4/8-bit codebook projection")
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
@@ -130,8 +137,8 @@ def main(argv=None) -> int:
            "runs": runs}
     lines = [f"{a.model}: {_cpu_name()}, host path {hg.best_path()}, {len(gemvs)} host GEMVs "
              f"({nbytes / 1e6:.1f} MB per step), {a.tokens} new tokens, {a.rounds} rounds alternated",
-             "", "| threads | torch path tok/s | host path tok/s | speedup | llama.cpp tok/s | host GEMV GB/s "
-             "| read GB/s | GEMV / read |", "|---|---|---|---|---|---|---|---|"]
+             "", "| threads | " + " | ".join(f"{p} tok/s" for p in paths) + " | llama.cpp tok/s | step / llama.cpp "
+             "| host GEMV GB/s | read GB/s | GEMV / read |", "|---|" + "---|" * (len(paths) + 5)]
 
     def cell(k):
         v = runs.get(k)
@@ -139,9 +146,10 @@ def main(argv=None) -> int:
 
     for t in threads:
         med = {k: statistics.median(v) for k, v in runs.items() if k.endswith(f"t={t}")}
-        lines.append(f"| {t} | {cell(f'torch t={t}')} | {cell(f'host t={t}')} | "
-                     f"{med[f'host t={t}'] / med[f'torch t={t}']:.2f}x | {cell(f'llama.cpp t={t}')} | "
-                     f"{cell(f'gemv GB/s t={t}')} | {cell(f'read GB/s t={t}')} | "
+        ratio = (f"{med[f'step t={t}'] / med[f'llama.cpp t={t}']:.2f}x"
+                 if f"step t={t}" in med and f"llama.cpp t={t}" in med else "-")
+        lines.append(f"| {t} | " + " | ".join(cell(f"{p} t={t}") for p in paths) + f" | {cell(f'llama.cpp t={t}')} | "
+                     f"{ratio} | {cell(f'gemv GB/s t={t}')} | {cell(f'read GB/s t={t}')} | "
                      f"{med[f'gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} |")
     print("\n".join(lines))
     if a.out:

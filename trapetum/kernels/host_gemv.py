@@ -12,9 +12,9 @@ for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, 
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
-The C source ships in the package (kernels/host/codebook_host.c) and is compiled at first use with the
-system's C compiler (gcc or cc, about a second) into ``~/.cache/trapetum/host/``, keyed on the source text and
-the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
+The C sources ship in the package (kernels/host/codebook_host.c, and cpu_step.c: the decode step's small ops of
+kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
+second) into ``~/.cache/trapetum/host/``, keyed on the source texts and the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
 turns False: callers keep their torch path.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
+SOURCES = (SOURCE, SOURCE.parent / "cpu_step.c")  # one library: the GEMVs and the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 PATHS = ("c", "avx2", "avx512")  # index = the C side's path number
 HOST_BITS = (4, 8)
@@ -60,7 +61,7 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (gcc or cc on PATH); install gcc for the host kernels")
-    src = SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in SOURCES)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / f"codebook_host-{key}.so"
@@ -69,9 +70,11 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+                               timeout=300)
             if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[:400]}")
+                raise RuntimeError(f"{cc} failed on {', '.join(p.name for p in SOURCES)}: "
+                                   f"{(r.stderr or r.stdout).strip()[:400]}")
             os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
         finally:
             if os.path.exists(tmp):
@@ -84,6 +87,15 @@ def _build() -> ctypes.CDLL:
     lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, L, I, P, L, I, I]
     lib.tp_codebook_dequant.restype = I
     lib.tp_codebook_dequant.argtypes = [P, L, P, L, L, L, I, P, L]
+    lib.tp_gemv_multi.restype = I
+    lib.tp_gemv_multi.argtypes = [P, L, L, L, I, P, I, P, L, P, P, L, I, I, I]
+    F = ctypes.c_float
+    lib.tp_rmsnorm.restype = I
+    lib.tp_rmsnorm.argtypes = [P, L, L, L, P, F, F, P, L]
+    lib.tp_rope_kv.restype = I
+    lib.tp_rope_kv.argtypes = [P, L, P, L, P, L, L, L, L, L, L, I, P, P, P, P, L, L, L, P]
+    lib.tp_attend.restype = I
+    lib.tp_attend.argtypes = [P, L, P, L, P, L, L, L, L, L, L, I, P, P, P, P, L, L, L, L, F, F, P, P, L, I]
     return lib
 
 
@@ -101,6 +113,11 @@ def _load():
                 warnings.warn(f"trapetum: host kernels unavailable, the CPU dequantizes and multiplies ({_err})")
             _tried = True
     return _lib
+
+
+def library():
+    """The loaded library (ctypes), or None when unavailable (kernels/host_ops.py calls its step ops)."""
+    return _load()
 
 
 def available() -> bool:

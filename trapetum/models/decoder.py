@@ -21,6 +21,7 @@ from .batch import ForwardBatch, Mode
 from .blocks import decoder_forward, layer_forward
 from .checkpoint import Checkpoint
 from .config import LATENT_NORM_EPS, ModelConfig
+from .cpu_ops import CpuStep
 from .kv_cache import KVCache
 from .layers import RMSNorm, activation, rotaries
 from .schema import attention_names, expected_shapes, fetch, mla_names, mlp_names, moe_names
@@ -142,6 +143,7 @@ class Decoder(nn.Module):
         self.lm_head = lm_head
         g, loc = rotaries(cfg)
         self.rope_global, self.rope_local = g, loc
+        self.cpu_step: CpuStep | None = None  # use_host_kernels(): decode steps on the CPU executor (cpu_ops.py)
 
     # the model as decoder_forward reads it
     @property
@@ -166,6 +168,9 @@ class Decoder(nn.Module):
         rows one by one (row r bitwise the one-token forward at start_pos + r; models/torch_ops.py)."""
         T = tokens.shape[1]
         batch = ForwardBatch(mode, tokens, start_pos, T, "last" if last_only else "all")
+        step = self.cpu_step
+        if step is not None and step.applies(tokens, cache):  # 1..16 rows of one sequence: the host kernels
+            return step.run(decoder_forward, batch, cache, self).unsqueeze(0)
         pos = torch.arange(start_pos, start_pos + T, device=tokens.device)
         ops = TorchOps(self.config, (self.rope_global, self.rope_local), pos, cache, mode)
         return decoder_forward(batch, ops, self)
@@ -183,11 +188,15 @@ class Decoder(nn.Module):
         p = next(self.parameters())
         return KVCache(self.config, batch, max_len or self.config.context_length, p.dtype, p.device)
 
-    def use_host_kernels(self, threads: int | None = None) -> int:
+    def use_host_kernels(self, threads: int | None = None, step: bool = True) -> int:
         """Route the projections that can (4/8-bit codebooks on the CPU) through the host GEMV
         (``CodebookLinear.use_host``; their dense copies dropped); ``threads``: None follows
-        ``torch.get_num_threads()``. Returns how many projections use it."""
-        return sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads))
+        ``torch.get_num_threads()``. ``step``: passes of 1..16 rows over an fp32 CPU cache then run the CPU
+        executor (models/cpu_ops.py: fused GEMVs, the small ops in C) where the model is dense (attention + MLP
+        blocks). Returns how many projections use the host GEMV."""
+        n = sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads))
+        self.cpu_step = CpuStep(self.config, (self.rope_global, self.rope_local), threads) if n and step else None
+        return n
 
     def projections(self) -> dict[str, nn.Module]:
         """Canonical name -> projection module (q/k/v/o, gate/up/down, MLA's and the experts' projections,

@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -55,6 +56,15 @@ typedef struct {
   float *y; long ldy; int bits, path;
 } job_t;
 
+/* a call over several weights of one input (tp_gemv_multi): segment s holds global rows off[s] .. off[s+1]-1 */
+#define MAX_SEGS 4
+typedef struct {
+  job_t seg[MAX_SEGS];  /* each segment's job: its codes, codebooks, N and y already offset to its columns */
+  long off[MAX_SEGS + 1];
+  int nseg;
+  long N;               /* all rows */
+} multi_t;
+
 /* ---------------------------------------------------------------- portable path */
 static void rows_c(const job_t *j, long n0, long n1) {
   float t[256];
@@ -77,7 +87,16 @@ static void rows_c(const job_t *j, long n0, long n1) {
 
 #if TP_X86
 /* ---------------------------------------------------------------- AVX2 path */
-#define PF 4096 /* software prefetch distance along the codes (bytes): the hardware streamers alone leave the
+#ifndef PF
+#define PF 4096
+#endif
+#ifndef PF_MASK4
+#define PF_MASK4 3 /* 4-bit AVX-512: one prefetch per 4 blocks of 16 code bytes (a cache line) */
+#endif
+#ifndef PF_MASK8
+#define PF_MASK8 1 /* 8-bit AVX-512: one per 2 blocks of 32 */
+#endif
+/* PF: software prefetch distance along the codes (bytes): the hardware streamers alone leave the
                    kernel latency-bound on DRAM */
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -98,7 +117,6 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
   const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
   const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
   _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
-  const __m256i mask = _mm256_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
   __m256 a0[4], a1[4];
@@ -112,7 +130,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
       memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
     }
     __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256 w0 = look16(lo, hi, _mm256_and_si256(v, mask));
+    __m256 w0 = look16(lo, hi, v); /* bits 2:0 pick, bit 3 blends; the high nibble is shifted out */
     __m256 w1 = look16(lo, hi, _mm256_srli_epi32(v, 4));
     for (int r = 0; r < R; r++) {
       const float *x = j->xp + (m0 + r) * j->Kp + b * 16;
@@ -174,10 +192,10 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 #define STEP4_512(B, A, C)                                                                          \
   do {                                                                                              \
     const uint8_t *p = c + (B) * 16;                                                                \
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                                                \
+    if (!((B) & PF_MASK4)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                         \
     if ((B) >= full) { memset(tail, 0, 16); memcpy(tail, p, (j->K + 1) / 2 - (B) * 16); p = tail; } \
     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));                          \
-    __m512 w0 = _mm512_permutexvar_ps(_mm512_and_si512(v, mask), tab);                              \
+    __m512 w0 = _mm512_permutexvar_ps(v, tab); /* vpermps reads index bits 3:0: the low nibble */                              \
     __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tab);                                \
     for (int r = 0; r < R; r++) {                                                                   \
       const float *x = j->xp + (m0 + r) * j->Kp + (B) * 32;                                         \
@@ -189,7 +207,6 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 __attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
   const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
   _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
-  const __m512i mask = _mm512_set1_epi32(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   __m512 a0[4], a1[4], a2[4], a3[4];
@@ -219,7 +236,7 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
   uint8_t tail[32];
   for (long b = 0; b < nb; b++) {
     const uint8_t *p = c + b * 32;
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (!(b & PF_MASK8)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
     if (b >= full) { memset(tail, 0, 32); memcpy(tail, p, j->K - b * 32); p = tail; }
     __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
     __mmask32 k6 = _mm512_test_epi16_mask(v, b6), k7 = _mm512_test_epi16_mask(v, b7);
@@ -267,12 +284,20 @@ int tp_path(void) { /* the best path this CPU runs */
   return PATH_C;
 }
 
-static void run_rows(const job_t *j, long n0, long n1) {
+static void run_rows1(const job_t *j, long n0, long n1) {
 #if TP_X86
   if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
   if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
 #endif
   rows_c(j, n0, n1);
+}
+
+/* global rows n0 .. n1 - 1 of a multi-segment call: each segment's part by its own job (same sequence per row) */
+static void run_rows(const multi_t *mj, long n0, long n1) {
+  for (int s = 0; s < mj->nseg; s++) {
+    long a = n0 > mj->off[s] ? n0 : mj->off[s], b = n1 < mj->off[s + 1] ? n1 : mj->off[s + 1];
+    if (a < b) run_rows1(&mj->seg[s], a - mj->off[s], b - mj->off[s]);
+  }
 }
 
 /* ---------------------------------------------------------------- the thread pool */
@@ -289,7 +314,7 @@ static atomic_long gen;               /* bumped once per parallel call (wakes th
 static atomic_ullong claim;           /* (generation << 32) | (chunks << 16) | next chunk index */
 static atomic_long done_chunks;       /* chunks finished in the current call */
 static int sleepers;                  /* under wake_mu */
-static const job_t *cur_job;
+static const multi_t *cur_job;
 static int cur_nt;
 static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
 #define MAX_THREADS 256
@@ -313,7 +338,7 @@ static void work(unsigned long long g) {
     if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
       continue;
     /* chunk i of a live call (it cannot finish before this chunk): its job is the one published with the word */
-    const job_t *j = cur_job;
+    const multi_t *j = cur_job;
     long n0 = i * cur_chunk, n1 = n0 + cur_chunk < j->N ? n0 + cur_chunk : j->N;
     run_rows(j, n0, n1);
     atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
@@ -349,7 +374,7 @@ static void after_fork_child(void) { /* the workers did not survive the fork */
 
 static int atfork_done;
 
-static void parallel(const job_t *j, int nt) {
+static void parallel(const multi_t *j, int nt) {
   pthread_mutex_lock(&pool_mu);
   if (!atfork_done) { pthread_atfork(NULL, NULL, after_fork_child); atfork_done = 1; }
   while (n_workers < nt - 1) {
@@ -404,18 +429,12 @@ int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long
   return 0;
 }
 
-/* ---------------------------------------------------------------- entry point */
-/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
-int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
-                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
-  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
-  if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
-  if (M == 0 || N == 0) return 0;
-  if (path < 0) path = tp_path();
+/* ---------------------------------------------------------------- entry points */
+static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int path, long *Kp_out) {
   long blk = path == PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
-  if (!xp) return -2;
+  if (!xp) return NULL;
   for (long m = 0; m < M; m++) {
     const float *src = x + m * ldx;
     float *dst = xp + m * Kp;
@@ -426,11 +445,89 @@ int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *co
       memcpy(dst, src, (size_t)K * sizeof(float));
     }
   }
-  job_t j = {xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  *Kp_out = Kp;
+  return xp;
+}
+
+static void run_all(const multi_t *mj, int threads) {
   if (threads < 1) threads = 1;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads > N) threads = (int)N;
-  if (threads == 1) run_rows(&j, 0, N); else parallel(&j, threads);
+  if (threads > mj->N) threads = (int)mj->N;
+  if (threads == 1) run_rows(mj, 0, mj->N); else parallel(mj, threads);
+}
+
+/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
+int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
+                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
+  if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
+  if (M == 0 || N == 0) return 0;
+  if (path < 0) path = tp_path();
+  long Kp;
+  float *xp = prepare_x(x, ldx, M, K, bits, path, &Kp);
+  if (!xp) return -2;
+  multi_t mj;
+  mj.nseg = 1; mj.off[0] = 0; mj.off[1] = N; mj.N = N;
+  mj.seg[0] = (job_t){xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  run_all(&mj, threads);
   free(xp);
+  return 0;
+}
+
+static float act_f(float g, int act) {
+  if (act == 1) return g / (1.0f + expf(-g));                                  /* SiLU */
+  const float c = 0.7978845608028654f;                                         /* GELU, tanh form */
+  return 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g)));
+}
+
+/* Several weights of one input in one call: their output rows side by side, y fp32 [M, N_0 + .. + N_{n-1}].
+   segs: nseg x (codes pointer, ldc, codebook pointer, N) as longs; every segment has `bits`, K columns.
+   Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
+     act 0: y = res[m, n] + y (res NULL: none)
+     act 1 (SiLU) / 2 (GELU tanh): nseg 2, N_0 == N_1 = F: y [M, F] (stride ldy) = act(g) * u, the gate / up
+     outputs (bias included) computed into a scratch first.
+   Each output element is its row's one fixed sequence (batch-invariant, any thread count). */
+int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
+                  long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
+  if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[7]))) return -1;
+  multi_t mj;
+  long N = 0;
+  for (int s = 0; s < nseg; s++) {
+    if (segs[4 * s + 1] < (bits == 4 ? (K + 1) / 2 : K) || segs[4 * s + 3] < 0) return -1;
+    mj.off[s] = N; N += segs[4 * s + 3];
+  }
+  mj.off[nseg] = N; mj.nseg = nseg; mj.N = N;
+  if (act ? ldy < N / 2 : ldy < N) return -1;
+  if (M == 0 || N == 0) return 0;
+  if (path < 0) path = tp_path();
+  long Kp;
+  float *xp = prepare_x(x, ldx, M, K, bits, path, &Kp);
+  if (!xp) return -2;
+  float *out = y;
+  long ldo = ldy;
+  if (act) {
+    out = (float *)malloc((size_t)(M * N) * sizeof(float));
+    if (!out) { free(xp); return -2; }
+    ldo = N;
+  }
+  for (int s = 0; s < nseg; s++)
+    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)segs[4 * s], segs[4 * s + 1],
+                        (const uint16_t *)segs[4 * s + 2], segs[4 * s + 3], out + mj.off[s], ldo, bits, path};
+  run_all(&mj, threads);
+  free(xp);
+  for (long m = 0; m < M; m++) {
+    float *o = out + m * ldo;
+    if (bias) for (long n = 0; n < N; n++) o[n] = o[n] + bias[n];
+    if (act) {
+      long F = N / 2;
+      float *d = y + m * ldy;
+      for (long n = 0; n < F; n++) d[n] = act_f(o[n], act) * o[F + n];
+    } else if (res) {
+      const float *r = res + m * ldr;
+      for (long n = 0; n < N; n++) o[n] = r[n] + o[n];
+    }
+  }
+  if (act) free(out);
   return 0;
 }

@@ -1,0 +1,105 @@
+"""The CPU decode step's executor (models/cpu_ops.py) on tiny random models of every dense family, quantized
+(4-bit projections, 8-bit head): decode steps and short prompts against the float64 reference decoder (within
+1e-4 relative), greedy tokens identical to the reference decoder's own fp32 host path, VERIFY rows bitwise the
+decode steps, the same bits for every thread count, passes it does not take left to the reference ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trapetum
+from tiny_models import FAMILIES, ROPE_FAMILIES, build_cbk
+from trapetum.formats.detect import load_checkpoint
+from trapetum.kernels import host_gemv as hg
+from trapetum.models.batch import Mode
+from trapetum.models.decoder import Decoder
+from trapetum.settings import Options
+
+if not hg.available():
+    pytest.skip(f"host kernels unavailable: {hg.error()}", allow_module_level=True)
+
+PROMPT = [1, 5, 9, 14, 3, 22]
+STEPS = [7, 30, 11, 4, 18, 25, 6, 13, 40, 2, 9, 17, 21, 8]  # 20 positions in all: past the sliding windows (8)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+FAST = ("llama2", "qwen2", "gemma2")  # plain, q/k/v biases + tied head, softcaps + sliding windows + sandwich norms
+PARAMS = [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES + ROPE_FAMILIES]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def family(request, tmp_path_factory):
+    path = build_cbk(request.param, tmp_path_factory.mktemp(request.param))
+    ref = Decoder.from_checkpoint(load_checkpoint(str(path)), dtype=torch.float64).eval()
+    return request.param, path, ref
+
+
+def _steps(dec):
+    """Logits [T, V] of the prompt pass then one decode step per STEPS token, over a fresh cache."""
+    cache = dec.new_cache(1, 64)
+    with torch.inference_mode():
+        rows = [dec(torch.tensor([PROMPT]), cache, 0)[0]]
+        for i, t in enumerate(STEPS):
+            rows.append(dec(torch.tensor([[t]]), cache, len(PROMPT) + i)[0])
+    return torch.cat(rows)
+
+
+def test_steps_match_the_float64_reference(family):
+    name, path, ref = family
+    m = trapetum.load(path)
+    dec = m.decoder
+    assert dec.cpu_step is not None and dec.cpu_step.dense
+    got = _steps(dec)
+    assert dec.cpu_step._plan is not None  # the passes ran on the CPU executor
+    with torch.inference_mode():
+        want = ref(torch.tensor([PROMPT + STEPS]))[0]
+    assert _rel(got, want) < 1e-4, name
+    for p in range(got.shape[0]):
+        assert _rel(got[p], want[p]) < 1e-4, (name, p)
+
+
+def test_greedy_tokens_equal_the_reference_decoders(family):
+    name, path, ref = family
+    new = trapetum.load(path).generate(PROMPT, max_new_tokens=12, ignore_eos=True).token_ids
+    old = trapetum.load(path, options=Options(cpu_step=False)).generate(PROMPT, max_new_tokens=12,
+                                                                         ignore_eos=True).token_ids
+    assert new == old, name
+    with torch.inference_mode():
+        logits = ref(torch.tensor([PROMPT + new]))[0]
+    for i, t in enumerate(new):  # each the float64 argmax, up to a near tie
+        row = logits[len(PROMPT) - 1 + i]
+        assert row[t] >= row.max() - 1e-4 * row.abs().max(), (name, i)
+
+
+def test_verify_rows_are_bitwise_the_decode_steps_for_every_thread_count(family):
+    name, path, _ = family
+    base = None
+    for threads in (1, 2, 3):
+        dec = trapetum.load(path, threads=threads).decoder
+        with torch.inference_mode():
+            c1, c2 = dec.new_cache(1, 64), dec.new_cache(1, 64)
+            dec(torch.tensor([PROMPT]), c1, 0)
+            dec(torch.tensor([PROMPT]), c2, 0)
+            rows = dec(torch.tensor([STEPS[:9]]), c1, len(PROMPT), mode=Mode.VERIFY)[0]
+            steps = torch.cat([dec(torch.tensor([[t]]), c2, len(PROMPT) + i)[0] for i, t in enumerate(STEPS[:9])])
+        assert torch.equal(rows, steps), (name, threads)
+        assert torch.equal(c1.k[0][:, :, :15], c2.k[0][:, :, :15])
+        if base is None:
+            base = rows
+        assert torch.equal(rows, base), (name, threads)
+
+
+def test_other_passes_keep_the_reference_ops(family):
+    name, path, _ = family
+    dec = trapetum.load(path).decoder
+    step = dec.cpu_step
+    assert not step.applies(torch.zeros(2, 3, dtype=torch.long), dec.new_cache(2, 8))  # two sequences
+    assert not step.applies(torch.zeros(1, 17, dtype=torch.long), dec.new_cache(1, 32))  # a long prompt
+    assert not step.applies(torch.zeros(1, 1, dtype=torch.long), None)  # no cache
+    assert not step.applies(torch.zeros(1, 1, dtype=torch.long), dec.new_cache(1, 8).__class__(
+        dec.config, 1, 8, torch.float64))  # a float64 cache
+    off = trapetum.load(path, options=Options(cpu_step=False)).decoder
+    assert off.cpu_step is None

@@ -1,0 +1,139 @@
+/* Host (CPU) small ops of a decode step (models/cpu_ops.py), fp32, one thread (they are tiny next to the GEMVs).
+
+   tp_rmsnorm    y[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * (w + offset)     rows of D features
+                 (the mean accumulated in double; x and y may be the same memory)
+   tp_rope_kv    rows m = 0 .. M-1 at positions start + m: q, k rotated by RoPE (cos / sin [M, rd] of each row,
+                 the first rd of hd features; rotate-half, or the interleaved pairs written de-interleaved as
+                 models/rope.py does), q into qo [M, Hq, hd], k and v into the cache (kc, vc: [Hkv, *, hd] with
+                 head stride hs and position stride ps, fp32) at start + m
+   tp_attend     tp_rope_kv, then each row's attention: query row m (head h reads kv head h / (Hq / Hkv)) over the
+                 cache positions lo .. start + m (lo: start + m + 1 - window, or 0), fp32 scores times scale
+                 (softcap: tanh(s / cap) * cap), softmax (max subtracted, sums in double), weighted values ->
+                 out [M, Hq * hd]; each row alone, as the decode step at its position computes it
+   The RoPE is the reference's own arithmetic (x * c + (-x') * s with no contraction: -ffp-contract=off), so
+   its bits equal torch's elementwise ops. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int tp_rmsnorm(const float *x, long ldx, long rows, long D, const float *w, float offset, float eps, float *y,
+               long ldy) {
+  if (rows < 0 || D < 1 || ldx < D || ldy < D) return -1;
+  for (long r = 0; r < rows; r++) {
+    const float *xr = x + r * ldx;
+    float *yr = y + r * ldy;
+    double s = 0.0;
+    for (long i = 0; i < D; i++) s += (double)xr[i] * (double)xr[i];
+    float inv = 1.0f / sqrtf((float)(s / (double)D) + eps);
+    for (long i = 0; i < D; i++) yr[i] = (xr[i] * inv) * (w[i] + offset);
+  }
+  return 0;
+}
+
+static void rope_row(const float *x, float *o, long hd, long rd, int interleave, const float *c, const float *s) {
+  long h = rd / 2;
+  if (interleave) {
+    for (long i = 0; i < h; i++) {
+      float x1 = x[2 * i], x2 = x[2 * i + 1];
+      o[i] = x1 * c[i] - x2 * s[i];
+      o[h + i] = x2 * c[i] + x1 * s[i];
+    }
+  } else {
+    for (long i = 0; i < h; i++) {
+      float x1 = x[i], x2 = x[h + i];
+      o[i] = x1 * c[i] + (-x2) * s[i];
+      o[h + i] = x2 * c[h + i] + x1 * s[h + i];
+    }
+  }
+  for (long i = rd; i < hd; i++) o[i] = x[i];
+}
+
+int tp_rope_kv(const float *q, long ldq, const float *k, long ldk, const float *v, long ldv, long M, long Hq,
+               long Hkv, long hd, long rd, int interleave, const float *cos, const float *sin, float *kc, float *vc,
+               long hs, long ps, long start, float *qo) {
+  if (M < 0 || Hq < 1 || Hkv < 1 || hd < 1 || rd < 0 || rd > hd || (rd & 1) || start < 0) return -1;
+  for (long m = 0; m < M; m++) {
+    const float *c = cos + m * rd, *s = sin + m * rd;
+    for (long h = 0; h < Hq; h++) rope_row(q + m * ldq + h * hd, qo + (m * Hq + h) * hd, hd, rd, interleave, c, s);
+    for (long h = 0; h < Hkv; h++) {
+      float *kd = kc + h * hs + (start + m) * ps, *vd = vc + h * hs + (start + m) * ps;
+      rope_row(k + m * ldk + h * hd, kd, hd, rd, interleave, c, s);
+      memcpy(vd, v + m * ldv + h * hd, (size_t)hd * sizeof(float));
+    }
+  }
+  return 0;
+}
+
+/* dot and axpy over one head's features: 16 fixed lanes, reduced in a fixed order (vectorised by the compiler
+   under the target attribute of the caller's clone; the same arithmetic on every path) */
+#define LANES 16
+#define ATTEND_BODY                                                                                         \
+  {                                                                                                         \
+    long rep = Hq / Hkv;                                                                                    \
+    for (long m = 0; m < M; m++) {                                                                          \
+      long S = start + m + 1, lo = window > 0 && S > window ? S - window : 0, L = S - lo;                   \
+      for (long h = 0; h < Hq; h++) {                                                                       \
+        const float *qh = qo + (m * Hq + h) * hd;                                                           \
+        const float *kb = kc + (h / rep) * hs + lo * ps, *vb = vc + (h / rep) * hs + lo * ps;               \
+        float mx = -INFINITY;                                                                               \
+        for (long j = 0; j < L; j++) {                                                                      \
+          const float *kj = kb + j * ps;                                                                    \
+          float acc[LANES] = {0};                                                                           \
+          long i = 0;                                                                                       \
+          for (; i + LANES <= hd; i += LANES)                                                               \
+            for (int l = 0; l < LANES; l++) acc[l] += qh[i + l] * kj[i + l];                                \
+          for (; i < hd; i++) acc[i % LANES] += qh[i] * kj[i];                                              \
+          for (int w = LANES / 2; w > 0; w /= 2)                                                            \
+            for (int l = 0; l < w; l++) acc[l] += acc[l + w];                                               \
+          float sc = acc[0] * scale;                                                                        \
+          if (softcap > 0) sc = tanhf(sc / softcap) * softcap;                                              \
+          sbuf[j] = sc;                                                                                     \
+          if (sc > mx) mx = sc;                                                                             \
+        }                                                                                                   \
+        double tot = 0.0;                                                                                   \
+        for (long j = 0; j < L; j++) { sbuf[j] = expf(sbuf[j] - mx); tot += sbuf[j]; }                      \
+        float inv = (float)(1.0 / tot);                                                                     \
+        float *o = out + m * ldo + h * hd;                                                                  \
+        for (long i = 0; i < hd; i++) o[i] = 0.0f;                                                          \
+        for (long j = 0; j < L; j++) {                                                                      \
+          const float *vj = vb + j * ps;                                                                    \
+          float pj = sbuf[j] * inv;                                                                         \
+          for (long i = 0; i < hd; i++) o[i] += pj * vj[i];                                                 \
+        }                                                                                                   \
+      }                                                                                                     \
+    }                                                                                                       \
+  }
+
+#define ATTEND_ARGS                                                                                         \
+  (const float *qo, long M, long Hq, long Hkv, long hd, const float *kc, const float *vc, long hs, long ps,  \
+   long start, long window, float scale, float softcap, float *out, long ldo, float *sbuf)
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512vl,avx2,fma"))) static void attend_512 ATTEND_ARGS ATTEND_BODY
+__attribute__((target("avx2,fma"))) static void attend_avx2 ATTEND_ARGS ATTEND_BODY
+#endif
+static void attend_c ATTEND_ARGS ATTEND_BODY
+
+int tp_path(void);
+
+/* path: as tp_codebook_gemv's (< 0: the best); window <= 0: none; softcap <= 0: none */
+int tp_attend(const float *q, long ldq, const float *k, long ldk, const float *v, long ldv, long M, long Hq,
+              long Hkv, long hd, long rd, int interleave, const float *cos, const float *sin, float *kc, float *vc,
+              long hs, long ps, long start, long window, float scale, float softcap, float *qo, float *out,
+              long ldo, int path) {
+  if (Hkv < 1 || Hq % Hkv || ldo < Hq * hd) return -1;
+  int rc = tp_rope_kv(q, ldq, k, ldk, v, ldv, M, Hq, Hkv, hd, rd, interleave, cos, sin, kc, vc, hs, ps, start, qo);
+  if (rc) return rc;
+  float *sbuf = (float *)malloc((size_t)(start + M) * sizeof(float));
+  if (!sbuf) return -2;
+  if (path < 0) path = tp_path();
+#if defined(__x86_64__)
+  if (path == 2) attend_512(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
+  else if (path == 1) attend_avx2(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
+  else
+#endif
+  attend_c(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
+  free(sbuf);
+  return 0;
+}

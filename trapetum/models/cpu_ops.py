@@ -1,0 +1,192 @@
+"""CpuOps: the CPU decode step's executor of the model's blocks (models/blocks), on the host kernels.
+
+Used by ``Decoder.forward`` (after ``Decoder.use_host_kernels``) for passes of one sequence of M = 1..16 rows at
+positions start .. start + M - 1 over a KVCache of fp32 on the CPU (decode steps, VERIFY rows, short prompts) of
+dense models (attention + MLP blocks) whose projections are 4/8-bit codebooks; other passes run TorchOps.
+
+Layouts: the residual stream is fp32 [M, D] (the reference's [1, M, D] without its batch dim); a layer is a
+handful of calls into C (kernels/host_ops.py): RMSNorm; one GEMV over the fused q/k/v rows (+ bias); RoPE of q
+and k with the k / v append into the cache; o GEMV + residual; RMSNorm; one gate/up GEMV with act(gate) * up;
+down GEMV + residual. Attention is C over the cache's own storage (RoPE, the append, then each row's scores,
+softmax and weighted values: row r over positions up to start + r, its sliding window, softcap). The block
+parameters are built once (``_Plan``), the outputs allocated per call (torch's CPU allocator caches them).
+
+Contracts (tests/test_cpu_ops.py): every op works row by row with one fixed sequence per row, so row r of an M-row
+pass is bitwise the decode step at start + r (VERIFY rows equal decode steps), and the results are the same for
+every thread count (the GEMV's contract; torch runs at one thread during the pass, the host pool uses
+``threads``). Against the float64 reference decoder: fp32 rounding (logits within 1e-4 relative).
+Projections that the host GEMV does not take (other schemes, bit widths) run their own modules (torch).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..errors import TrapetumError
+from ..kernels import host_ops as ho
+from .batch import MAX_VERIFY_ROWS, ForwardBatch
+from .config import ModelConfig
+
+
+def _host_parts(mods) -> tuple | None:
+    """(parts, bits, in_features) of modules that all run the host GEMV with one bit width and input, else None."""
+    parts, bits, k = [], None, None
+    for m in mods:
+        host = getattr(m, "host", None)
+        if host is None or host.codes is not m.codes or host.codebook is not m.codebook:
+            return None
+        if bits is not None and (m.bits != bits or m.in_features != k):
+            return None
+        bits, k = m.bits, m.in_features
+        b = m.bias
+        if b is not None and b.dtype != torch.float32:
+            return None
+        parts.append((m.codes, m.codebook, b))
+    return parts, bits, k
+
+
+class _Plan:
+    """The model as decoder_forward reads it (embed, layers with their ``blocks``, final_norm, head), its block
+    parameters built once (the reference decoder's ``Block.blocks`` builds them at every pass)."""
+
+    def __init__(self, model):
+        self.embed, self.final_norm, self.head = model.embed, model.final_norm, model.head
+        self.layers = [SimpleNamespace(blocks=layer.blocks) for layer in model.layers]
+
+
+class CpuStep:
+    """One decoder's CPU step state: its block parameters and fused host weights (built on first use; modules
+    replaced afterwards are not seen: call ``Decoder.use_host_kernels`` again) and the host thread count (None:
+    ``torch.get_num_threads()`` when a pass starts)."""
+
+    def __init__(self, cfg: ModelConfig, rotaries, threads: int | None = None):
+        self.cfg, self.threads = cfg, threads
+        g, loc = rotaries
+        self.rotaries = {False: g, True: loc if loc is not None else g}
+        self._fused: dict = {}
+        self._plan: _Plan | None = None
+        self.dense = all(cfg.block_kinds(i) == ("attention", "mlp") for i in range(cfg.num_layers))
+
+    def fused(self, w, act: str | None = None):
+        """The FusedGemv of projection ``w`` (a module, or a tuple of modules of one input; the plan's objects,
+        so their ids are stable), or False where the host GEMV does not take it."""
+        f = self._fused.get(id(w))
+        if f is None:
+            mods = tuple(w[:2]) if act is not None else tuple(w) if isinstance(w, (tuple, list)) else (w,)
+            spec = _host_parts(mods)
+            ok = spec is not None and (act is None or act in ho.ACTS)
+            f = self._fused[id(w)] = ho.FusedGemv(*spec, act=act) if ok else False
+        return f
+
+    def applies(self, tokens: torch.Tensor, cache) -> bool:
+        """Whether a pass of ``tokens`` [B, T] over ``cache`` runs here."""
+        if not self.dense or cache is None or tokens.dim() != 2 or tokens.shape[0] != 1:
+            return False
+        if not 1 <= tokens.shape[1] <= MAX_VERIFY_ROWS or tokens.device.type != "cpu":
+            return False
+        k = cache.k[0]
+        return k.dtype == torch.float32 and k.device.type == "cpu" and k.shape[0] == 1 and k.stride(3) == 1
+
+    def run(self, forward, batch: ForwardBatch, cache, model) -> torch.Tensor:
+        """``forward(batch, ops, model)`` (blocks.decoder_forward) with torch at one thread; logits [M', V]."""
+        if self._plan is None:
+            self._plan = _Plan(model)
+        nt = torch.get_num_threads()
+        ops = CpuOps(self, cache, batch, nt if self.threads is None else self.threads)
+        if nt == 1:
+            return forward(batch, ops, self._plan)
+        torch.set_num_threads(1)
+        try:
+            return forward(batch, ops, self._plan)
+        finally:
+            torch.set_num_threads(nt)
+
+
+class CpuOps:
+    def __init__(self, step: CpuStep, cache, batch: ForwardBatch, threads: int):
+        self.step, self.cfg, self.cache, self.threads = step, step.cfg, cache, threads
+        self.start, self.m = int(batch.start), int(batch.n)
+        if self.start + self.m > cache.max_len:
+            raise TrapetumError(f"context overflow: position {self.start + self.m} exceeds the KV cache size "
+                                f"{cache.max_len}")
+        self._tables: dict = {}
+
+    def _rope(self, sliding: bool):
+        """cos, sin fp32 [M, rd]: row r as the decode step at start + r computes it (alone: its own length)."""
+        key = bool(sliding)
+        if key not in self._tables:
+            rope = self.step.rotaries[key]
+            rows = [rope.cos_sin(torch.tensor([self.start + r])) for r in range(self.m)]
+            cos = torch.cat([c for c, _ in rows]).float().contiguous()
+            sin = torch.cat([s for _, s in rows]).float().contiguous()
+            self._tables[key] = (cos, sin, rope.interleave)
+        return self._tables[key]
+
+    # -- norms, adds, heads --------------------------------------------------------------------
+    def norm(self, x, w, eps=None):
+        wt = w.weight
+        if wt.dtype != torch.float32 or x.dtype != torch.float32:
+            return w(x)
+        shape = x.shape
+        if x.dim() != 2 or x.stride(1) != 1:
+            x = x.reshape(-1, shape[-1]).contiguous()
+        return ho.rmsnorm(x, wt.detach(), w.eps, w.offset).view(shape)
+
+    def split(self, x, sizes):
+        return torch.split(x, list(sizes), dim=-1)
+
+    def add(self, x, y):
+        return x + y
+
+    def heads(self, qkv):
+        cfg = self.cfg
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        n = qkv.shape[0]
+        return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
+                qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
+                qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
+
+    # -- projections -------------------------------------------------------------------------
+    def project(self, w, x, residual=None):
+        f = self.step.fused(w)
+        if not f or x.dtype != torch.float32 or (residual is not None and residual.dtype != torch.float32):
+            mods = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+            y = torch.cat([m(x) for m in mods], -1) if len(mods) > 1 else mods[0](x)
+            return y if residual is None else residual + y
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if residual is not None and residual.stride(-1) != 1:
+            residual = residual.contiguous()
+        return f.run(x, torch.empty(x.shape[0], f.out_features), residual, self.threads)
+
+    def gate_up(self, w, x):
+        f = self.step.fused(w, self.cfg.hidden_act)
+        if not f or x.dtype != torch.float32:
+            gate, up, act = w
+            return act(gate(x)) * up(x)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return f.run(x, torch.empty(x.shape[0], f.out_features), None, self.threads)
+
+    # -- embedding and logits ----------------------------------------------------------------
+    def embed(self, table, batch: ForwardBatch):
+        x = table(batch.tokens.reshape(-1))
+        if self.cfg.embed_scale is not None:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
+
+    def logits(self, head, h):
+        logits = self.project(head, h).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    # -- attention ---------------------------------------------------------------------------
+    def attend(self, q, k, v, batch: ForwardBatch, p):
+        cfg = self.cfg
+        kc, vc = self.cache.k[p.layer][0], self.cache.v[p.layer][0]  # [Hkv, max_len, hd]
+        cos, sin, inter = self._rope(p.sliding)
+        if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+            q, k, v = q.float(), k.float(), v.float()
+        hd = cfg.head_dim
+        q, k, v = (t if t.stride(1) == hd and t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+        return ho.attend(q, k, v, cos, sin, kc, vc, self.start, cfg.scale, inter,
+                         cfg.sliding_window if p.sliding else None, cfg.attn_softcap, checked=False)
