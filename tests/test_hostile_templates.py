@@ -192,7 +192,7 @@ def test_cli_sampling_values(evil_gguf):
     r = _cli("generate", str(evil_gguf), "ab", "--temperature", "1e-300", "--max-new-tokens", "2")
     assert r.returncode == 0, r.stderr
     r = _cli("generate", str(evil_gguf), "ab", "--repetition-penalty", "1e-300", "--max-new-tokens", "2")
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "repetition_penalty" in r.stderr, r.stderr
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "--repetition-penalty" in r.stderr, r.stderr
 
 
 def test_interactive_chat_survives_a_refused_turn(tmp_path):
