@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..chat_template import ChatTemplateError
-from ._common import add_device, add_draft, add_sampling, apply_threads, draft_kwargs, settings_from
+from ._common import add_device, add_draft, add_sparsity, add_sampling, apply_threads, draft_kwargs, settings_from
 
 HELP = "Type a message and press Enter. /reset clears the conversation, /exit (or Ctrl-D) quits."
 
@@ -16,6 +16,7 @@ def register(sub) -> None:
     add_device(p)
     add_sampling(p, temperature=0.7, max_new=512)
     add_draft(p)
+    add_sparsity(p)
     p.set_defaults(func=run)
 
 
@@ -23,7 +24,7 @@ def run(args) -> int:
     from ..api import load
     s = settings_from(args)
     apply_threads(args)
-    m = load(args.model, device=args.device, **draft_kwargs(args))
+    m = load(args.model, device=args.device, sparsity=args.sparsity, **draft_kwargs(args))
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     base = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(base)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import add_device, add_draft, add_sampling, apply_threads, draft_kwargs, settings_from
+from ._common import add_device, add_draft, add_sparsity, add_sampling, apply_threads, draft_kwargs, settings_from
 
 
 def register(sub) -> None:
@@ -20,6 +20,7 @@ def register(sub) -> None:
     add_device(p)
     add_sampling(p)
     add_draft(p)
+    add_sparsity(p)
     p.set_defaults(func=run)
 
 
@@ -30,7 +31,8 @@ def run(args) -> int:
     model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
     s = settings_from(args)
     apply_threads(args)
-    m = load(model_path, device=args.device, precise_prefill=args.precise_prefill, **draft_kwargs(args))
+    m = load(model_path, device=args.device, precise_prefill=args.precise_prefill, sparsity=args.sparsity,
+             **draft_kwargs(args))
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)
