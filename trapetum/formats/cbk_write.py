@@ -310,12 +310,12 @@ class CbkWriter:
 
 def write_cbk(path: str | os.PathLike, *, config: ModelConfig, dense: Mapping[str, torch.Tensor],
               quantized: Mapping[str, QuantRecord], tokenizer: Tokenizer | None = None, recipe: dict | None = None,
-              provenance: dict | None = None, generation: dict | None = None) -> Path:
+              provenance: dict | None = None, generation: dict | None = None, sparsity: dict | None = None) -> Path:
     """Write a ``.cbk`` file atomically. ``dense``: canonical name -> tensor; ``quantized``: canonical
     weight name -> QuantRecord. Values are read twice (spec, then bytes): for a source that is costly to
     produce (quantized on the fly), use ``CbkWriter`` with the specs declared up front."""
     w = CbkWriter(path, config=config, tokenizer=tokenizer, recipe=recipe, provenance=provenance,
-                  generation=generation)
+                  generation=generation, sparsity=sparsity)
     try:
         for name, t in dense.items():
             w.declare_dense(name, TensorSpec.of(t))
