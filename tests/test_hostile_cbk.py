@@ -1,5 +1,5 @@
-"""Hostile .cbk metadata: every config, tokenizer, recipe, provenance and generation field set to random JSON
-values (the metadata hash recomputed, as an attacker would), then open, verify, load and generate.
+"""Hostile .cbk metadata: every config, tokenizer, recipe, provenance, generation and sparsity field set to random
+JSON values (the metadata hash recomputed, as an attacker would), then open, verify, load and generate.
 
 The outcome must be a FormatError (one line, naming the file) at open, or a file that verifies, loads and
 generates (a TrapetumError from load or generation is allowed only when it names the problem in one line).
@@ -27,12 +27,14 @@ from trapetum.models.config import ModelConfig
 SECONDS = 8.0
 CASE_LIMIT_S = 10.0
 RSS_LIMIT = 2 << 30
+SPARSITY = {"version": 1, "layers": [{"qkv": 0.1, "o": 0.2, "gate_up": 0.1, "down": 0.3}] * 2}
 
 CONFIG_FIELDS = [f for f in ModelConfig.__dataclass_fields__]
 TOKENIZER_FIELDS = ["tokenizer_json", "bos_token", "eos_tokens", "chat_template", "extra_special"]
 OTHER = {"recipe": ["layer_errors", "bits_per_weight", "hf_config", "bits"],
          "provenance": ["source", "created", "tool_version"],
-         "generation": ["eos_token_id", "temperature", "do_sample"]}
+         "generation": ["eos_token_id", "temperature", "do_sample"],
+         "sparsity": ["version", "layers", "targets", "method", "calibration"]}
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -128,7 +130,8 @@ def exercise(path) -> str:
         return "refused at open"
     problems = cbk.verify()
     try:
-        m = Model(cbk.to_checkpoint(), device="cpu")
+        # a sparsity section that passed the checks is applied (activation sparsity, models/sparsity.py)
+        m = Model(cbk.to_checkpoint(), device="cpu", sparsity="on" if cbk.sparsity is not None else None)
         m.generate([1, 2, 3], max_new_tokens=3, temperature=0.7, seed=0)
         if m.tokenizer is not None and m.tokenizer.chat_template:
             m.chat([{"role": "user", "content": "hello"}], max_new_tokens=2)
@@ -144,7 +147,8 @@ def valid(tmp_path_factory) -> bytes:
     cfg, dense, quantized = tiny_model(tiny_config(num_layers=2, vocab_size=16))
     write_cbk(path, config=cfg, dense=dense, quantized=quantized, tokenizer=tiny_tokenizer(),
               recipe={"bits": 4, "layer_errors": {"x": 0.1}}, provenance={"source": "x"},
-              generation={"eos_token_id": 2})
+              generation={"eos_token_id": 2},
+              sparsity=SPARSITY)
     return path.read_bytes()
 
 
@@ -199,6 +203,9 @@ def test_metadata_fuzz():
     ("recipe", "layer_errors", {"a": "x"}, "layer_errors"),
     ("recipe", "hf_config", {"quantization_config": []}, "quantization_config"),
     ("provenance", "source", 5, "provenance.source"),
+    ("sparsity", "layers", [{"qkv": 0.1}] * 2, r"sparsity.layers\[0\].o"),
+    ("sparsity", "version", "1", "sparsity.version"),
+    ("sparsity", "targets", {"down": 2}, "sparsity.targets.down"),
 ])
 def test_known_crashers_refused_at_open(valid, tmp_path, capsys, section, field, value, match):
     """The reproductions of issue 21 (4): refused by ``verify`` and ``load`` alike, the field named."""
@@ -221,7 +228,7 @@ def _run_main(tmp: Path, seconds: float, cases: int | None, seed: int) -> dict:
     cfg, dense, quantized = tiny_model(tiny_config(num_layers=2, vocab_size=16))
     write_cbk(p, config=cfg, dense=dense, quantized=quantized, tokenizer=tiny_tokenizer(),
               recipe={"bits": 4, "layer_errors": {"x": 0.1}}, provenance={"source": "x"},
-              generation={"eos_token_id": 2})
+              generation={"eos_token_id": 2}, sparsity=SPARSITY)
     return run(p.read_bytes(), tmp / "case.cbk", seconds, cases, seed)
 
 

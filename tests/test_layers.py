@@ -40,6 +40,7 @@ FLOORS: list[tuple[str, ...]] = [  # top first
 ROOT_ROOM = "api"  # trapetum/__init__.py: the API's facade (``trapetum.load``), so it stands where api stands
 SAME_FLOOR = {  # (importer, imported) within one floor, and why
     ("settings", "errors"): "settings raises ConfigError, the error type of every bad switch",
+    ("api", "quant"): "trapetum.sparsify (the facade in trapetum/__init__.py) runs quant/sparsify.py's calibration",
 }
 STILL_UP: dict[str, str] = {  # room -> its imports that still point up (none left: the restructuring is done)
 }

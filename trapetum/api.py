@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import TrapetumError, UnsupportedError
+from .errors import FormatError, TrapetumError, UnsupportedError
 from .formats.detect import default_model_path, load_checkpoint
 from .models.checkpoint import Checkpoint
 from .models.decoder import Decoder
@@ -53,7 +53,7 @@ class Model:
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
                  draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-                 draft_mask_token: int | None = None, threads: int | None = None):
+                 draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -71,6 +71,7 @@ class Model:
         self.path = ckpt.source
         self.name = Path(ckpt.source).name
         self.device = device
+        self.sparsity = resolve_sparsity(ckpt, sparsity)  # SparsityTable or None (dense)
         on_engine = device.startswith("cuda") and options.engine == "gpu"
         # the precise prefill belongs to the GPU engine (the CPU reference is fp32 already)
         self.precise_prefill = on_engine and options.prefill == "precise"
@@ -81,7 +82,7 @@ class Model:
         self._decoder = None
         if on_engine:
             from .runtime.engine import GpuEngine
-            self.runner = GpuEngine(ckpt, self.context_size, device=device, options=options)
+            self.runner = GpuEngine(ckpt, self.context_size, device=device, options=options, sparsity=self.sparsity)
         else:
             self.runner = ReferenceRunner(self.decoder)
         self.speculative = None  # the speculative Runner when a drafter was given (runtime/speculative)
@@ -129,6 +130,7 @@ class Model:
             dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
             if self.device == "cpu" and self.options.host_kernels:
                 dec.use_host_kernels(self.threads, step=self.options.cpu_step)
+            dec.set_sparsity(self.sparsity)
             self._decoder = dec
         return self._decoder
 
@@ -202,10 +204,36 @@ class Model:
         return describe(self.checkpoint, self.decoder)
 
 
+def resolve_sparsity(ckpt: Checkpoint, sparsity: Any):
+    """The activation-sparsity table ``sparsity`` names (models/sparsity.py): None / "off" (dense), "on" (the
+    thresholds in the .cbk's ``sparsity`` section), a side file's path, or a SparsityTable."""
+    from .models.sparsity import SparsityTable, check_sparse_kinds, read_side_file
+
+    if sparsity is None or sparsity is False or sparsity == "off":
+        return None
+    check_sparse_kinds(ckpt.config)
+    n = ckpt.config.num_layers
+    if isinstance(sparsity, SparsityTable):
+        sparsity.check_model(n, ckpt.source)
+        return sparsity
+    if sparsity == "on":
+        meta = ckpt.meta or {}
+        if meta.get("sparsity") is not None:
+            return meta["sparsity"]
+        if meta.get("sparsity_version") is not None:
+            raise FormatError(f"{ckpt.source}: its sparsity section has version {meta['sparsity_version']}; this "
+                              "build reads version 1")
+        raise TrapetumError(f"{ckpt.source}: --sparsity on: the model has no sparsity section (run trapetum sparsify "
+                            "MODEL --calib FILE --sparsity S, or pass a side file)")
+    if not isinstance(sparsity, (str, os.PathLike)):
+        raise TrapetumError(f"sparsity must be 'on', 'off', a file or a SparsityTable, got {type(sparsity).__name__}")
+    return read_side_file(sparsity, n)
+
+
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
          max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
          draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-         draft_mask_token: int | None = None, threads: int | None = None) -> Model:
+         draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
     On CUDA the GPU engine is built from the checkpoint tensor by tensor (its weights held once, in the kernels'
@@ -220,7 +248,12 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torc
     per verify round (1..15), ``draft_adaptive`` lets it move. The drafter runs on the same device.
 
     ``threads``: threads of the CPU's host kernels (4/8-bit codebook projections; None: ``torch.get_num_threads()``
-    at each call, which the CLI's ``--threads`` sets)."""
+    at each call, which the CLI's ``--threads`` sets).
+
+    ``sparsity`` (activation sparsity, TEAL; models/sparsity.py): None (dense, the default: the dense path, bit for
+    bit), "on" (the thresholds of a .cbk's ``sparsity`` section, ``trapetum sparsify``), a side file of
+    thresholds (GGUF / HF models), or a SparsityTable. The drafter of speculative decoding stays dense."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
                  precise_prefill=precise_prefill, options=options, draft=draft, draft_k=draft_k,
-                 draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token, threads=threads)
+                 draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token, threads=threads,
+                 sparsity=sparsity)

@@ -54,6 +54,13 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                    help="the model (instead of the first positional argument)")
 
 
+def add_sparsity(p: argparse.ArgumentParser) -> None:
+    """Activation sparsity (TEAL, models/sparsity.py): thresholds from ``trapetum sparsify``."""
+    p.add_argument("--sparsity", default=None, metavar="FILE|on",
+                   help="activation sparsity: 'on' (the thresholds stored in the .cbk by trapetum sparsify) or a "
+                        "side file of thresholds (GGUF / HF models); default: dense")
+
+
 def add_draft(p: argparse.ArgumentParser) -> None:
     """Exact speculative decoding (trapetum/runtime/speculative): greedy output identical to plain decoding,
     sampling exact in distribution."""

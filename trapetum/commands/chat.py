@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, apply_threads, context_of,
-                      draft_kwargs, loading, settings_from)
+from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, add_sparsity, apply_threads,
+                      context_of, draft_kwargs, loading, settings_from)
 
 HELP = "Type a message and press Enter; /help lists the commands, /exit (or Ctrl-D) quits."
 COMMANDS = """commands:
@@ -30,6 +30,7 @@ def register(sub) -> None:
     add_context(p)
     add_sampling(p, temperature=0.7, max_new=512)
     add_draft(p)
+    add_sparsity(p)
     p.set_defaults(func=run)
 
 
@@ -71,7 +72,7 @@ def run(args) -> int:
     from ..api import load
     from ..chat_template import ChatTemplateError
     with loading(path or "the embedded model", args.device, threads):
-        m = load(path, device=args.device, max_context=ctx, **draft_kwargs(args))
+        m = load(path, device=args.device, max_context=ctx, sparsity=args.sparsity, **draft_kwargs(args))
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     system = args.system
     messages = [{"role": "system", "content": system}] if system else []

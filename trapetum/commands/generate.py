@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, apply_threads,
+from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, add_sparsity, apply_threads,
                       context_of, draft_kwargs, loading, settings_from)
 
 MAX_PROMPT_BYTES = 64 << 20  # a prompt file or standard input larger than this is refused
@@ -39,6 +39,7 @@ def register(sub) -> None:
     add_context(p)
     add_sampling(p)
     add_draft(p)
+    add_sparsity(p)
     p.set_defaults(func=run)
 
 
@@ -119,7 +120,7 @@ def run(args) -> int:
     from ..api import load
     with loading(model_path or EMBEDDED, args.device, threads):
         m = load(model_path, device=args.device, max_context=ctx, precise_prefill=args.precise_prefill,
-                 **draft_kwargs(args))
+                 sparsity=args.sparsity, **draft_kwargs(args))
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)

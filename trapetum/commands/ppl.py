@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..errors import TrapetumError
+from ._common import add_sparsity
 
 
 def register(sub) -> None:
@@ -28,6 +29,7 @@ def register(sub) -> None:
                    help="GPU engine: score in the precise prefill (fp32 activations, prompt logits at the CPU "
                         "fp32 reference's accuracy; 2-3x the GEMM work; same as TRAPETUM_PREFILL=precise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_sparsity(p)
     p.set_defaults(func=run)
 
 
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if args.precise_prefill and args.decode:
         raise TrapetumError("--precise-prefill scores in the prefill; --decode scores through the (fp16) decode "
                             "step: use one of them")
-    model = load(args.model, device=args.device, dtype=dtype, precise_prefill=args.precise_prefill)
+    model = load(args.model, device=args.device, dtype=dtype, precise_prefill=args.precise_prefill,
+                 sparsity=args.sparsity)
     ids = tokenize_file(model.tokenizer, args.text)
     bos_id = None
     if args.bos:
@@ -67,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(r.line())
     path = "GPU engine" if scorer is model.runner else "reference decoder"
+    if model.sparsity is not None:
+        path += f", activation sparsity {args.sparsity}"
     if getattr(scorer, "precise", None) is not None:
         path += ", precise prefill"
     print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device} ({path}); {dt:.1f} s",

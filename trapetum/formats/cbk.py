@@ -69,7 +69,7 @@ from ..models.checkpoint import Checkpoint, LazyTensors
 from .cbk_spec import (
     DTYPES, FORMAT_NAME, HEX64, IO_CHUNK, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry, StoredTensor,
     TensorSpec, check_model, format_label, header_digest, itemsize, one_line)
-from .cbk_meta import check_generation, check_provenance, check_recipe, check_tokenizer
+from .cbk_meta import check_generation, check_provenance, check_recipe, check_sparsity, check_tokenizer
 from .cbk_spec import DTYPE_NAMES, FLOAT_DTYPES, QuantSpec  # noqa: F401  (re-exported: the format's public names)
 from .cbk_write import CbkWriter, write_cbk  # noqa: F401  (the writer is part of this module's API)
 
@@ -315,6 +315,9 @@ class CbkFile:
         self.recipe = meta.get("recipe")
         self.provenance = meta.get("provenance")
         self.generation = meta.get("generation") or {}
+        # activation sparsity (optional, versioned; models/sparsity.py)
+        self.sparsity = None if meta.get("sparsity") is None else check_sparsity(
+            meta["sparsity"], self.config.num_layers, fail)
 
     # -- access ----------------------------------------------------------------------------------
     def tensor(self, stored: str) -> torch.Tensor:
@@ -356,7 +359,9 @@ class CbkFile:
             formats[name] = format_label(layer.scheme, layer.params)
             shapes[name] = tuple(layer.shape)
         meta = {"cbk_version": VERSION, "recipe": self.recipe, "provenance": self.provenance,
-                "sizes": self.size_breakdown()}
+                "sizes": self.size_breakdown(), "sparsity": self.sparsity}
+        if self.meta.get("sparsity") is not None and self.sparsity is None:
+            meta["sparsity_version"] = self.meta["sparsity"]["version"]  # a section this build does not read
         return Checkpoint(config=self.config, tensors=LazyTensors(getters, formats, shapes),
                           tokenizer=self.tokenizer, source=str(self.path), source_format="cbk",
                           generation=dict(self.generation), meta=meta)

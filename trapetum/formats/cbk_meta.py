@@ -1,4 +1,5 @@
-"""Schema of the ``.cbk`` metadata objects besides the tensor table: tokenizer, generation, recipe, provenance.
+"""Schema of the ``.cbk`` metadata objects besides the tensor table: tokenizer, generation, recipe, provenance,
+sparsity.
 
 The metadata hash proves nothing about intent (anyone can recompute it), so every value a later stage reads is
 type- and range-checked when the file is opened: ``trapetum verify`` and ``load`` refuse what generation,
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+from ..models import sparsity as _sparsity
 
 Fail = Callable[[str], Any]
 
@@ -92,3 +95,13 @@ def check_provenance(p: dict, fail: Fail) -> None:
     """Where the file came from: source, source_sha256, tool_version, created are strings when present."""
     for key in ("source", "source_sha256", "tool_version", "created", "source_format"):
         _opt_str(p, key, "provenance", fail)
+
+
+def check_sparsity(sp: Any, num_layers: int, fail: Fail) -> "_sparsity.SparsityTable | None":
+    """The optional activation-sparsity section (models/sparsity.py: per-layer, per-site thresholds). A section of
+    another integer ``version`` is kept unread (None: the file still opens; ``--sparsity on`` says which version
+    it has); anything else malformed fails naming the field."""
+    if isinstance(sp, dict) and isinstance(sp.get("version"), int) and not isinstance(sp.get("version"), bool) \
+            and sp["version"] != _sparsity.VERSION:
+        return None
+    return _sparsity.SparsityTable.from_dict(sp, fail, num_layers)

@@ -84,7 +84,7 @@ class CbkWriter:
 
     def __init__(self, path: str | os.PathLike, *, config: ModelConfig, tokenizer: Tokenizer | None = None,
                  recipe: dict | None = None, provenance: dict | None = None, generation: dict | None = None,
-                 reserve_bytes: int = 0):
+                 reserve_bytes: int = 0, sparsity: dict | None = None):
         self.path = Path(path)
         self.config = config
         if not isinstance(reserve_bytes, int) or reserve_bytes < 0:
@@ -99,6 +99,8 @@ class CbkWriter:
             "generation": self._plain(generation, "generation") if generation else None,
             "layers": {}, "dense": [], "recipe": self._plain(recipe, "recipe") if recipe is not None else None,
             "provenance": self._plain(prov, "provenance"), "checksum": "sha256", "checksums": {}}
+        if sparsity is not None:  # activation sparsity (models/sparsity.py: SparsityTable.to_dict())
+            self.meta["sparsity"] = self._plain(sparsity, "sparsity")
         self.specs: dict[str, TensorSpec] = {}  # stored name -> spec, in declaration order
         self._layers: dict[str, LayerEntry] = {}
         self._rel: dict[str, tuple[int, int]] = {}  # stored name -> [begin, end) within the data
@@ -342,12 +344,12 @@ class CbkWriter:
 
 def write_cbk(path: str | os.PathLike, *, config: ModelConfig, dense: Mapping[str, torch.Tensor],
               quantized: Mapping[str, QuantRecord], tokenizer: Tokenizer | None = None, recipe: dict | None = None,
-              provenance: dict | None = None, generation: dict | None = None) -> Path:
+              provenance: dict | None = None, generation: dict | None = None, sparsity: dict | None = None) -> Path:
     """Write a ``.cbk`` file atomically. ``dense``: canonical name -> tensor; ``quantized``: canonical
     weight name -> QuantRecord. Values are read twice (spec, then bytes): for a source that is costly to
     produce (quantized on the fly), use ``CbkWriter`` with the specs declared up front."""
     w = CbkWriter(path, config=config, tokenizer=tokenizer, recipe=recipe, provenance=provenance,
-                  generation=generation)
+                  generation=generation, sparsity=sparsity)
     try:
         for name, t in dense.items():
             w.declare_dense(name, TensorSpec.of(t))
@@ -361,3 +363,32 @@ def write_cbk(path: str | os.PathLike, *, config: ModelConfig, dense: Mapping[st
     except BaseException:
         w.abort()
         raise
+
+
+def rewrite_with_sparsity(src: str | os.PathLike, out: str | os.PathLike, sparsity: dict | None) -> Path:
+    """Copy the ``.cbk`` file ``src`` to ``out`` (which may be ``src`` itself) with the activation-sparsity section
+    set to ``sparsity`` (``SparsityTable.to_dict()``; None removes it), atomically (``CbkWriter``): every tensor's
+    bytes, the config, tokenizer, generation, recipe and provenance as they are (unknown top-level metadata keys
+    are not carried over). Reads one tensor at a time from the source's memory maps."""
+    from .cbk import open_cbk
+
+    f = open_cbk(src)
+    try:
+        w = CbkWriter(out, config=f.config, tokenizer=f.tokenizer, recipe=f.recipe, provenance=f.provenance,
+                      generation=f.generation or None, sparsity=sparsity)
+        try:
+            for name in f.dense:
+                t = f.tensors_table[name]
+                w.declare_dense(name, TensorSpec(t.dtype, t.shape))
+            for name in f.layers:
+                w.declare_quantized(name, QuantSpec.of(f.record(name)))
+            for name in f.dense:
+                w.put_dense(name, f.tensor(name))
+            for name in f.layers:
+                w.put_quantized(name, f.record(name))
+            return w.commit()
+        except BaseException:
+            w.abort()
+            raise
+    finally:
+        f.close()

@@ -24,6 +24,7 @@ from .config import LATENT_NORM_EPS, ModelConfig
 from .cpu_ops import CpuStep
 from .kv_cache import KVCache
 from .layers import RMSNorm, activation, rotaries
+from .sparsity import check_sparse_kinds
 from .schema import attention_names, expected_shapes, fetch, mla_names, mlp_names, moe_names
 from .torch_ops import TorchOps
 
@@ -106,6 +107,7 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = mods["post_ffn_norm"]
         self.layer_index = layer  # its KV-cache layer (a streamed one-block decoder sets the model's index)
         self.sliding = cfg.layer_types[layer] == "sliding"
+        self.sparsity = None  # SiteThresholds of the layer (activation sparsity, Decoder.set_sparsity) or None
 
     @property
     def blocks(self) -> list:
@@ -117,7 +119,7 @@ class Block(nn.Module):
         else:
             attn = SimpleNamespace(input_norm=self.input_layernorm, qkv=(a.q_proj, a.k_proj, a.v_proj), o=a.o_proj,
                                    q_norm=a.q_norm, k_norm=a.k_norm, layer=self.layer_index, sliding=self.sliding,
-                                   post_norm=self.post_attention_layernorm if sw else None)
+                                   post_norm=self.post_attention_layernorm if sw else None, sparsity=self.sparsity)
         norm = self.pre_feedforward_layernorm if sw else self.post_attention_layernorm
         post = self.post_feedforward_layernorm if sw else None
         if self.kinds[1] == "moe":
@@ -126,7 +128,7 @@ class Block(nn.Module):
                                   shared_gate=m.shared_expert_gate, post_norm=post)
         else:
             mlp = SimpleNamespace(norm=norm, gate_up=(m.gate_proj, m.up_proj, m.act), down=m.down_proj,
-                                  post_norm=post)
+                                  post_norm=post, sparsity=self.sparsity)
         return [(self.kinds[0], attn), (self.kinds[1], mlp)]
 
 
@@ -183,6 +185,17 @@ class Decoder(nn.Module):
         pos = torch.arange(start_pos, start_pos + T, device=x.device)
         batch = ForwardBatch(Mode.PREFILL, torch.zeros(x.shape[:2], dtype=torch.long, device=x.device), start_pos, T)
         return layer_forward(x, batch, TorchOps(self.config, (self.rope_global, self.rope_local), pos, cache), layer)
+
+    def set_sparsity(self, table) -> None:
+        """Activation sparsity (models/sparsity.py): a SparsityTable of this model's layers, or None (dense: the
+        blocks then run exactly the dense path). Only attention + dense-MLP layers take thresholds."""
+        if table is not None:
+            check_sparse_kinds(self.config)
+            if len(table.layers) != len(self.model.layers):
+                raise FormatError(f"the sparsity table has {len(table.layers)} layers, the model "
+                                  f"{len(self.model.layers)}")
+        for i, block in enumerate(self.model.layers):
+            block.sparsity = None if table is None else table.layers[i]
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         p = next(self.parameters())

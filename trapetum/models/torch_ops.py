@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .blocks.moe import select_experts
 from .kv_cache import KVCache
 from .layers import Rotary
+from .sparsity import DENSE_POSITIONS
 
 
 def _by_row(fn, x: torch.Tensor, *rest) -> torch.Tensor:
@@ -200,6 +201,12 @@ class TorchOps:
 
     def add(self, x, y):
         return x + y
+
+    def sparsify(self, x, t, batch):
+        """x [B, T, F] * (|x| > t); the rows at positions < DENSE_POSITIONS unchanged (models/sparsity.py). An
+        elementwise select, so the same bits row by row or over the pass (VERIFY needs no loop)."""
+        keep = (x.abs() > t) | (self.positions < DENSE_POSITIONS).view(-1, 1)
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def embed(self, table, batch: ForwardBatch):
         x = table(batch.tokens)

@@ -29,6 +29,7 @@ from ..models.blocks import decoder_forward
 from ..models.checkpoint import Checkpoint
 from ..models.layers import rotaries
 from ..models.rope import deinterleave_index
+from ..models.sparsity import check_sparse_kinds
 from ..settings import Options
 from .engine_model import build_model
 from .engine_ops import EngineOps
@@ -43,7 +44,8 @@ class GpuEngine:
     torch fallbacks run, for tests)."""
 
     def __init__(self, ckpt: Checkpoint, max_len: int, *, device: str | torch.device = "cuda",
-                 options: Options | None = None):
+                 options: Options | None = None, sparsity=None):
+        """``sparsity``: a SparsityTable (models/sparsity.py) of the model's layers, or None (dense)."""
         self.options = options = options or Options()
         cfg = self.cfg = ckpt.config
         dev = self.device = torch.device(device)
@@ -58,6 +60,13 @@ class GpuEngine:
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
         self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")
+        self.sparsity = sparsity
+        if sparsity is not None:  # before any graph is captured: the thresholds are constants of the graphs
+            check_sparse_kinds(cfg)
+            sparsity.check_model(cfg.num_layers, ckpt.source)
+            for L, t in zip(self.model.layers, sparsity.layers):
+                for _, w in L.blocks:
+                    w.sparsity = t
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float16) if cfg.embed_scale is not None else None
         self.rotaries = g, loc = rotaries(cfg)
         # row p of each table rotates as a decode step at p (models/rope.py: YaRN's attention factor folded in;

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import FormatError
 from ..models.checkpoint import Checkpoint
+from ..models.sparsity import SiteThresholds
 from ..models.schema import attention_names, expected_shapes, fetch, mla_names, mlp_names, moe_names
 from ..schemes import registry
 from ..schemes.base import GateUp, Projection, residual16
@@ -32,6 +33,7 @@ class AttnWeights:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor | None
+    sparsity: SiteThresholds | None = None  # activation sparsity (models/sparsity.py), set by the engine
 
 
 @dataclass
@@ -40,6 +42,7 @@ class MlpWeights:
     gate_up: GateUp
     down: Projection
     post_norm: torch.Tensor | None
+    sparsity: SiteThresholds | None = None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from ..kernels.attention import attention_rows
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
 from ..models.blocks.moe import select_experts
+from ..models.sparsity import DENSE_POSITIONS
 
 
 class EngineOps:
@@ -28,6 +29,7 @@ class EngineOps:
         self.eng, self.cfg, self.mode = eng, eng.cfg, mode
         self.kopts = eng.options.kernels
         self.rows = mode is not Mode.PREFILL
+        self._dense_rows = None  # [N, 1] bool: the rows sparsify leaves dense (one pass's rows, made on first use)
 
     # -- norms, adds, heads --------------------------------------------------------------------
     def norm(self, x, w, eps=None):
@@ -39,6 +41,17 @@ class EngineOps:
 
     def add(self, x, y):
         return x + y
+
+    def sparsify(self, x, t, batch: ForwardBatch):
+        """x [N, F] * (|x| > t) (t compared in x's dtype), rows at positions < DENSE_POSITIONS unchanged
+        (models/sparsity.py): an elementwise select, row by row the same bits, capturable (``batch.start`` may be
+        the graph's position tensor). Torch ops for now: the fused threshold-in-producer kernels and the GEMV that
+        skips zero inputs' codes are GPU work to come (NOTES-engine.md)."""
+        if self._dense_rows is None:
+            pos = torch.arange(x.shape[0], device=x.device, dtype=torch.int32) + batch.start
+            self._dense_rows = (pos < DENSE_POSITIONS).view(-1, 1)
+        keep = (x.abs() > t) | self._dense_rows
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def heads(self, qkv):
         cfg = self.cfg

@@ -66,20 +66,23 @@ SETTINGS_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty
 class ModelSpec:
     """One model to serve: ``path`` (None = the embedded default), optional ``alias`` (the id in
     the API), ``device``, ``draft_kw`` (speculative decoding: ``trapetum.load``'s draft options; the model is then
-    also served plainly as ``NAME:plain``) and ``max_context`` (``--ctx``). ``loader`` replaces ``trapetum.load``
-    (tests, embedding)."""
+    also served plainly as ``NAME:plain``), ``max_context`` (``--ctx``) and ``sparsity`` (``trapetum.load``'s
+    activation sparsity: "on" or a side file; None: dense). ``loader`` replaces ``trapetum.load`` (tests, embedding)."""
     path: str | None = None
     alias: str | None = None
     device: str | None = None
     loader: Callable[[], Any] | None = None
     draft_kw: dict = field(default_factory=dict)
     max_context: int | None = None
+    sparsity: str | None = None
 
     def load(self) -> tuple[str | None, Any]:
         if self.loader is not None:
             return self.alias, self.loader()
         import trapetum
         kw = {k: v for k, v in (("device", self.device), ("max_context", self.max_context)) if v is not None}
+        if self.sparsity is not None:
+            kw["sparsity"] = self.sparsity
         return self.alias, trapetum.load(self.path, **kw, **self.draft_kw)
 
     @staticmethod

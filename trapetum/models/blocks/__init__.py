@@ -25,6 +25,8 @@ The ops an executor provides (x is the residual stream, [..., D]; a backend keep
     route(router, h)                   (weights fp32 [..., k], experts int64 [..., k]) of each row (moe.select_experts)
     experts(experts, h, weights, idx)  sum_j weights_j * expert_{idx_j}(h), in the residual stream's dtype
     sigmoid_gate(w, h, y)              sigmoid(w . h) * y (Qwen2-MoE's shared-expert gate)
+    sparsify(x, t, batch)              x * (|x| > t), rows at positions < DENSE_POSITIONS unchanged (activation
+                                       sparsity, models/sparsity.py; called only when a layer has thresholds)
 """
 from __future__ import annotations
 

@@ -6,17 +6,24 @@
     x = x + Wo a                      or, with sandwich norms (Gemma-2/3), x + post_norm(Wo a)
 
 Parameters ``p`` (by role): input_norm, qkv (q, k and v stacked along the output rows), o, q_norm, k_norm,
-post_norm (None where the family has none), layer (its index: the KV cache's layer), sliding (bool).
+post_norm (None where the family has none), layer (its index: the KV cache's layer), sliding (bool), sparsity
+(the layer's ``SiteThresholds``, models/sparsity.py, or None: dense): h and a thresholded (``ops.sparsify``)
+before the projections that read them.
 """
 from __future__ import annotations
 
 
 def forward(x, batch, ops, p):
+    sp = p.sparsity
     h = ops.norm(x, p.input_norm)
+    if sp is not None:
+        h = ops.sparsify(h, sp.qkv, batch)
     q, k, v = ops.heads(ops.project(p.qkv, h))
     if p.q_norm is not None:
         q, k = ops.norm(q, p.q_norm), ops.norm(k, p.k_norm)
     a = ops.attend(q, k, v, batch, p)
+    if sp is not None:
+        a = ops.sparsify(a, sp.o, batch)
     if p.post_norm is not None:
         return ops.add(x, ops.norm(ops.project(p.o, a), p.post_norm))
     return ops.project(p.o, a, residual=x)

@@ -1,0 +1,124 @@
+"""Sparse-input GEMV of per-row scalar codebooks (4 / 8 bits): the codes of zero inputs are not read.
+
+Activation sparsity (models/sparsity.py) zeroes a fraction S of a projection's inputs. The dense kernels'
+row-major codes (``codes [N, K*bits/8]``, kernels/pack.py) put the codes of one input k of the N rows N bytes
+apart, so a zero x_k saves nothing below whole 128-column chunks. The sparse path reads an *input-major* copy,
+made once at load:
+
+    input_major_codes(codes [N, packed_width(K, bits)], bits, K) -> ct uint8 [K, packed_width(N, bits)]
+        row k holds the codes of input k for every output row n, packed along n as pack.py packs along k
+        (bits 4: row 2j in the low nibble, 2j + 1 in the high one; bits 8: one byte per row)
+
+so the codes of input k for a block of BLOCK_N rows are BLOCK_N * bits / 8 contiguous bytes (one 32-byte sector
+at BLOCK_N = 64, 4 bits), and a zero x_k skips them: bytes of codes read ~ (1 - S) K N bits / 8 (plus the
+codebook, N 2^bits fp16, and x).
+
+    sparse_gemv(x [M, K] (fp16 / fp32), ct, codebook fp16 [N, 2**bits], bits, N) -> y fp32 [M, N]
+        y[m, n] = sum over k with x[m, k] != 0 of x[m, k] * codebook[n, idx(n, k)]
+
+Backends: "triton" (CUDA, or the CPU under TRITON_INTERPRET=1): one program per (block of BLOCK_N rows, row m),
+K in chunks of BLOCK_K; loads of codes and centroids masked by x != 0 (a masked-off lane issues no memory
+request); fp32 accumulation. "torch": per row m, the nonzero inputs' codes gathered and multiplied in fp32.
+Contracts: each row m is computed alone (its own nonzeros; a VERIFY pass reads the union of its rows' nonzero
+code rows, each row's result is what it gives alone: batch-invariant); tile sizes depend on K and N only, never
+on M or the data, so results are deterministic. ``sparse_gemv_reference``: float64 dequantize-and-multiply.
+Not wired into the engine yet (NOTES-engine.md, "Activation sparsity: the GPU kernel").
+"""
+from __future__ import annotations
+
+import torch
+
+from .pack import pack_codes, packed_width, unpack_codes
+from .triton_util import HAVE_TRITON, ROW_POINTERS, triton_ok
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+SPARSE_BITS = (4, 8)
+BLOCK_N = 64  # rows per program: 32 bytes of 4-bit codes per input (one sector)
+
+
+def input_major_codes(codes: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
+    """Canonical row-major codes [N, packed_width(K)] -> input-major [K, packed_width(N)] (module docstring)."""
+    if bits not in SPARSE_BITS:
+        raise ValueError(f"sparse GEMV: bits must be one of {SPARSE_BITS}, got {bits}")
+    idx = unpack_codes(codes, bits, in_features)  # [N, K]
+    return pack_codes(idx.t().contiguous(), bits)
+
+
+def sparse_gemv_reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
+    """float64: the dense W [N, K] from the row-major codes times x (zeros included); [M, N] float64."""
+    K = x.shape[-1]
+    w = torch.gather(codebook.double(), 1, unpack_codes(codes, bits, K).long())
+    return x.double() @ w.t()
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=ROW_POINTERS)
+    def _sparse_gemv_kernel(x_ptr, ct_ptr, cb_ptr, y_ptr, N, K, NB, stride_xm, stride_ym,
+                            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        PER: tl.constexpr = 8 // BITS
+        NC: tl.constexpr = 1 << BITS
+        MASK: tl.constexpr = NC - 1
+        pid_n = tl.program_id(0)
+        m = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + m * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+            live = (xv != 0.0)[:, None] & nmask[None, :]  # [BLOCK_K, BLOCK_N]: codes of zero inputs not read
+            byte = tl.load(ct_ptr + rk[:, None] * NB + rn[None, :] // PER, mask=live, other=0)
+            idx = (byte.to(tl.int32) >> ((rn[None, :] % PER) * BITS)) & MASK
+            w = tl.load(cb_ptr + rn[None, :] * NC + idx, mask=live, other=0.0).to(tl.float32)
+            acc += tl.sum(w * xv[:, None], axis=0)
+        tl.store(y_ptr + m * stride_ym + rn, acc, mask=nmask)
+
+
+def _block_k(K: int) -> int:
+    return 16 if K <= 16 else 32 if K <= 256 else 64
+
+
+def _torch(x2: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bits: int, N: int) -> torch.Tensor:
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32, device=x2.device)
+    for m in range(x2.shape[0]):
+        nz = torch.nonzero(x2[m]).view(-1)
+        if nz.numel() == 0:
+            y[m] = 0
+            continue
+        idx = unpack_codes(ct[nz], bits, N).long()  # [nnz, N]
+        w = torch.gather(codebook.float().t(), 0, idx)  # [nnz, N]: w[j, n] = codebook[n, idx[j, n]]
+        y[m] = x2[m, nz].float() @ w
+    return y
+
+
+def sparse_gemv(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bits: int, N: int,
+                backend: str | None = None) -> torch.Tensor:
+    """y fp32 [M, N] (module docstring); ``backend`` "triton" | "torch" | None (triton where it runs)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    K = x2.shape[1]
+    if bits not in SPARSE_BITS:
+        raise ValueError(f"sparse GEMV: bits must be one of {SPARSE_BITS}, got {bits}")
+    if tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8:
+        raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
+                         f"{ct.dtype} {list(ct.shape)}")
+    if tuple(codebook.shape) != (N, 1 << bits):
+        raise ValueError(f"sparse GEMV: codebook must be [{N}, {1 << bits}], got {list(codebook.shape)}")
+    if backend is None:
+        backend = "triton" if triton_ok(x2.device) else "torch"
+    if backend == "torch":
+        return _torch(x2, ct, codebook, bits, N).view(*x.shape[:-1], N)
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(N, BLOCK_N), x2.shape[0])
+    _sparse_gemv_kernel[grid](x2, ct, codebook, y, N, K, ct.shape[1], x2.stride(0), y.stride(0), BITS=bits,
+                              BLOCK_N=BLOCK_N, BLOCK_K=_block_k(K), num_warps=4)
+    return y.view(*x.shape[:-1], N)
+
+
+def bytes_read(K: int, N: int, bits: int, sparsity: float, x_bytes: int = 2) -> float:
+    """The sparse GEMV's bytes per row at input sparsity S, at sector granularity of whole inputs: codes
+    (1 - S) K N bits / 8, the codebook N 2^bits fp16, x K x_bytes (the floor NOTES-engine.md states)."""
+    return (1 - sparsity) * K * N * bits / 8 + N * (1 << bits) * 2 + K * x_bytes
