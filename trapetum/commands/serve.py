@@ -66,8 +66,8 @@ def register(subparsers) -> None:
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
     from ._common import add_draft, add_sparsity
-    add_draft(p)
-    add_sparsity(p)  # the same thresholds for every model  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
+    add_draft(p)  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
+    add_sparsity(p)  # the same thresholds for every model
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)
