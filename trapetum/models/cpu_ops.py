@@ -27,6 +27,7 @@ from ..errors import TrapetumError
 from ..kernels import host_ops as ho
 from .batch import MAX_VERIFY_ROWS, ForwardBatch
 from .config import ModelConfig
+from .sparsity import DENSE_POSITIONS
 
 
 def _host_parts(mods) -> tuple | None:
@@ -67,6 +68,12 @@ class CpuStep:
         self._fused: dict = {}
         self._plan: _Plan | None = None
         self.dense = all(cfg.block_kinds(i) == ("attention", "mlp") for i in range(cfg.num_layers))
+
+    def invalidate(self) -> None:
+        """Forget the plan and the fused weights (keyed by the plan's objects): the next pass rebuilds them from
+        the decoder as it is then (Decoder.set_sparsity changes the blocks' parameters)."""
+        self._plan = None
+        self._fused.clear()
 
     def fused(self, w, act: str | None = None):
         """The FusedGemv of projection ``w`` (a module, or a tuple of modules of one input; the plan's objects,
@@ -146,6 +153,13 @@ class CpuOps:
         return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
                 qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
                 qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
+
+    def sparsify(self, x, t, batch):
+        """x * (|x| > t) with the rows at positions < DENSE_POSITIONS unchanged: TorchOps.sparsify's rule, an
+        elementwise select (the same bits row by row or over the pass)."""
+        pos = torch.arange(self.start, self.start + self.m)
+        keep = (x.abs() > t) | (pos < DENSE_POSITIONS).view(-1, 1)
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype))
 
     # -- projections -------------------------------------------------------------------------
     def project(self, w, x, residual=None):

@@ -196,6 +196,8 @@ class Decoder(nn.Module):
                                   f"{len(self.model.layers)}")
         for i, block in enumerate(self.model.layers):
             block.sparsity = None if table is None else table.layers[i]
+        if self.cpu_step is not None:
+            self.cpu_step.invalidate()  # its plan holds the blocks' parameters, thresholds included
 
     def new_cache(self, batch: int = 1, max_len: int | None = None) -> KVCache:
         p = next(self.parameters())
