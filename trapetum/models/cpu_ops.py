@@ -26,6 +26,7 @@ import torch
 from ..errors import TrapetumError
 from ..kernels import host_ops as ho
 from .batch import MAX_VERIFY_ROWS, ForwardBatch
+from .blocks.attention import row_heads
 from .config import ModelConfig
 from .sparsity import DENSE_POSITIONS
 
@@ -147,12 +148,7 @@ class CpuOps:
         return x + y
 
     def heads(self, qkv):
-        cfg = self.cfg
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        n = qkv.shape[0]
-        return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
-                qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
-                qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
+        return row_heads(self.cfg, qkv)
 
     def sparsify(self, x, t, batch):
         """x * (|x| > t) with the rows at positions < DENSE_POSITIONS unchanged: TorchOps.sparsify's rule, an

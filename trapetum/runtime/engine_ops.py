@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from ..kernels.attention import attention_rows
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
+from ..models.blocks.attention import row_heads
 from ..models.blocks.moe import select_experts
 from ..models.sparsity import DENSE_POSITIONS
 
@@ -54,12 +55,7 @@ class EngineOps:
         return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
     def heads(self, qkv):
-        cfg = self.cfg
-        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        n = qkv.shape[0]
-        return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
-                qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
-                qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
+        return row_heads(self.cfg, qkv)
 
     # -- projections -------------------------------------------------------------------------
     def project(self, w, x, residual=None):

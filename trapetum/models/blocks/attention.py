@@ -27,3 +27,13 @@ def forward(x, batch, ops, p):
     if p.post_norm is not None:
         return ops.add(x, ops.norm(ops.project(p.o, a), p.post_norm))
     return ops.project(p.o, a, residual=x)
+
+
+def row_heads(cfg, qkv):
+    """Views (q [M, Hq, hd], k [M, Hkv, hd], v [M, Hkv, hd]) of a fused q/k/v output [M, (Hq + 2 Hkv) hd]: the
+    ``heads`` op of the executors whose rows are 2-D (the engine's, the CPU step's)."""
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    n = qkv.shape[0]
+    return (qkv[:, :qd].view(n, cfg.num_heads, cfg.head_dim),
+            qkv[:, qd:qd + kd].view(n, cfg.num_kv_heads, cfg.head_dim),
+            qkv[:, qd + kd:].view(n, cfg.num_kv_heads, cfg.head_dim))
