@@ -24,6 +24,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+import fuzz_harness  # noqa: E402
 from test_gguf import TINY, hf_tensors, write_gguf  # noqa: E402
 from trapetum.errors import ConfigError, FormatError, TrapetumError  # noqa: E402
 from trapetum.formats.gguf import load_gguf  # noqa: E402
@@ -331,42 +332,9 @@ def _run_main(tmp: Path, seconds: float, cases: int | None, seed: int) -> dict:
 
 
 def fuzz_child(*args: str, timeout: float = 300.0) -> tuple[dict, int]:
-    """Run this file's fuzzer in a fresh process: (its outcome counts, its peak RSS in bytes). A case that
-    fails raises there and fails here with its message; the process's own memory is what is measured."""
-    import json as _json
-    import os
-    import subprocess
-    import threading
-    here = Path(__file__).resolve()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here.parent),
-                                                        os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.Popen([sys.executable, str(here), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=env, cwd=here.parent)
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    try:
-        out, err = p.stdout.read(), p.stderr.read()
-        _, status, usage = os.wait4(p.pid, 0)
-    finally:
-        timer.cancel()
-    p.returncode = os.waitstatus_to_exitcode(status)
-    assert p.returncode == 0, err.decode(errors="replace")[-3000:]
-    return _json.loads(out.decode().strip().splitlines()[-1]), usage.ru_maxrss * 1024
-
-
-def main(argv: list[str]) -> None:
-    """python3 tests/THIS_FILE.py [--seconds S | --cases N] [--seed K]: one JSON line of outcome counts."""
-    import argparse
-    import json as _json
-    import tempfile
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=0.0)
-    ap.add_argument("--cases", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=21)
-    a = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory() as d:
-        print(_json.dumps(_run_main(Path(d), a.seconds, a.cases, a.seed)))
+    """This file's fuzzer in a fresh process (tests/fuzz_harness.py)."""
+    return fuzz_harness.fuzz_child(__file__, *args, timeout=timeout)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    fuzz_harness.fuzz_main(sys.argv[1:], _run_main)
