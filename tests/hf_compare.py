@@ -58,3 +58,14 @@ def assert_verify_rows_are_decode_steps(model, seed: int = 1) -> None:
         assert all(torch.equal(ver[r], steps[r]) for r in range(m)), (base, m)
         for a, b in zip(c1.k + c1.v, c2.k + c2.v):
             assert torch.equal(a[:, :, :base + m], b[:, :, :base + m])
+
+
+def build_models(tmp_path_factory, families) -> dict:
+    """family -> (its directory, the transformers model, trapetum.load of it), each built by tiny_models.build."""
+    import trapetum
+    from tests.tiny_models import build
+    out = {}
+    for fam in families:
+        d = tmp_path_factory.mktemp(fam)
+        out[fam] = (d, build(fam, d), trapetum.load(d))
+    return out

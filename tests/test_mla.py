@@ -6,7 +6,7 @@ import pytest
 
 import trapetum
 from tests.hf_compare import (assert_decode_equals_prefill, assert_greedy_match, assert_logits_match,
-                              assert_verify_rows_are_decode_steps, prompt)
+                              assert_verify_rows_are_decode_steps, build_models, prompt)
 from tests.tiny_models import MOE_FAMILIES, build, family_configs
 from trapetum.errors import TrapetumError
 from trapetum.models.families import config_from_hf
@@ -16,11 +16,7 @@ FAMS = ["deepseek_v2", "deepseek_v3"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for fam in FAMS:
-        d = tmp_path_factory.mktemp(fam)
-        out[fam] = (d, build(fam, d), trapetum.load(d))
-    return out
+    return build_models(tmp_path_factory, FAMS)
 
 
 @pytest.mark.parametrize("family", FAMS)

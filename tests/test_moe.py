@@ -9,7 +9,7 @@ import torch
 
 import trapetum
 from tests.hf_compare import (assert_decode_equals_prefill, assert_greedy_match, assert_logits_match,
-                              assert_verify_rows_are_decode_steps, prompt)
+                              assert_verify_rows_are_decode_steps, build_models, prompt)
 from tests.tiny_models import MOE_FAMILIES, build
 from trapetum.errors import TrapetumError
 from trapetum.models.blocks.moe import select_experts
@@ -21,11 +21,7 @@ FAMS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for fam in FAMS:
-        d = tmp_path_factory.mktemp(fam)
-        out[fam] = (d, build(fam, d), trapetum.load(d))
-    return out
+    return build_models(tmp_path_factory, FAMS)
 
 
 @pytest.mark.parametrize("family", FAMS)

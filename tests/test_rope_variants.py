@@ -7,7 +7,7 @@ import torch
 
 import trapetum
 from tests.hf_compare import (assert_decode_equals_prefill, assert_greedy_match, assert_logits_match,
-                              assert_verify_rows_are_decode_steps, prompt)
+                              assert_verify_rows_are_decode_steps, build_models, prompt)
 from tests.tiny_models import MOE_FAMILIES, ROPE_FAMILIES, build, family_configs
 from trapetum.errors import TrapetumError
 from trapetum.models.families import config_from_hf
@@ -19,11 +19,7 @@ THRESHOLD = {"phi3_longrope": 64, "qwen2_yarn": 32, "llama_dynamic": 48, "deepse
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for fam in ROPE_FAMILIES:
-        d = tmp_path_factory.mktemp(fam)
-        out[fam] = (d, build(fam, d), trapetum.load(d))
-    return out
+    return build_models(tmp_path_factory, ROPE_FAMILIES)
 
 
 @pytest.mark.parametrize("family", ROPE_FAMILIES)
