@@ -21,3 +21,13 @@ def torch_fallbacks(monkeypatch, request):
     "interpreter" (they run the real Triton code, usually in a subprocess). Engine tests use it for speed."""
     if not torch.cuda.is_available() and "interpreter" not in request.node.name:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and lose much to them on a busy machine: torch at one thread
+    for a module (``pytestmark = pytest.mark.usefixtures("one_thread")``), restored after it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

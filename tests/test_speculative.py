@@ -31,19 +31,7 @@ EOS = 2
 V = 300
 
 
-@pytest.fixture(autouse=True)
-def torch_fallbacks(monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and lose much to them on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_fallbacks", "one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -43,13 +43,7 @@ def build_peaked(path, seed: int = 0, noise: float = 0.0):
     model.save_pretrained(path, safe_serialization=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and lose much to them on a busy machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
