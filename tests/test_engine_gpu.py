@@ -42,11 +42,10 @@ def test_gpu_matches_cpu_reference(pairs, family):
     assert a == b
 
 
-@pytest.mark.parametrize("family", ["llama3", "gemma2"])
-def test_replays_bitwise_identical_and_graph_equals_eager(pairs, family):
-    _, gpu = pairs[family]
+def assert_replays_bitwise_and_graph_equals_eager(gpu, ids: list[int]) -> GpuEngine:
+    """100 graph replays of one decode step after ``ids`` bitwise identical, and equal to the step of an eager
+    engine (graphs off) over the same checkpoint, which is returned (also for tests/test_moe_engine_gpu.py)."""
     eng = gpu.runner
-    ids = list(range(5, 25))
     eng.prefill(ids)
     outs = []
     for _ in range(100):
@@ -59,6 +58,14 @@ def test_replays_bitwise_identical_and_graph_equals_eager(pairs, family):
     eager.set_position(7, len(ids))
     eager.step(greedy=False)
     assert torch.equal(eager.logits, outs[0])
+    return eager
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma2"])
+def test_replays_bitwise_identical_and_graph_equals_eager(pairs, family):
+    _, gpu = pairs[family]
+    eng, ids = gpu.runner, list(range(5, 25))
+    eager = assert_replays_bitwise_and_graph_equals_eager(gpu, ids)
     # verify graphs too: captured once, replayed, equal to eager
     rows = [eng.verify(list(range(9, 17)), len(ids)).clone() for _ in range(3)]
     assert all(torch.equal(rows[0], r) for r in rows[1:])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import trapetum
+from tests.test_engine_gpu import assert_replays_bitwise_and_graph_equals_eager
 from tests.tiny_models import MOE_FAMILIES, ROPE_FAMILIES, build, build_cbk
 from trapetum.eval.verify_exact import check
 from trapetum.runtime.engine import GpuEngine
@@ -68,19 +69,7 @@ def test_gpu_4bit_cbk_matches_cpu_reference(tmp_path, family):
 def test_replays_bitwise_and_verify_rows_are_decode_steps(pairs, family):
     _, gpu = pairs[family]
     eng = gpu.runner
-    ids = list(range(5, 25))
-    eng.prefill(ids)
-    outs = []
-    for _ in range(100):
-        eng.set_position(7, len(ids))
-        eng.step(greedy=False)
-        outs.append(eng.logits.clone())
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-    eager = GpuEngine(gpu.checkpoint, eng.max_len, options=Options(graph=False))
-    eager.prefill(ids)
-    eager.set_position(7, len(ids))
-    eager.step(greedy=False)
-    assert torch.equal(eager.logits, outs[0])
+    assert_replays_bitwise_and_graph_equals_eager(gpu, list(range(5, 25)))
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
 
