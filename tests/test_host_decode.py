@@ -151,3 +151,15 @@ def test_bench_cpu_runs_both_paths_and_reports_bandwidth(cbk, tmp_path, capsys):
     for k in ("torch t=1", "host t=1", "host t=2", "step t=1", "step t=2", "gemv GB/s t=2", "read GB/s t=1"):
         assert len(res["runs"][k]) == 1 and res["runs"][k][0] > 0, k
     assert res["gemv_weight_bytes"] > 0 and "| 2 |" in capsys.readouterr().out
+
+
+def test_bench_cpu_from_the_cli(cbk, tmp_path):
+    """`trapetum bench cpu` runs the same benchmark; a bad --paths is one line and exit 1."""
+    import json
+
+    from trapetum import cli
+    assert cli.main(["bench", "cpu", str(cbk), "--threads", "1", "--tokens", "2", "--rounds", "1", "--bw-mb", "8",
+                     "--paths", "step", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["runs"]["step t=1"][0] > 0
+    assert cli.main(["bench", "cpu", str(cbk), "--paths", "nope"]) == 1

@@ -1,6 +1,6 @@
-"""``trapetum bench WHAT``: kernel, end-to-end, quantizer, serving and speculative benchmarks (GPU), and the CLI
-benchmark (start-up time, default thread count; CPU). Subcommands whose arguments live in a heavy module are
-populated only when chosen (``commands/_args.py``), so ``trapetum --help`` stays light."""
+"""``trapetum bench WHAT``: kernel, end-to-end, quantizer, serving, sparse-GEMV and speculative benchmarks (GPU),
+and the CLI and CPU-decode benchmarks (start-up time, default thread count, host kernels; CPU). Subcommands whose
+arguments live in a heavy module are populated only when chosen (``commands/_args.py``), so ``trapetum --help`` stays light."""
 from __future__ import annotations
 
 QUANT_SCHEMES = ("scalar", "aqlm-2x8", "aqlm-1x16")  # the names of `trapetum quantize --scheme`
@@ -18,6 +18,16 @@ def _spec_arguments(p) -> None:
 
 def _cli_arguments(p) -> None:
     from ..eval.bench_cli import add_arguments
+    add_arguments(p)
+
+
+def _cpu_arguments(p) -> None:
+    from ..eval.bench_cpu import add_arguments
+    add_arguments(p)
+
+
+def _sparse_arguments(p) -> None:
+    from ..eval.bench_sparse import add_arguments
     add_arguments(p)
 
 
@@ -55,6 +65,13 @@ def register(subparsers) -> None:
                        help="CLI start-up times (--help, info) and the default thread count against fixed "
                             "counts under a competing CPU load it creates (any machine)")
     c.set_defaults(func=_cli)
+    cp = sub.add_parser("cpu", populate=_cpu_arguments,
+                        help="CPU decode of a .cbk: the torch, host-GEMV and step paths (and llama.cpp's llama-bench "
+                             "if given), alternated, and the host GEMV's GB/s against the read bandwidth")
+    cp.set_defaults(func=_cpu)
+    sa = sub.add_parser("sparse", populate=_sparse_arguments,
+                        help="dense vs sparse-input codebook GEMV with the bytes floor (GPU)")
+    sa.set_defaults(func=_sparse)
     sp = sub.add_parser("spec", populate=_spec_arguments,
                         help="speculative decoding end to end, plain and speculative in one process "
                              "(modeled acceptance on random models, real acceptance on real ones)")
@@ -68,6 +85,16 @@ def register(subparsers) -> None:
 
 def _cli(args) -> int:
     from ..eval.bench_cli import run_args
+    return run_args(args)
+
+
+def _cpu(args) -> int:
+    from ..eval.bench_cpu import run_args
+    return run_args(args)
+
+
+def _sparse(args) -> int:
+    from ..eval.bench_sparse import run_args
     return run_args(args)
 
 

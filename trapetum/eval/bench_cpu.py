@@ -23,12 +23,14 @@ import json
 import statistics
 import subprocess
 import time
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..errors import TrapetumError
 from ..kernels import host_gemv as hg
 
 PROMPT = "The history of the printing press begins"
@@ -89,11 +91,8 @@ def _cpu_name() -> str:
     return "unknown CPU"
 
 
-def main(argv=None) -> int:
-    import trapetum
-    from ..settings import Options
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (also those of ``trapetum bench cpu``)."""
     ap.add_argument("model", help=".cbk file (4/8-bit codebook projections)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--tokens", type=int, default=64)
@@ -103,19 +102,34 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="the GGUF that llama-bench decodes")
     ap.add_argument("--paths", default="torch,host,step", help="comma-separated: torch, host, step")
     ap.add_argument("--out", default=None, metavar="DIR")
-    a = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    try:
+        return run_args(ap.parse_args(argv))
+    except TrapetumError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_args(a: argparse.Namespace) -> int:
+    import trapetum
+    from ..settings import Options
+
     threads = [int(t) for t in a.threads.split(",")]
     paths = [p for p in a.paths.split(",") if p]
     if not paths or any(p not in PATH_OPTIONS for p in paths):
-        raise SystemExit(f"bench_cpu: --paths takes {', '.join(PATH_OPTIONS)}, got {a.paths!r}")
+        raise TrapetumError(f"bench cpu: --paths takes {', '.join(PATH_OPTIONS)}, got {a.paths!r}")
     if not hg.available():
-        raise SystemExit(f"bench_cpu: host kernels unavailable: {hg.error()}")
+        raise TrapetumError(f"bench cpu: host kernels unavailable: {hg.error()}")
     models = {p: trapetum.load(a.model, options=Options(**PATH_OPTIONS[p])) for p in paths}
     probe = models.get("step") or models.get("host") or trapetum.load(a.model)
     ids = probe.encode(PROMPT)
     gemvs = host_gemvs(probe.decoder)
     if not gemvs:
-        raise SystemExit(f"bench_cpu: {a.model} has no 4/8-bit codebook projection")
+        raise TrapetumError(f"bench cpu: {a.model} has no 4/8-bit codebook projection")
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
         decode_rate(m, ids, 4)
     runs: dict[str, list[float]] = {}

@@ -55,11 +55,19 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
     return out
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (also those of ``trapetum bench sparse``)."""
+    p.add_argument("--shapes", default="4096x4096,4096x11008,11008x4096", help="IN x OUT, comma-separated")
+    p.add_argument("--sparsity", default="0,0.25,0.4,0.5,0.7", help="input sparsities, comma-separated")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="4096x4096,4096x11008,11008x4096")
-    p.add_argument("--sparsity", default="0,0.25,0.4,0.5,0.7")
-    args = p.parse_args(argv)
+    add_arguments(p)
+    return run_args(p.parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench_sparse: needs a CUDA GPU", file=sys.stderr)
         return 1
