@@ -153,9 +153,10 @@ class CpuOps:
     def sparsify(self, x, t, batch):
         """x * (|x| > t) with the rows at positions < DENSE_POSITIONS unchanged: TorchOps.sparsify's rule, an
         elementwise select (the same bits row by row or over the pass)."""
-        pos = torch.arange(self.start, self.start + self.m)
-        keep = (x.abs() > t) | (pos < DENSE_POSITIONS).view(-1, 1)
-        return torch.where(keep, x, torch.zeros((), dtype=x.dtype))
+        if self.start >= DENSE_POSITIONS:  # no dense row in this pass (every decode step past the sink)
+            return torch.where(x.abs() > t, x, torch.zeros((), dtype=x.dtype))
+        dense = (torch.arange(self.start, self.start + self.m) < DENSE_POSITIONS).view(-1, 1)
+        return torch.where((x.abs() > t) | dense, x, torch.zeros((), dtype=x.dtype))
 
     # -- projections -------------------------------------------------------------------------
     def project(self, w, x, residual=None):
