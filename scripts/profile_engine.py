@@ -1,6 +1,7 @@
 """Where the time of a decode step and of a VERIFY pass goes, per kernel, on the GPU (random weights, real shapes).
 
     python scripts/profile_engine.py --shape llama2-7b --format cb4 --rows 8,16 --base 64 [--out DIR]
+        [--off KERNEL_OPTION]   (also the graph walls with that boolean KernelOptions field off, same process)
 
 Runs eager (graphs off) under torch.profiler and sums the GPU time of each kernel name over `--reps` passes; also
 times the graph-replayed step and passes (the production figures) so the per-kernel sums can be set against them.
@@ -20,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from trapetum.eval.bench_e2e import _cuda_time
 from trapetum.eval.random_model import random_checkpoint
 from trapetum.runtime.engine import GpuEngine
-from trapetum.settings import Options
+from trapetum.settings import KernelOptions, Options
 
 
 def kernel_times(fn, reps: int) -> dict[str, tuple[float, int]]:
@@ -58,12 +59,16 @@ def main(argv=None) -> int:
     p.add_argument("--base", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="")
+    p.add_argument("--off", default="", help="a boolean KernelOptions field: graph walls with it off too")
     a = p.parse_args(argv)
     rows = [int(r) for r in a.rows.split(",") if r]
     ckpt = random_checkpoint(a.shape, a.format)
     out = {}
-    for graph in (True, False):
-        eng = GpuEngine(ckpt, 2048, device="cuda", options=Options(graph=graph))
+    runs = [(True, Options()), (False, Options(graph=False))]
+    if a.off:
+        runs.insert(1, ("off", Options(kernels=KernelOptions(**{a.off: False}))))
+    for graph, opts in runs:
+        eng = GpuEngine(ckpt, 2048, device="cuda", options=opts)
         g = torch.Generator(device="cuda").manual_seed(0)
         passes = {"decode": (1, None)}
         passes.update({f"verify M={m}": (m, torch.randint(3, eng.cfg.vocab_size, (m,), device="cuda", generator=g))
@@ -76,7 +81,9 @@ def main(argv=None) -> int:
                 else:
                     eng.verify(toks, a.base)
             fn()
-            if graph:
+            if graph == "off":
+                out[name]["wall_off"] = sorted(_cuda_time(fn, 20) for _ in range(5))[2]
+            elif graph:
                 out.setdefault(name, {})["wall"] = sorted(_cuda_time(fn, 20) for _ in range(5))[2]
             else:
                 out[name]["kernels"] = kernel_times(fn, a.reps)
@@ -87,6 +94,10 @@ def main(argv=None) -> int:
         (Path(a.out) / "profile.json").write_text(json.dumps(out, indent=1))
     for name, r in out.items():
         print(table(f"{a.shape} {a.format} {name} at {a.base}", r["kernels"], r["wall"]))
+    if a.off:
+        print(f"-- graph walls (us), {a.off} on / off:")
+        for name, r in out.items():
+            print(f"{name:>14} {r['wall'] * 1e6:9.1f} {r['wall_off'] * 1e6:9.1f}  ({r['wall'] / r['wall_off']:.3f})")
     return 0
 
 

@@ -91,6 +91,7 @@ class KernelOptions:
     triton_gather: bool = True  # tl.gather of the codebook tile in the Triton codebook GEMV
     aqlm_layout: str = "slices"  # 2x8 codes in the engine: the kernel's "slices" layout or the stored "rows"
     aqlm_blocks_per_sm: int = 2  # the 2x8 CUDA kernel's blocks per SM
+    frag_producers: bool = True  # producers of a verify pass's mma-GEMV rows write its fragment order (else it copies)
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:

@@ -61,12 +61,15 @@ from ..settings import DEFAULT_KERNELS, KernelOptions
 from . import pdl  # programmatic dependent launch of the split and merge kernels
 from .attn_configs import (AttnConfig, block_d, block_g, choose_config, config_fits, fixed_chunk_config,  # noqa: F401
                            loops, n_chunks, named_config, resolve_config)
+from .codebook_layout import Fragments, frag_pieces, to_fragments
 from .fused import check_rope_kv, rope_kv_append
 from .triton_util import HAVE_TRITON, triton_ok
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
+
+    from .codebook_layout import frag_offset
 
 # finite "minus infinity": keeps exp(m_old - m_new) free of NaN (a constexpr: Triton kernels may
 # only read globals that are constexpr)
@@ -408,12 +411,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_merge_kernel(t_ptr, t_val, m_ptr, l_ptr, o_ptr, out_ptr, D, NCH, HQ, stride_or, stride_oh, window,
-                           T_PTR: tl.constexpr, T_IS_POS: tl.constexpr, MULTI: tl.constexpr, HAS_WIN: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_DM: tl.constexpr, CH: tl.constexpr, BN: tl.constexpr,
-                           SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                           n_rows, T_PTR: tl.constexpr, T_IS_POS: tl.constexpr, MULTI: tl.constexpr,
+                           HAS_WIN: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DM: tl.constexpr, CH: tl.constexpr,
+                           BN: tl.constexpr, SPLITS: tl.constexpr, BLOCK_C: tl.constexpr, FRAG_PT: tl.constexpr,
+                           PDL: tl.constexpr):
         # One program per (workspace head, BLOCK_DM columns): head hx = r * HQ + h of row r (MULTI; length
         # t + r + 1), else query head hx of the one token (length t, or t + 1 with T_IS_POS). Merges the chunks
         # the split kernel wrote (_chunks with the same length: the count of adaptive chunks is known only here).
+        # FRAG_PT > 0 (MULTI): out is n_rows rows of HQ * D features in fragment order (codebook_layout).
         pdl.pdl_enter(PDL)
         hx = tl.program_id(0)
         ds = tl.program_id(1)
@@ -428,7 +433,12 @@ if HAVE_TRITON:
         _, _, _, c0, c1 = _chunks(L, window, HAS_WIN, CH, BN, SPLITS)
         rd = ds * BLOCK_DM + tl.arange(0, BLOCK_DM)
         out = _merge_cols(m_ptr, l_ptr, o_ptr, hx, rd, c0, c1, NCH, BLOCK_D, BLOCK_DM, BLOCK_C, "")
-        tl.store(out_row + rd, out.to(tl.float16), mask=rd < D)
+        if FRAG_PT > 0:
+            r = hx // HQ
+            dst = out_ptr + frag_offset(r, (hx - r * HQ) * D + rd, n_rows, FRAG_PT)
+        else:
+            dst = out_row + rd
+        tl.store(dst, out.to(tl.float16), mask=rd < D)
 
 
 class AttnWorkspace(NamedTuple):
@@ -516,9 +526,11 @@ def _merge_block_c(cfg: AttnConfig, nch: int) -> int:
     return min(cfg.merge_chunks, max(16, 1 << (nch - 1).bit_length()))
 
 
-def _launch(q3, rope, k_cache, v_cache, t, *, t_is_pos, scale, window, softcap, out3, workspace, config, kopts):
+def _launch(q3, rope, k_cache, v_cache, t, *, t_is_pos, scale, window, softcap, out3, workspace, config, kopts,
+            frag_pt=0):
     """The split kernel and the merge kernel for rows q3 [M, Hq, D] into out3 [M, Hq, D]. t: the attention length
-    (M = 1, not t_is_pos), or the position of row 0; rope = (k3, v3, cos, sin) of the new rows (fused) or None."""
+    (M = 1, not t_is_pos), or the position of row 0; rope = (k3, v3, cos, sin) of the new rows (fused) or None.
+    frag_pt > 0 (M > 1, out3 contiguous): out3 holds the rows in fragment order (codebook_layout)."""
     rows, hq, d = q3.shape
     hkv, tmax, _ = k_cache.shape
     g = hq // hkv
@@ -549,8 +561,9 @@ def _launch(q3, rope, k_cache, v_cache, t, *, t_is_pos, scale, window, softcap, 
                              num_warps=cfg.warps, num_stages=cfg.stages, **common)
     bdm = min(cfg.merge_d, bd) if cfg.merge_d else bd
     _attn_merge_kernel[(rows * hq, bd // bdm)](t_ptr, t_val, ws.m, ws.l, ws.o, out3, d, ws.m.shape[1], hq,
-                                               out3.stride(0) if multi else 0, out3.stride(1), win, BLOCK_DM=bdm,
-                                               BLOCK_C=_merge_block_c(cfg, nch), num_warps=cfg.merge_warps, **common)
+                                               out3.stride(0) if multi else 0, out3.stride(1), win, rows,
+                                               BLOCK_DM=bdm, BLOCK_C=_merge_block_c(cfg, nch), FRAG_PT=frag_pt,
+                                               num_warps=cfg.merge_warps, **common)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length, *,
@@ -587,9 +600,11 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
                    pos, cos: torch.Tensor, sin: torch.Tensor, *, scale: float, window: int | None = None,
                    softcap: float | None = None, out: torch.Tensor | None = None,
                    workspace: AttnWorkspace | None = None, config: AttnConfig | str | None = None,
-                   fused: bool = True, kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+                   fused: bool = True, frag_bits: int | None = None,
+                   kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor | Fragments:
     """M new tokens of one sequence at positions pos .. pos + M - 1: RoPE, KV-cache append and causal attention.
-    Returns out fp16 [M, Hq, D].
+    Returns out fp16 [M, Hq, D]; with frag_bits (4 or 8; fused, M >= 2), ``Fragments`` of out viewed [M, Hq * D]
+    in the fragment order of a GEMV of those bits (codebook_layout: the same values at other addresses).
 
     q [M, Hq, D], k, v [M, Hkv, D] un-roped (views with a contiguous last dim); caches [Hkv, T_max, D]; cos/sin
     fp32 [max_pos, rot/2] (partial rotary: rot < D); pos an int or a one-element int tensor (graph-capturable).
@@ -609,6 +624,12 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
     if not isinstance(fused, bool):
         raise ValueError(f"fused: expected a bool, got {fused!r}")
     out = _check_out(out, q.shape, q.device)
+    pt = 0
+    if frag_bits is not None:
+        pt = frag_pieces(frag_bits)
+        if not fused or rows < 2 or (hq * d) % (32 * pt) or not out.is_contiguous():
+            raise ValueError(f"frag_bits: fragment order needs the fused kernel, 2 or more rows, a contiguous out "
+                             f"and Hq * D % {32 * pt} == 0")
     if not triton_ok(q.device):  # row by row through the torch path: exact by construction
         resolve_config(config, d, hq // k.shape[1], k_cache.shape[1], k.shape[1])
         p0 = int(pos)
@@ -617,11 +638,17 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: t
             rope_kv_append(qr[r], k[r], v[r], k_cache, v_cache, p0 + r, cos, sin)
             out[r].copy_(decode_attention_torch(qr[r], k_cache, v_cache, p0 + r + 1, scale=scale, window=window,
                                                 softcap=softcap, dtype=torch.float32))
+        if pt:
+            flat = out.view(rows, hq * d)
+            flat.copy_(to_fragments(flat.clone(), frag_bits))
+            return Fragments(flat, frag_bits)
         return out
     kw = dict(t_is_pos=True, scale=scale, window=window, softcap=softcap, out3=out, workspace=workspace,
               config=config, kopts=kopts)
     if fused:
-        _launch(q, (k, v, cos.contiguous(), sin.contiguous()), k_cache, v_cache, pos, **kw)
+        _launch(q, (k, v, cos.contiguous(), sin.contiguous()), k_cache, v_cache, pos, frag_pt=pt, **kw)
+        if pt:
+            return Fragments(out.view(rows, hq * d), frag_bits)
     elif rows > 1:
         # The unfused kill switch runs its rows one after another through its one-row launches: exact by
         # construction. (Its multi-row launch differed from successive calls by an fp16 ulp on the H200 at real

@@ -37,6 +37,7 @@ import torch
 
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from . import cuda_ext
+from .codebook_layout import FRAG_ROWS, Fragments, frag_pieces, to_fragments
 from .codebook_layout import interleave_gate_up, tile_codes, untile_codes  # noqa: F401  (re-exported)
 from .pack import unpack_codes
 from .triton_util import HAVE_TRITON, ROW_POINTERS, triton_ok
@@ -262,6 +263,22 @@ def _pick_backend(backend, x2, K, bits, kopts):
     return backend
 
 
+def reads_fragments(m: int, bits: int, tiled: bool, kopts: KernelOptions = DEFAULT_KERNELS) -> int | None:
+    """The bits of the fragment order (codebook_layout) in which an ``m``-row call on these codes may take x
+    (``Fragments``), or None: tiled codes (the mma kernel's layout: it runs), FRAG_ROWS <= m <= 16."""
+    return bits if tiled and bits in (4, 8) and FRAG_ROWS <= m <= 16 and mma_available(None, kopts) else None
+
+
+def _frag_x(x, bits, tiled, kopts):
+    """(data, 1) for x in fragment order that this call may read (else ValueError), (x, 0) for a tensor."""
+    if not isinstance(x, Fragments):
+        return x, 0
+    if x.bits != bits or reads_fragments(x.shape[0], bits, tiled, kopts) != bits:
+        raise ValueError(f"x: {x.shape[0]} rows in {x.bits}-bit fragment order, but this {bits}-bit call reads "
+                         "fragments only on tiled codes through the mma kernel with 3 to 16 rows")
+    return x.data, 1
+
+
 def _prepare(x, codes, codebook, bits, backend, tiled, kopts):
     """Checks; tiled codes are untiled when the mma kernel may not run. Returns (x2 [M, K], codes, tiled, squeeze)."""
     if tiled:
@@ -299,10 +316,11 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
                   kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """y = x @ W.T (+ residual) with W given by per-row codebooks (layouts and contracts: module docstring).
 
-    x: fp16 [in] or [M, in]; codes: uint8 [out, ceil(in*bits/8)] (tiled: from ``tile_codes``); codebook: fp16
-    [out, 2**bits]; residual: fp16 shaped like y (added in fp32 before rounding). Returns fp16 [M, out] (or [out]),
-    written into `out` if given.
+    x: fp16 [in] or [M, in], or ``Fragments`` (rows in fragment order, ``reads_fragments``); codes: uint8
+    [out, ceil(in*bits/8)] (tiled: from ``tile_codes``); codebook: fp16 [out, 2**bits]; residual: fp16 shaped like
+    y (added in fp32 before rounding). Returns fp16 [M, out] (or [out]), written into `out` if given.
     """
+    x, xf = _frag_x(x, bits, tiled, kopts)
     x2, codes, tiled, squeeze = _prepare(x, codes, codebook, bits, backend, tiled, kopts)
     M, K = x2.shape
     N = codebook.shape[0]
@@ -316,7 +334,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
-                                    int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda))
+                                    int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0)
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y, kopts=kopts)
     else:  # one row at a time: the same matrix-vector product whatever M is
@@ -329,13 +347,16 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
 
 def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
                           f: int, act: str = "silu", *, out: torch.Tensor | None = None,
-                          backend: str | None = None, tiled: bool = False,
-                          kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+                          backend: str | None = None, tiled: bool = False, out_frag_bits: int | None = None,
+                          kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor | Fragments:
     """act(x @ Wg.T) * (x @ Wu.T) in one launch, on the layout made by ``interleave_gate_up``.
 
     codes/codebook: [2*ceil(f/8)*8, ...] (tiled: also through ``tile_codes``); f: number of output features;
-    act: 'silu' | 'gelu_tanh'. Returns fp16 [M, f] (or [f] for 1-D x), written into `out` if given.
+    act: 'silu' | 'gelu_tanh'; x as ``codebook_gemv``. Returns fp16 [M, f] (or [f] for 1-D x), written into `out`
+    if given; with out_frag_bits (4 or 8, M >= FRAG_ROWS), ``Fragments`` of it in the fragment order of the GEMV
+    that reads it (the same values; the mma kernel's epilogue writes them there, the fallbacks permute).
     """
+    x, xf = _frag_x(x, bits, tiled, kopts)
     x2, codes, tiled, squeeze = _prepare(x, codes, codebook, bits, backend, tiled, kopts)
     if act not in ACTS:
         raise ValueError(f"act: must be 'silu' or 'gelu_tanh', got {act!r}")
@@ -343,14 +364,25 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     if n % 16 != 0 or not isinstance(f, int) or not (0 < f <= n // 2) or f <= n // 2 - 8:
         raise ValueError(f"f: {f} does not match an interleaved gate/up matrix of {n} rows")
     M, K = x2.shape
+    pt = 0
+    if out_frag_bits is not None:
+        pt = frag_pieces(out_frag_bits)
+        if squeeze or M < FRAG_ROWS or f % (32 * pt):
+            raise ValueError(f"out_frag_bits: fragment order needs {FRAG_ROWS} or more rows of f % {32 * pt} == 0 "
+                             f"features, got {M} x {f}")
     y = _out(out, (M, f), x.device)
     codebook = codebook.contiguous()
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts)
     if be == "mma":
-        cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda))
+        cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
+                                    xf, pt)
+        return Fragments(y, out_frag_bits) if pt else (y.view(f) if squeeze else y)
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, None, y, epi=ACTS[act], f=f, kopts=kopts)
     else:  # one row at a time (float64 reference per row)
         for m in range(M):
             y[m].copy_(codebook_gemv_gate_up_reference(x2[m:m + 1], codes, codebook, bits, f, act)[0])
+    if pt:
+        y.copy_(to_fragments(y.clone(), out_frag_bits))
+        return Fragments(y, out_frag_bits)
     return y.view(f) if squeeze else y

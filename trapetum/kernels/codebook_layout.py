@@ -11,10 +11,101 @@ engine is built and are pure permutations / paddings of the canonical bytes:
                        kernel's lane (g, t) loads 512 contiguous bytes per warp instruction. Rows padded to 16
                        with zeros (never stored).
   untile_codes         the inverse of ``tile_codes``.
+
+Activation rows have one run-time layout besides row-major: the mma GEMV's fragment order (FRAG_ROWS <= M <= 16
+rows of K features; the kernel's comment in ``cuda/codebook_gemv_mma.cu`` says why). With PT = ``frag_pieces(bits)``
+(4 for a 4-bit consumer, 2 for an 8-bit one), feature k of row m (piece r = k // 8 of 8 halves, element j = k % 8;
+chunk c = r // (4 PT), lane t = (r // PT) % 4, i = r % PT) sits at element
+    ((((c * PT + i) * M + m) * 4 + t) * 8 + j                                      (``frag_index``)
+of a [M, K] buffer, so that each warp instruction of the GEMV reads 512 contiguous bytes. Producers whose only
+consumer is such a GEMV (RMSNorm, the attention merge, the gate/up epilogue) write this order directly and hand
+over ``Fragments(data, bits)``; the GEMV then skips its own copy into fragment order (one launch per projection).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from .triton_util import HAVE_TRITON
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+FRAG_ROWS = 3  # the mma GEMV reads x in fragment order from this many rows on (kFragRows in the kernel)
+
+
+def frag_pieces(bits: int) -> int:
+    """16-byte pieces of x per lane and 64-byte code chunk of the mma GEMV at ``bits`` (4 or 8)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits: fragment order exists for 4- and 8-bit GEMVs, got {bits!r}")
+    return 4 if bits == 4 else 2
+
+
+def frag_index(m, k, M: int, pt: int):
+    """Element offset of row m, feature k in fragment order (module docstring); ints or int tensors."""
+    r, j = k // 8, k % 8
+    c, t, i = r // (4 * pt), (r // pt) % 4, r % pt
+    return (((c * pt + i) * M + m) * 4 + t) * 8 + j
+
+
+def _frag_check(x: torch.Tensor, bits: int) -> int:
+    pt = frag_pieces(bits)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] % (32 * pt):
+        raise ValueError(f"x: fragment order needs [M, K] rows with K % {32 * pt} == 0, "
+                         f"got {tuple(getattr(x, 'shape', ()))}")
+    return pt
+
+
+def to_fragments(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Row-major x [M, K] -> the same values in fragment order (a [M, K] buffer; the reference of the kernels)."""
+    pt = _frag_check(x, bits)
+    M, K = x.shape
+    m = torch.arange(M, device=x.device).view(-1, 1)
+    k = torch.arange(K, device=x.device).view(1, -1)
+    out = torch.empty(M * K, dtype=x.dtype, device=x.device)
+    out[frag_index(m, k, M, pt).reshape(-1)] = x.reshape(-1)
+    return out.view(M, K)
+
+
+def from_fragments(xf: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``to_fragments``: the row-major [M, K] rows."""
+    pt = _frag_check(xf, bits)
+    M, K = xf.shape
+    m = torch.arange(M, device=xf.device).view(-1, 1)
+    k = torch.arange(K, device=xf.device).view(1, -1)
+    return xf.reshape(-1)[frag_index(m, k, M, pt)]
+
+
+class Fragments(NamedTuple):
+    """M activation rows in the fragment order of a ``bits``-bit mma GEMV: ``data`` [M, K] holds the permuted
+    values (module docstring). Only a projection whose ``reads_fragments(M)`` is ``bits`` accepts it."""
+    data: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def rows(self) -> torch.Tensor:
+        """The row-major rows (a copy; for tests and fallbacks)."""
+        return from_fragments(self.data, self.bits)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def frag_offset(m, k, M, PT: tl.constexpr):
+        """``frag_index`` in a Triton kernel (k an int tensor of features, m the row)."""
+        r = k // 8
+        c = r // (4 * PT)
+        t = (r // PT) % 4
+        i = r % PT
+        return (((c * PT + i) * M + m) * 4 + t) * 8 + (k % 8)
 
 
 def interleave_gate_up(gate_codes, gate_codebook, up_codes, up_codebook):

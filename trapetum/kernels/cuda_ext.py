@@ -26,7 +26,8 @@ SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
 HEADERS = ("pdl.cuh", "act.cuh")  # included by the sources (programmatic dependent launch, epilogue activations)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
-                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl);
+                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,
+                 int64_t x_frag, int64_t y_pt);
 void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);
 void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tensor y, int64_t epi,
                 int64_t has_res, int64_t f, int64_t pdl);

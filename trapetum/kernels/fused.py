@@ -1,7 +1,8 @@
 """Small fused decode kernels (Triton) with their float64 references.
 
   rmsnorm(x, weight, eps, offset=0.0)      y = x / sqrt(mean(x^2) + eps) * (weight + offset)
-                                            (offset=1.0 for Gemma's (1 + w) convention); fp32 math.
+                                            (offset=1.0 for Gemma's (1 + w) convention); fp32 math; with
+                                            frag_bits, written in a GEMV's fragment order (codebook_layout).
   rope_kv_append(q, k, v, k_cache, v_cache, pos, cos, sin)
                                             NeoX / rotate-half RoPE (as HF) on q (in place) and k,
                                             k and v written into the caches at positions pos..pos+T-1,
@@ -18,7 +19,11 @@ import torch
 
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from . import pdl
+from .codebook_layout import Fragments, frag_pieces, to_fragments
 from .triton_util import HAVE_TRITON, triton_ok
+
+if HAVE_TRITON:
+    from .codebook_layout import frag_offset
 
 if HAVE_TRITON:
     import triton
@@ -71,8 +76,9 @@ def act_mul_reference(gate, up, act="silu"):
 if HAVE_TRITON:
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps, offset, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, M, stride_x, stride_y, eps, offset, BLOCK: tl.constexpr,
+                        FRAG_PT: tl.constexpr, PDL: tl.constexpr):
+        # FRAG_PT > 0: y is M rows in the fragment order of that many pieces (codebook_layout), else row-major
         pdl.pdl_enter(PDL)
         row = tl.program_id(0)
         acc = tl.zeros([BLOCK], tl.float32)
@@ -85,7 +91,11 @@ if HAVE_TRITON:
             rn = n0 + tl.arange(0, BLOCK)
             xv = tl.load(x_ptr + row * stride_x + rn, mask=rn < N, other=0.0).to(tl.float32)
             wv = tl.load(w_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + row * stride_y + rn, (xv * r * (wv + offset)).to(tl.float16), mask=rn < N)
+            if FRAG_PT > 0:
+                dst = y_ptr + frag_offset(row, rn, M, FRAG_PT)
+            else:
+                dst = y_ptr + row * stride_y + rn
+            tl.store(dst, (xv * r * (wv + offset)).to(tl.float16), mask=rn < N)
 
     @triton.jit
     def rope_append_kv(k_row, v_row, kc_row, vc_row, c, s, HALF, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -150,9 +160,12 @@ if HAVE_TRITON:
 
 # ----------------------------------------------------------------------------- wrappers
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
-            out: torch.Tensor | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+            out: torch.Tensor | None = None, frag_bits: int | None = None,
+            kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., N] (fp16, or fp32 for a residual stream kept in fp32)
-    with weight [N] (fp16/fp32). Returns fp16. kopts: the PDL choice of the launch."""
+    with weight [N] (fp16/fp32). Returns fp16. kopts: the PDL choice of the launch.
+    frag_bits (4 or 8): x is [M, N] rows and the result is ``Fragments`` in the fragment order of a GEMV of those
+    bits (codebook_layout; the same values, other addresses) instead of a row-major tensor."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.float32) or x.dim() < 1:
         raise ValueError("x: expected a float16 or float32 tensor [..., N]")
     n = x.shape[-1]
@@ -163,15 +176,23 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float 
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    pt = 0
+    if frag_bits is not None:
+        if x.dim() != 2 or out is not None:
+            raise ValueError("frag_bits: fragment order is written for [M, N] rows into a fresh buffer")
+        pt = frag_pieces(frag_bits)
+        if n % (32 * pt):
+            raise ValueError(f"frag_bits: {n} features are not a multiple of {32 * pt}")
     y = torch.empty(x2.shape, dtype=torch.float16, device=x.device) if out is None else out.view(-1, n)
     if not triton_ok(x.device):
-        y.copy_(rmsnorm_reference(x2, weight, eps, offset))
-        return y.view(x.shape)
-    block = min(4096, triton.next_power_of_2(n))
-    _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), float(eps), float(offset),
-                                    BLOCK=block, num_warps=4 if block <= 1024 else 8,
-                                    **pdl.launch_kwargs(x.device, kopts))
-    return y.view(x.shape)
+        r = rmsnorm_reference(x2, weight, eps, offset)
+        y.copy_(to_fragments(r.to(torch.float16), frag_bits) if pt else r)
+    else:
+        block = min(4096, triton.next_power_of_2(n))
+        _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, n, x2.shape[0], x2.stride(0), y.stride(0), float(eps),
+                                        float(offset), BLOCK=block, FRAG_PT=pt, num_warps=4 if block <= 1024 else 8,
+                                        **pdl.launch_kwargs(x.device, kopts))
+    return Fragments(y, frag_bits) if pt else y.view(x.shape)
 
 
 def check_rope_kv(q, k, v, k_cache, v_cache, pos, cos, sin) -> tuple:

@@ -132,7 +132,7 @@ class CpuOps:
         return self._tables[key]
 
     # -- norms, adds, heads --------------------------------------------------------------------
-    def norm(self, x, w, eps=None):
+    def norm(self, x, w, eps=None, feeds=None):
         wt = w.weight
         if wt.dtype != torch.float32 or x.dtype != torch.float32:
             return w(x)
@@ -170,7 +170,7 @@ class CpuOps:
             residual = residual.contiguous()
         return f.run(x, torch.empty(x.shape[0], f.out_features), residual, self.threads)
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         f = self.step.fused(w, self.cfg.hidden_act)
         if not f or x.dtype != torch.float32:
             gate, up, act = w
@@ -191,7 +191,7 @@ class CpuOps:
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
     # -- attention ---------------------------------------------------------------------------
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         cfg = self.cfg
         kc, vc = self.cache.k[p.layer][0], self.cache.v[p.layer][0]  # [Hkv, max_len, hd]
         cos, sin, inter = self._rope(p.sliding)

@@ -68,7 +68,7 @@ class TorchOps:
         rope, cos, sin = self._rope(sliding)
         return rope.apply(x, cos, sin)
 
-    def norm(self, x, w, eps=None):
+    def norm(self, x, w, eps=None, feeds=None):
         # ``eps``: the reference's norm modules carry their own (built with it, models/decoder.py)
         return _by_row(w, x) if self.rowwise and x.dim() == 3 else w(x)
 
@@ -94,7 +94,7 @@ class TorchOps:
                 qkv[..., qd:qd + kd].reshape(*shp, cfg.num_kv_heads, cfg.head_dim),
                 qkv[..., qd + kd:].reshape(*shp, cfg.num_kv_heads, cfg.head_dim))
 
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         start = int(batch.start)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         q, k = self._rotate(q, p.sliding), self._rotate(k, p.sliding)
@@ -193,7 +193,7 @@ class TorchOps:
     def sigmoid_gate(self, w, h, y):
         return torch.sigmoid(self.project(w, h)) * y
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         gate, up, act = w
         if self.rowwise:
             return _by_row(lambda r: act(gate(r)) * up(r), x)

@@ -5,7 +5,10 @@ DECODE / VERIFY (M = 1..16 rows of one sequence at positions pos .. pos + M - 1;
     fused into the o / down GEMV (``Options.fuse``); RMSNorm, RoPE + KV append + split-KV attention
     (``kernels.attention.attention_rows``: row r reduced exactly as a decode step at length pos + r + 1) and the
     gate/up activation as kernels. Every op works row by row, so row r of a VERIFY pass is bitwise the decode step
-    at pos + r: the contract speculative decoding and the exact prefill rest on.
+    at pos + r: the contract speculative decoding and the exact prefill rest on. Where the blocks name the one
+    projection that reads an op's result (``feeds=``) and it takes its rows in fragment order (VERIFY, M >= 3: the
+    mma GEMV, kernels/codebook_layout.py), RMSNorm, the attention merge and the gate/up epilogue write that order
+    and hand over ``Fragments`` (``KernelOptions.frag_producers``): the same values, one copy launch fewer.
 PREFILL (a prompt at positions start .. start + T - 1; not captured): residual stream fp32 [T, D] (as the CPU
     reference: fp16 rounding of two adds per layer drifts), projections dequantized and multiplied on tensor cores
     (``Projection.matmul``), attention by SDPA over the cache (fp32 scores where a softcap applies).
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import attention_rows
+from ..kernels.codebook_layout import FRAG_ROWS
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
 from ..models.blocks.attention import row_heads
@@ -32,10 +36,16 @@ class EngineOps:
         self.rows = mode is not Mode.PREFILL
         self._dense_rows = None  # [N, 1] bool: the rows sparsify leaves dense (one pass's rows, made on first use)
 
+    def _frag_bits(self, feeds, m: int) -> int | None:
+        """The fragment order the projection ``feeds`` reads m rows in, when this pass writes it (module docstring)."""
+        if feeds is None or not self.rows or m < FRAG_ROWS or not self.kopts.frag_producers:
+            return None
+        return feeds.reads_fragments(m)
+
     # -- norms, adds, heads --------------------------------------------------------------------
-    def norm(self, x, w, eps=None):
+    def norm(self, x, w, eps=None, feeds=None):
         return rmsnorm(x.contiguous(), w, self.cfg.rms_norm_eps if eps is None else eps, offset=self.cfg.norm_offset,
-                       kopts=self.kopts)
+                       frag_bits=self._frag_bits(feeds, x.shape[0]) if x.dim() == 2 else None, kopts=self.kopts)
 
     def split(self, x, sizes):
         return [t.contiguous() for t in torch.split(x, list(sizes), dim=-1)]
@@ -68,9 +78,12 @@ class EngineOps:
         w.gemv(x, out)
         return out if residual is None else residual + out
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         if not self.rows:
             return w.matmul(x)
+        b = self._frag_bits(feeds, x.shape[0]) if w.writes_fragments else None
+        if b is not None:
+            return w.gemv(x, None, out_frag_bits=b)
         return w.gemv(x, torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device))
 
     # -- embedding and logits ----------------------------------------------------------------
@@ -95,17 +108,19 @@ class EngineOps:
         return out
 
     # -- attention ---------------------------------------------------------------------------
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         eng, cfg = self.eng, self.cfg
         kc, vc = eng.kv.k[p.layer], eng.kv.v[p.layer]
         window = cfg.sliding_window if p.sliding else None
         if self.rows:
             cos, sin = eng.rope_local if p.sliding else eng.rope
             out = torch.empty(q.shape[0], cfg.num_heads, eng.head_dim, dtype=torch.float16, device=q.device)
-            attention_rows(q, k, v, kc, vc, batch.start, cos, sin, scale=cfg.scale, window=window,
-                           softcap=cfg.attn_softcap, out=out, workspace=eng.attn_ws, config=eng.attn_config,
-                           fused=eng.options.attention == "fused", kopts=self.kopts)
-            return out.view(q.shape[0], -1)
+            fused = eng.options.attention == "fused"
+            res = attention_rows(q, k, v, kc, vc, batch.start, cos, sin, scale=cfg.scale, window=window,
+                                 softcap=cfg.attn_softcap, out=out, workspace=eng.attn_ws, config=eng.attn_config,
+                                 fused=fused, frag_bits=self._frag_bits(feeds, q.shape[0]) if fused else None,
+                                 kopts=self.kopts)
+            return res if res is not out else out.view(q.shape[0], -1)
         start = int(batch.start)
         cos, sin = eng.pass_rope(p.sliding, start, q.shape[0])
         return self._prefill_attention(q, k, v, kc, vc, start, cos, sin, window)

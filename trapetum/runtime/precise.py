@@ -155,14 +155,14 @@ class PreciseOps(EngineOps):
     def __init__(self, eng):
         super().__init__(eng, Mode.PREFILL)
 
-    def norm(self, x, w):
-        return rmsnorm32(x, w, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+    def norm(self, x, w, eps=None, feeds=None):
+        return rmsnorm32(x, w, self.cfg.rms_norm_eps if eps is None else eps, self.cfg.norm_offset)
 
     def project(self, w, x, residual=None):
         y = w.matmul(x, precise_linear)
         return y if residual is None else residual + y
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         return w.matmul(x, precise_linear, act_mul_fp32)
 
     def embed(self, table, batch: ForwardBatch):
@@ -177,7 +177,7 @@ class PreciseOps(EngineOps):
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         eng, cfg = self.eng, self.cfg
         T = q.shape[0]
         start = int(batch.start)

@@ -21,6 +21,9 @@ The engine form (``Projection``):
 
     gemv(x [M, K], out [M, N], residual=None) -> out    decode / verify rows, M = 1..16, fp16. Batch-invariant:
                                               row m of the result is bitwise what a call with row m alone gives
+    reads_fragments(m) -> bits | None         the fragment order (kernels/codebook_layout.py) in which an m-row
+                                              gemv may take x as ``Fragments`` (its producer writes that order and
+                                              the GEMV skips its copy); None: row-major only
     weight16() -> [N, K] fp16                 the weights the GEMV multiplies by (dequantized on demand)
     matmul(x [T, K], linear=fp16_linear)      prefill: ``linear(x, weight16(), bias, lo, bias_lo)``
     bias, lo, bias_lo                         fp16 or None; lo / bias_lo: fp16((exact - fp16) * 2^12) residuals of
@@ -95,6 +98,9 @@ class Projection:
     def gemv(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    def reads_fragments(self, m: int) -> int | None:
+        return None
+
     def weight16(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -149,13 +155,19 @@ def act_mul_fp16(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
 
 class GateUp:
     """act(gate(x)) * up(x) in the engine: ``gemv(x [M, K], out [M, F])`` for decode / verify rows (batch-invariant),
-    ``matmul(x [T, K], linear, act_mul)`` for prefill (``act_mul`` of the two fp16 or fp32 halves)."""
+    ``matmul(x [T, K], linear, act_mul)`` for prefill (``act_mul`` of the two fp16 or fp32 halves).
+    ``reads_fragments(m)`` as Projection's; ``writes_fragments``: gemv(x, None, out_frag_bits=b) returns its rows as
+    ``Fragments`` in the fragment order of a b-bit consumer (its epilogue writes them there)."""
     kind = "?"
     f: int
     act: str
+    writes_fragments = False
 
     def gemv(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def reads_fragments(self, m: int) -> int | None:
+        return None
 
     def halves(self, x: torch.Tensor, linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate(x), up(x)) [T, F] each, through ``linear``."""

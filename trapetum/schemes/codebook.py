@@ -179,6 +179,9 @@ class CodebookProjection(Projection):
                          kopts=self.kopts)
         return self._add_bias(out)
 
+    def reads_fragments(self, m):
+        return cg.reads_fragments(m, self.bits, self.tiled, self.kopts)
+
     def canonical_codes(self) -> torch.Tensor:
         return untile_codes(self.codes, self.out_features) if self.tiled else self.codes
 
@@ -196,11 +199,15 @@ class InterleavedGateUp(GateUp):
 
     def __init__(self, proj: CodebookProjection, f: int, act: str):
         self.proj, self.f, self.act = proj, f, act
+        self.writes_fragments = proj.tiled  # the mma kernel's epilogue writes them
 
-    def gemv(self, x, out):
+    def gemv(self, x, out, out_frag_bits=None):
         p = self.proj
         return cg.codebook_gemv_gate_up(x, p.codes, p.codebook, p.bits, self.f, self.act, out=out, tiled=p.tiled,
-                                        kopts=p.kopts)
+                                        out_frag_bits=out_frag_bits, kopts=p.kopts)
+
+    def reads_fragments(self, m):
+        return self.proj.reads_fragments(m)
 
     def halves(self, x, linear):
         w = self.proj.weight16().view(-1, 2, 8, self.proj.in_features)  # [fp/8, gate|up, 8, K]

@@ -164,9 +164,16 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
 }
 
 // Fixed-order reduction of the 8 warps' partial sums through shared memory, then the epilogue.
+// Element offset of row m, feature k of M rows in fragment order with PT pieces (codebook_layout.frag_index):
+// the layout x_fragments_kernel writes, element by element (the gate/up epilogue writes it for the down GEMV).
+__device__ __forceinline__ size_t frag_index(int m, int k, int M, int PT) {
+  const int r = k >> 3, c = r / (4 * PT), t = (r / PT) & 3, i = r % PT;
+  return ((((size_t)(c * PT + i) * M + m) * 4 + t) << 3) + (k & 7);
+}
+
 template <int NT, int EPI>
 __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][4], int tid, int lane, int warp,
-                                             int row0, int M, int N, int F, int has_res,
+                                             int row0, int M, int N, int F, int has_res, int ypt,
                                              const half* __restrict__ res, half* __restrict__ y) {
   __syncthreads();
 #pragma unroll
@@ -205,7 +212,7 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
       const int o = blockIdx.x * 8 + rr;
       if (o < F && m < M) {
         const float a = trapetum_act::apply(EPI, sg);
-        y[(size_t)m * F + o] = __float2half(a * su);
+        y[ypt ? frag_index(m, o, M, ypt) : (size_t)m * F + o] = __float2half(a * su);
       }
     }
   }
@@ -219,7 +226,7 @@ template <int BITS, int NT, int EPI, bool TILED, bool XF>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
-                   half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F) {
+                   half* __restrict__ y, int M, int N, int K, int KB, int has_res, int F, int ypt) {
   trapetum_pdl::allow_dependents();
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -293,7 +300,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   }
 
   __syncthreads();  // every warp is done with the table: reuse it for the reduction
-  reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, res, y);
+  reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, ypt, res, y);
 }
 
 // x [M, K] row-major -> fragment order (file comment): thread q copies the 16-byte piece q of x (coalesced reads,
@@ -395,7 +402,7 @@ struct Carveout { static constexpr int value = !XF ? 100 : (NT == 1 ? 86 : 58); 
 
 struct Args {
   const half* x; const uint8_t* codes; const half* cb; const half* res; half* y;
-  int M, N, K, KB, has_res, F;
+  int M, N, K, KB, has_res, F, ypt;
 };
 
 template <int BITS, int NT, int EPI, bool TILED, bool XF>
@@ -413,7 +420,7 @@ static void launch(const Args& a, cudaStream_t stream, bool pdl) {
   }
   const int grid = (a.N + 15) / 16;
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream, pdl,
-                                      a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F));
+                                      a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
 
 template <int BITS, bool TILED, int NT, bool XF>
@@ -449,8 +456,11 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 // x [M, K] fp16; codes uint8 [N, KB] (tiled: rows padded to 16, and for epi 0 the output rows N are y's columns,
 // for the gate/up epilogues the codes' rows); cb fp16 [N, 2**bits]; y [M, N] (epi 0) or [M, f] (epi 1, 2);
 // res [M, N] (read when has_res). pdl: launch with programmatic dependent launch (KernelOptions.pdl_cuda).
+// x_frag: x is already in fragment order (M >= kFragRows; written so by its producer): no copy launch.
+// y_pt (epi 1, 2): 0 = y row-major, else y in the fragment order of PT = y_pt pieces (the consumer's bits).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
-                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl) {
+                 int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,
+                 int64_t x_frag, int64_t y_pt) {
   using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
@@ -472,14 +482,16 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK(cb.size(0) >= N, "codebook rows");
   TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f), "y shape");
   TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual shape");
+  TORCH_CHECK(!x_frag || M >= kFragRows, "x_frag: fragment-order x needs at least 3 rows");
+  TORCH_CHECK(y_pt == 0 || (epi != 0 && (y_pt == 2 || y_pt == 4) && f % (32 * y_pt) == 0), "y_pt");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const bool use_pdl = pdl != 0;
   Args a{reinterpret_cast<const half*>(x.data_ptr<at::Half>()), codes.data_ptr<uint8_t>(),
          reinterpret_cast<const half*>(cb.data_ptr<at::Half>()), reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
-         reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, (int)has_res, (int)f};
+         reinterpret_cast<half*>(y.data_ptr<at::Half>()), M, N, K, KB, (int)has_res, (int)f, (int)y_pt};
   torch::Tensor xf;  // fragment-order copy of x (M >= kFragRows), alive until both launches are queued
-  if (M >= kFragRows) {
+  if (M >= kFragRows && !x_frag) {
     xf = torch::empty({M, K}, x.options());
     const long long pieces = (long long)M * (K / 8);
     auto kern = bits == 4 ? x_fragments_kernel<4> : x_fragments_kernel<2>;

@@ -11,11 +11,16 @@ code runs on every executor:
 
 The ops an executor provides (x is the residual stream, [..., D]; a backend keeps it in its own dtype):
 
-    norm(x, w, eps=None)               RMSNorm over the last dim with the config's eps (or ``eps``) and offset
+    norm(x, w, eps=None, feeds=None)   RMSNorm over the last dim with the config's eps (or ``eps``) and offset
     project(w, x, residual=None)       x @ W^T (+ bias) (+ residual): a projection of the backend's form
     heads(qkv)                         (q [..., Hq, hd], k [..., Hkv, hd], v [..., Hkv, hd]) views of a fused output
-    attend(q, k, v, batch, p)          RoPE, KV-cache append and causal attention of the rows -> [..., Hq * hd]
-    gate_up(w, x)                      act(gate(x)) * up(x)
+    attend(q, k, v, batch, p, feeds=None)  RoPE, KV-cache append and causal attention of the rows -> [..., Hq * hd]
+    gate_up(w, x, feeds=None)          act(gate(x)) * up(x)
+
+``feeds``: the one projection that reads the op's result and nothing else does (the block passes it only then).
+An executor may hand over the result in that projection's own input layout (the engine's fragment order,
+runtime/engine_ops.py), which only ``project`` / ``gate_up`` / ``logits`` with that projection accept; the
+others ignore it.
     add(x, y)                          x + y in the residual stream's dtype
     embed(table, batch)                token rows (times the config's embedding scale)
     logits(head, h)                    fp32 logits of the rows that need them (final softcap applied)
@@ -51,4 +56,4 @@ def decoder_forward(batch, ops, model):
         x = layer_forward(x, batch, ops, layer)
     if batch.logits == "last":
         x = x[..., -1:, :]
-    return ops.logits(model.head, ops.norm(x, model.final_norm))
+    return ops.logits(model.head, ops.norm(x, model.final_norm, feeds=model.head))

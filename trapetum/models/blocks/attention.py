@@ -15,13 +15,13 @@ from __future__ import annotations
 
 def forward(x, batch, ops, p):
     sp = p.sparsity
-    h = ops.norm(x, p.input_norm)
+    h = ops.norm(x, p.input_norm, feeds=p.qkv if sp is None else None)
     if sp is not None:
         h = ops.sparsify(h, sp.qkv, batch)
     q, k, v = ops.heads(ops.project(p.qkv, h))
     if p.q_norm is not None:
         q, k = ops.norm(q, p.q_norm), ops.norm(k, p.k_norm)
-    a = ops.attend(q, k, v, batch, p)
+    a = ops.attend(q, k, v, batch, p, feeds=p.o if sp is None else None)
     if sp is not None:
         a = ops.sparsify(a, sp.o, batch)
     if p.post_norm is not None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 def forward(x, batch, ops, p):
     sp = p.sparsity
-    h = ops.norm(x, p.norm)
+    h = ops.norm(x, p.norm, feeds=p.gate_up if sp is None else None)
     if sp is not None:
         h = ops.sparsify(h, sp.gate_up, batch)
-    g = ops.gate_up(p.gate_up, h)
+    g = ops.gate_up(p.gate_up, h, feeds=p.down if sp is None else None)
     if sp is not None:
         g = ops.sparsify(g, sp.down, batch)
     if p.post_norm is not None:
