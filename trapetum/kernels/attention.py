@@ -75,6 +75,7 @@ if HAVE_TRITON:
 # only read globals that are constexpr)
 _NEG = tl.constexpr(-1.0e30) if HAVE_TRITON else -1.0e30
 _BIG = tl.constexpr(2 ** 30) if HAVE_TRITON else 2 ** 30
+APPEND_ROWS = tl.constexpr(16) if HAVE_TRITON else 16  # new rows a rows program rotates and appends per step
 
 
 def decode_attention_reference(q, k_cache, v_cache, length, *, scale, window=None, softcap=None):
@@ -100,7 +101,7 @@ def decode_attention_torch(q, k_cache, v_cache, length, *, scale, window=None, s
 
 
 if HAVE_TRITON:
-    from .fused import rope_append_kv
+    from .fused import rope_append_kv, rope_append_rows
 
     @triton.jit
     def _tanh(x):
@@ -352,14 +353,12 @@ if HAVE_TRITON:
             if ROPE:  # append the new positions this program reads (all of them: L_u - 1 <= t + M - 1)
                 j_lo = tl.maximum(tl.maximum(b_lo, lo_u) - t, 0)
                 j_hi = tl.minimum(b_hi, L_u) - t
-                if j_hi > j_lo:
-                    rh = tl.arange(0, BLOCK_H)
-                    for j in range(j_lo, j_hi):
-                        cs = tl.load(cos_ptr + (t + j) * HALF + rh, mask=rh < HALF, other=1.0)
-                        sn = tl.load(sin_ptr + (t + j) * HALF + rh, mask=rh < HALF, other=0.0)
-                        rope_append_kv(kn_ptr + j * stride_knr + hk * stride_knh,
-                                       vn_ptr + j * stride_vnr + hk * stride_vnh, k_base + (t + j) * stride_kt,
-                                       v_base + (t + j) * stride_vt, cs, sn, HALF, D, BLOCK_H, BLOCK_D)
+                if j_hi > j_lo:  # APPEND_ROWS rows at once (one step for a verify pass)
+                    for j0 in range(j_lo, j_hi, APPEND_ROWS):
+                        rope_append_rows(kn_ptr + hk * stride_knh, vn_ptr + hk * stride_vnh, stride_knr,
+                                         stride_vnr, k_base, v_base, stride_kt, stride_vt, cos_ptr, sin_ptr, t, j0,
+                                         tl.minimum(j0 + APPEND_ROWS, j_hi), HALF, D, APPEND_ROWS, BLOCK_H,
+                                         BLOCK_D)
                     tl.debug_barrier()  # the slots' stores before any thread of this program loads them
             q = _load_q_rows(q_ptr, r, hq, live, D, HALF, stride_qr, stride_qh, cos_ptr, sin_ptr, t + r,
                              ROPE, BLOCK_D)

@@ -115,6 +115,35 @@ if HAVE_TRITON:
         tl.store(vc_row + rd, tl.load(v_row + rd, mask=vm, other=0.0), mask=vm)
 
     @triton.jit
+    def rope_append_rows(kn_ptr, vn_ptr, stride_knr, stride_vnr, kc_base, vc_base, stride_kt, stride_vt,
+                         cos_ptr, sin_ptr, t, j_lo, j_hi, HALF, D, BLOCK_J: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        """``rope_append_kv`` of new rows j_lo .. j_hi - 1 (< j_lo + BLOCK_J) of one head at once: row j's k
+        (kn_ptr + j * stride_knr) rotated with the cos/sin of position t + j into cache row t + j, its v copied.
+        The same elementwise expressions as rope_append_kv (the same bits), with every row's loads in flight
+        together instead of one row after another."""
+        jj = j_lo + tl.arange(0, BLOCK_J)
+        jm = jj < j_hi
+        ri = tl.arange(0, BLOCK_H)
+        hm = jm[:, None] & (ri < HALF)[None, :]
+        tab = (t + jj)[:, None] * HALF + ri[None, :]
+        c = tl.load(cos_ptr + tab, mask=hm, other=1.0)
+        s = tl.load(sin_ptr + tab, mask=hm, other=0.0)
+        k_rows = kn_ptr + jj[:, None] * stride_knr
+        x1 = tl.load(k_rows + ri[None, :], mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(k_rows + HALF + ri[None, :], mask=hm, other=0.0).to(tl.float32)
+        rd = tl.arange(0, BLOCK_D)
+        pm = jm[:, None] & ((rd >= 2 * HALF) & (rd < D))[None, :]
+        vm = jm[:, None] & (rd < D)[None, :]
+        kp = tl.load(k_rows + rd[None, :], mask=pm, other=0.0)
+        vv = tl.load(vn_ptr + jj[:, None] * stride_vnr + rd[None, :], mask=vm, other=0.0)
+        kc_rows = kc_base + (t + jj)[:, None] * stride_kt
+        tl.store(kc_rows + ri[None, :], (x1 * c - x2 * s).to(tl.float16), mask=hm)
+        tl.store(kc_rows + HALF + ri[None, :], (x2 * c + x1 * s).to(tl.float16), mask=hm)
+        tl.store(kc_rows + rd[None, :], kp, mask=pm)
+        tl.store(vc_base + (t + jj)[:, None] * stride_vt + rd[None, :], vv, mask=vm)
+
+    @triton.jit
     def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, pos_ptr, pos_val,
                         HQ, D, HALF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
                         skc_h, skc_t, svc_h, svc_t, POS_PTR: tl.constexpr,
