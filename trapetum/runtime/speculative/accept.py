@@ -1,4 +1,6 @@
-"""Accepting drafts: the target's verify rows against the drafts, on the device; one read-back per round.
+"""Accepting drafts: the target's verify rows against the drafts, on the device. ``device_verdict`` computes the
+round's accepted count n and emitted tokens without reading anything back (n from a cumulative product over the
+accept flags); the synchronous loop reads them back at once (``judge``), the pipelined one a round later.
 
 The verify pass ran rows [last, d_1 .. d_k] at p .. p + k; row r holds the target's logits for position p + r + 1
 as if d_1 .. d_r had been emitted (bitwise the decode step there).
