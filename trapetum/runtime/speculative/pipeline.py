@@ -10,16 +10,20 @@ Round r, with its last token at position p_r (on the device: ``at``), is queued 
        p_{r+1} = p_r + n + 1 stays there;
     4. em and n are copied into a pinned host buffer (non-blocking) and a CUDA event is recorded.
 The host then waits for round r - 1's event only (round r runs meanwhile), reads its n and tokens, updates the
-stats and adaptive k, and yields them. kk bounds every position by the host's upper bound hi of p_r (kk <=
-max_len - 2 - hi), so no row of any queued round reaches past max_len - 1; a round queued after the one that
-reaches the end (or after the consumer stops: EOS, stop string, max tokens) is never read, and the cache rows it
-wrote lie past the sequence.
+stats and adaptive k, and yields them. kk bounds every row by the host's upper bound hi of p_r: kk <= room - 2 -
+hi, where room is the positions the target's KV cache holds (the engine's whole cache, which may pass max_len;
+the reference rows' cache is max_len), so no row of any queued round reaches past room - 1; tokens a round emits
+past position max_len - 1 are neither yielded nor counted in the stats (the synchronous loop, which knows p_r,
+stops its drafts there; the pipelined one would otherwise draft short near the end). A round queued after the one
+that reaches the end (or after the consumer stops: EOS, stop string, max tokens) is never read, and the cache rows
+it wrote lie past the sequence.
 
 Exactness: every round's verdict is the synchronous loop's (the same accept rule, accept.device_verdict, over the
 same verify rows: VERIFY rows are bitwise their decode steps at any grouping), so greedy output is token for
 token plain greedy decoding's; sampled output has the target's distribution, and with a fixed k it is the same
-tokens under the same seed as the synchronous loop (the same draws in the same order: the target's generator
-takes k uniforms and one (k + 1)-row multinomial per round, the drafter's its own draws per proposal). Adaptive k
+tokens under the same seed as the synchronous loop away from the end of the cache (where the two loops bound k
+differently): the same draws in the same order, k uniforms and one (k + 1)-row multinomial per round from the
+target's generator, the drafter's own draws per proposal from its generator. Adaptive k
 is decided one round later than in the synchronous loop (round r's verdict sets round r + 2's k), so adaptive
 sampling matches it in distribution, not draw for draw.
 """
@@ -83,15 +87,16 @@ def pipelined_tokens(runner, prompt: list[int], s: GenerationSettings, max_len: 
     reader = Reader(dev, MAX_K + 2)  # before any forward: a pinned allocation may synchronize
     sampler = Sampler(s, T.vocab_size, dev, prompt)
     logits = T.prefill(prompt, max_len)
+    room = max(T.max_len, max_len) if T.device_positions else max_len  # positions the target's cache holds
     first = sampler(logits)  # [1] on the device, in the penalty state
-    D.begin(list(prompt), s, max_len, T.vocab_size, dev)
+    D.begin(list(prompt), s, room, T.vocab_size, dev)
     first_ticket = reader.send(first)
     k = runner.k
 
     def queue(ctx: DeviceContext, k: int, accept: bool) -> Queued:
         if accept:
             accept_emitted(sampler, ctx.new, ctx.n)
-        kk = max(0, min(k, max_len - 2 - ctx.hi))  # verify rows reach at most hi + kk <= max_len - 2
+        kk = max(0, min(k, room - 2 - ctx.hi))  # verify rows reach at most hi + kk <= room - 2
         draft = D.propose_at(ctx, kk)
         if draft is not None and draft.tokens.shape[0] > 0 and kk > 0:
             d = draft.tokens[:kk].to(device=dev, dtype=torch.long)
@@ -118,12 +123,14 @@ def pipelined_tokens(runner, prompt: list[int], s: GenerationSettings, max_len: 
             nxt = queue(DeviceContext(cur.em, cur.n, p + 1, cur.n + (p + 1), p + 1 + cur.kk), k, True)
         host = reader.recv(cur.ticket)
         n = host[-1]
+        kd = min(cur.kk, max_len - 2 - p)  # drafts at positions the generation may fill (p <= max_len - 2 here)
+        a = min(n, kd)  # the round as the synchronous loop would count it; a + 1 tokens within max_len
         st.rounds += 1
-        st.drafted += cur.kk
-        st.accepted += n
-        st.rejected += n < cur.kk
-        st.produced += n + 1
-        st.accepted_hist[n] += 1
+        st.drafted += kd
+        st.accepted += a
+        st.rejected += a < kd
+        st.produced += a + 1
+        st.accepted_hist[a] += 1
         if runner.adaptive:  # round r's verdict sets the k of the round queued next (r + 2)
             if cur.kk == cur.k and n == cur.k:
                 k = min(k + 2, runner.k_max)
@@ -131,7 +138,7 @@ def pipelined_tokens(runner, prompt: list[int], s: GenerationSettings, max_len: 
                 k = max(1, k - 1)
         p += n + 1
         more = p + 1 < max_len
-        yield from host[:n + 1]  # the consumer may stop at any of them (EOS, stop string, max tokens)
+        yield from host[:a + 1]  # the consumer may stop at any of them (EOS, stop string, max tokens)
         if not more:
             return
         cur = nxt
