@@ -33,9 +33,11 @@ def test_modeled_part_smoke(tmp_path, monkeypatch):
     assert rc == 0
     res = json.loads((tmp_path / "results.json").read_text())
     rows = {r["arm"]: r for r in res["modeled"]["rows"]}
-    assert len(rows) == 1 + 2 * 2 + 2 and all(r["identical"] == r["runs"] == 4 for r in rows.values())
-    full = rows["pard K=7 alpha=1"]
+    # plain + (PARD 2 K + draft 1 K) x 2 alphas x the pipelined and synchronous loops
+    assert len(rows) == 1 + (2 + 1) * 2 * 2 and all(r["identical"] == r["runs"] == 4 for r in rows.values())
+    full, sync = rows["pard K=7 alpha=1"], rows["pard K=7 alpha=1 sync"]
     assert full["per_token"] == 1.0 and full["tokens_per_round"] > 4  # an oracle at K = 7: 8 tokens a round
+    assert (full["loop"], sync["loop"]) == ("pipelined", "sync") and sync["tokens_per_round"] == full["tokens_per_round"]
     half = rows["draft K=3 alpha=0.5"]
     assert 0.25 < half["per_token"] < 0.75
     assert "pard K=7 alpha=1" in (tmp_path / "results.md").read_text()

@@ -1,10 +1,15 @@
 """Exact speculative decoding on the GPU engine (CUDA graphs): greedy speculative output equals plain greedy output
 token for token, for every drafter kind and adversarial drafters, on random-weight models at real per-layer shapes
 (2 layers; real-size heads: Llama-2 32k MHA, Llama-3 128k GQA, Qwen2.5 152k with qkv bias and a tied head; fp16,
-4-bit codebooks and AQLM 2x8 targets) and on the real SmolLM2-135M. Skipped without CUDA.
+4-bit codebooks and AQLM 2x8 targets) and on the real SmolLM2-135M. On CUDA the runner picks the pipelined loop
+for every drafter but n-gram lookup (runtime/speculative/pipeline.py), so the matrix runs both loops; the tests
+at the end compare them round for round and check that the pipelined rounds never synchronize. Skipped without
+CUDA.
 
     python -m pytest -q -m gpu tests/test_speculative_gpu.py
 """
+import itertools
+
 import pytest
 import torch
 
@@ -105,3 +110,108 @@ def test_real_smollm2_on_the_gpu():
                 assert spec.speculative.stats.acceptance == 1.0
             cases += 1
     assert cases == 48
+
+
+def _first(runner, prompt, s, max_len):
+    g = runner.tokens(prompt, s, max_len)
+    out = list(itertools.islice(g, s.max_new_tokens))
+    g.close()
+    st = runner.stats
+    return out, (st.rounds, st.drafted, st.accepted, st.produced, st.accepted_hist)
+
+
+def test_pipelined_equals_synchronous_on_the_engine():
+    """The pipelined loop (chosen automatically here) against the synchronous one on the engine: greedy, the same
+    tokens as plain decoding and the same rounds (the same drafts and verdicts) for PARD, the draft model and
+    scripted drafters over a PARD pass, K in (1, 3, 7, 15): 48 cases; sampling (fixed k): the same tokens under the
+    same seed, 3 drafters x 2 K x 4 seeds. With room past the end of the cache (the loops bound k differently
+    there)."""
+    te, de = engine("llama3-8b", "cb4"), engine("llama3.2-1b", "cb4")
+    V = te.cfg.vocab_size
+    cases = 0
+    for pi, n in enumerate((20, 70)):
+        prompt = torch.randint(3, V, (n,), generator=torch.Generator().manual_seed(pi)).tolist()
+        s = GenerationSettings(max_new_tokens=NEW)
+        plain = list(te.tokens(prompt, s, n + NEW))
+        truth = prompt + plain
+        far = n + NEW + 2 * max(KS) + 2
+        for k in KS:
+            for mk in (lambda: PardDrafter(EngineRows(de), V - 1), lambda: DraftModelDrafter(EngineRows(de)),
+                       lambda: ScriptedDrafter.modeled(truth, 0.8, V, seed=k, device="cuda",
+                                                       inner=PardDrafter(EngineRows(de), V - 1)),
+                       lambda: ScriptedDrafter.modeled(truth, 0.5, V, seed=k, device="cuda",
+                                                       inner=DraftModelDrafter(EngineRows(de)))):
+                auto = SpeculativeRunner(EngineRows(te), mk(), k)
+                assert auto.pipelined
+                got = list(auto.tokens(prompt, s, n + NEW))
+                a = _first(SpeculativeRunner(EngineRows(te), mk(), k), prompt, s, far)
+                b = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=False), prompt, s, far)
+                assert got == plain and a == b and a[0] == plain, (k, pi, a[1], b[1])
+                cases += 1
+    assert cases == 2 * 4 * 4
+    prompt = list(range(5, 30))
+    for mk in (lambda: PardDrafter(EngineRows(de), 7), lambda: DraftModelDrafter(EngineRows(de)),
+               lambda: ScriptedDrafter.modeled(prompt + list(range(40)), 0.5, V, device="cuda")):
+        for k in (2, 7):
+            for seed in range(4):
+                s = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01,
+                                       repetition_penalty=1.1, seed=seed)
+                far = len(prompt) + 40 + 2 * k + 2
+                a = _first(SpeculativeRunner(EngineRows(te), mk(), k), prompt, s, far)
+                b = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=False), prompt, s, far)
+                assert a == b and len(a[0]) == 40, (k, seed)
+
+
+def test_pipelined_rounds_never_synchronize(monkeypatch):
+    """torch's sync debug mode set to error from the drafter's begin (after both prefills) to the end of the
+    generation, except inside the loop's own read-back (Reader.recv waits on the round's event): any hidden
+    synchronization in a round (a .item(), a pageable copy, a host-side index) raises. PARD and the draft model,
+    greedy and sampling (sampling only where torch.multinomial itself does not synchronize: older torch versions
+    check the distribution with an .item(); the probe below says which)."""
+    from trapetum.runtime.speculative import pipeline
+    te, de = engine("llama3-8b", "cb4"), engine("llama3.2-1b", "cb4")
+    V = te.cfg.vocab_size
+    recv = pipeline.Reader.recv
+
+    def quiet_recv(ticket):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return recv(ticket)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(pipeline.Reader, "recv", staticmethod(quiet_recv))
+
+    def strict(d):
+        begin = d.begin
+
+        def begin_then_strict(*a, **kw):
+            begin(*a, **kw)
+            torch.cuda.set_sync_debug_mode("error")
+        d.begin = begin_then_strict
+        return d
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.multinomial(torch.ones(2, 4, device="cuda"), 1)
+        multinomial_syncs = False
+    except RuntimeError:
+        multinomial_syncs = True
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    prompt = list(range(5, 40))
+    settings = [GenerationSettings(max_new_tokens=40)]
+    if not multinomial_syncs:
+        settings.append(GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, repetition_penalty=1.1,
+                                           seed=1))
+    for s in settings:
+        for d in (PardDrafter(EngineRows(de), V - 1), DraftModelDrafter(EngineRows(de)),
+                  ScriptedDrafter.modeled(prompt + list(range(50)), 0.8, V, device="cuda",
+                                          inner=PardDrafter(EngineRows(de), V - 1))):
+            r = SpeculativeRunner(EngineRows(te), strict(d), 7)
+            assert r.pipelined
+            try:
+                out = list(r.tokens(prompt, s, len(prompt) + 40))
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert len(out) == 40 and r.stats.rounds >= 5

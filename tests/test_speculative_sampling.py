@@ -181,3 +181,73 @@ def test_sampling_is_reproducible_with_a_seed(models):
                                          len(PROMPT) + 20)) for x in range(12, 16)]
         assert a == b and len(a) == 20
         assert any(o != a for o in other_seed)
+
+
+def pipelined_drafters(other, copy_):
+    from trapetum.runtime.speculative import Drafter, PardDrafter, ScriptedDrafter
+    script = torch.tensor(PROMPT + [3, 9, 4, 17] * 8)
+    return {"draft": lambda: DraftModelDrafter(ReferenceRows(other.decoder)),
+            "draft-self": lambda: DraftModelDrafter(ReferenceRows(copy_.decoder)),
+            "pard": lambda: PardDrafter(ReferenceRows(other.decoder), 5),
+            "scripted": lambda: ScriptedDrafter(script), "none": lambda: Drafter()}
+
+
+@pytest.fixture(scope="module")
+def copy_model(models, tmp_path_factory):
+    return trapetum.load(models[0].path)
+
+
+PENALTY = dict(temperature=0.9, top_k=10, min_p=0.02, repetition_penalty=1.2)
+
+
+@pytest.mark.parametrize("settings,seeds", [(SETTINGS, 10), (PENALTY, 10),
+                                            pytest.param(SETTINGS, 60, marks=pytest.mark.slow),
+                                            pytest.param(PENALTY, 60, marks=pytest.mark.slow)],
+                         ids=["t0.7-p0.9", "topk-minp-penalty", "t0.7-p0.9-60", "topk-minp-penalty-60"])
+def test_pipelined_sampling_draws_what_the_synchronous_loop_draws(models, copy_model, settings, seeds):
+    """With a fixed k the pipelined loop (pipeline.py) makes the synchronous loop's random draws in the same order,
+    so under the same seed it yields the same tokens (hence, by the chi-square tests above, plain sampling's
+    distribution): 5 drafters x k in (1, 2, 5) x 10 seeds (60 in the slow tier), 12 tokens each, with room past the end of the cache (the
+    two loops bound k differently there)."""
+    m, other = models
+    rows = ReferenceRows(m.decoder)
+    cases = accepted = drafted = 0
+    for name, mk in pipelined_drafters(other, copy_model).items():
+        for k in (1, 2, 5):
+            for seed in range(seeds):
+                s = GenerationSettings(max_new_tokens=12, seed=seed, **settings)
+                outs, stats = [], []
+                for pipelined in (False, True):
+                    r = SpeculativeRunner(rows, mk(), k, pipelined=pipelined)
+                    g = r.tokens(list(PROMPT), s, len(PROMPT) + 12 + 2 * k + 2)
+                    outs.append(list(itertools.islice(g, 12)))
+                    g.close()
+                    stats.append((r.stats.rounds, r.stats.accepted, r.stats.accepted_hist))
+                assert outs[0] == outs[1] and stats[0] == stats[1], (name, k, seed, settings)
+                accepted += r.stats.accepted
+                drafted += r.stats.drafted
+                cases += 1
+    assert cases == 5 * 3 * seeds and 0.1 < accepted / drafted < 0.9  # both branches of the accept rule ran
+
+
+def test_pipelined_adaptive_sampling_is_reproducible(models):
+    m, other = models
+    runner = SpeculativeRunner(ReferenceRows(m.decoder), DraftModelDrafter(ReferenceRows(other.decoder)), k=3,
+                               adaptive=True, pipelined=True)
+    s = GenerationSettings(max_new_tokens=24, seed=3, **SETTINGS)
+    a = list(runner.tokens(list(PROMPT), s, len(PROMPT) + 24))
+    b = list(runner.tokens(list(PROMPT), s, len(PROMPT) + 24))
+    assert a == b and len(a) == 24
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runs", RUNS)
+def test_pipelined_speculative_sampling_matches_plain(models, exact, runs):
+    """The chi-square test of test_speculative_sampling_matches_plain through the pipelined loop (draft model)."""
+    m, other = models
+    runner = SpeculativeRunner(ReferenceRows(m.decoder), DraftModelDrafter(ReferenceRows(other.decoder)), k=2,
+                               pipelined=True)
+    c = counts_of(runner, runs)
+    assert all(t in exact for t in c)
+    stat, thr = chi2(c, exact, runs)
+    assert stat < thr, (stat, thr)

@@ -3,7 +3,7 @@ process on the same weights; every speculative output is checked token for token
 
     python -m trapetum.eval.bench_spec --out DIR                       (GPU: the modeled part, defaults below)
         [--target llama3-8b:cb4] [--draft llama3.2-1b:cb4] [--kinds pard,draft] [--pard-k 3,7] [--draft-k 3]
-        [--alpha 0.6,0.8] [--prompts 8] [--new-tokens 256] [--reps 2]
+        [--alpha 0.6,0.8] [--prompts 8] [--new-tokens 256] [--reps 2] [--loops pipelined,sync]
     python -m trapetum.eval.bench_spec --out DIR --real MODEL [--real-draft ngram,PATH.cbk,pard:PATH]
         [--real-k 3,7] [--real-new-tokens 128] [--device cuda|cpu] [--real-prompts N] [--skip-modeled]
 
@@ -11,7 +11,9 @@ Modeled part (random weights at real shapes, eval/random_model.py; GPU): a targe
 random-weight models cannot show real acceptance, so each speculative arm runs the real drafter (PARD: one forward
 over the new tokens plus K - 1 mask tokens; draft model: K autoregressive steps) for its cost every round, but
 proposes scripted tokens that agree with the target's own greedy output with per-token probability alpha
-("modeled acceptance", runtime/speculative/scripted.py). Prompts: random tokens, lengths 32 .. 256, greedy,
+("modeled acceptance", runtime/speculative/scripted.py). Each arm runs in each loop of ``--loops``: "pipelined"
+(runtime/speculative/pipeline.py: round r + 1 queued before round r's verdict is read back; what the runner picks
+on CUDA) and "sync" (a read-back per round before the next is launched; the arm's name ends in "sync"). Prompts: random tokens, lengths 32 .. 256, greedy,
 ``--new-tokens`` each. Before timing, every verify graph (1 .. 16 rows) of both engines is captured and each arm
 runs once. Reps alternate the arm order; tok/s pools all reps.
 
@@ -95,7 +97,8 @@ def modeled(args) -> dict:
     for kind in args.kinds.split(","):
         for k in (args.pard_k if kind == "pard" else args.draft_k):
             for a in args.alpha:
-                arms.append((kind, kind, k, a))
+                for loop in args.loops:
+                    arms.append((loop, kind, k, a))
     res = {name: {"seconds": 0.0, "tokens": 0, "identical": 0, "runs": 0, "stats": SpecStats()} for name in
            (_arm_name(*a) for a in arms)}
 
@@ -110,7 +113,7 @@ def modeled(args) -> dict:
                 inner = (PardDrafter(EngineRows(de), mask_token=de.cfg.vocab_size - 1) if kind == "pard"
                          else DraftModelDrafter(EngineRows(de)))
                 drafter = ScriptedDrafter.modeled(p + truth[i], a, V, seed=1000 * rep + i, device=dev, inner=inner)
-                runner = SpeculativeRunner(target, drafter, k)
+                runner = SpeculativeRunner(target, drafter, k, pipelined=label == "pipelined")
                 out, dt = timed_tokens(runner, p, n, dev)
                 if not warmup:
                     r["stats"].add(runner.stats)
@@ -132,6 +135,7 @@ def modeled(args) -> dict:
         r = res[_arm_name(*arm)]
         st = r["stats"]
         rows.append({"arm": _arm_name(*arm), "kind": arm[1] or "plain", "k": arm[2], "alpha": arm[3],
+                     "loop": arm[0] if arm[1] else "-",
                      "tok_s": _rate(r), "speedup": _rate(r) / plain, "tokens_per_round": st.tokens_per_round,
                      "acceptance": st.acceptance, "per_token": st.alpha, "identical": r["identical"], "runs": r["runs"],
                      "ms_per_round": 1e3 * r["seconds"] / st.rounds if st.rounds else None})
@@ -140,7 +144,7 @@ def modeled(args) -> dict:
 
 
 def _arm_name(label, kind, k, a) -> str:
-    return "plain" if kind is None else f"{kind} K={k} alpha={a:g}"
+    return "plain" if kind is None else f"{kind} K={k} alpha={a:g}" + (" sync" if label == "sync" else "")
 
 
 def _rate(r: dict) -> float:
@@ -250,6 +254,13 @@ def _f(v: float, digits: int = 2) -> str:
     return f"{v:.{digits}f}" if v else "-"
 
 
+def _loops(s: str) -> list[str]:
+    out = [x for x in s.split(",") if x]
+    if not out or any(x not in ("pipelined", "sync") for x in out):
+        raise argparse.ArgumentTypeError(f"pipelined and/or sync, comma-separated, got {s!r}")
+    return out
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -263,6 +274,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pard-k", type=_ints, default=[3, 7])
     p.add_argument("--draft-k", type=_ints, default=[3])
     p.add_argument("--alpha", type=lambda s: [float(x) for x in s.split(",") if x], default=[0.6, 0.8])
+    p.add_argument("--loops", type=_loops, default=["pipelined", "sync"],
+                   help="modeled part: the speculative loops each arm runs in (pipelined, sync)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=2)

@@ -187,6 +187,19 @@ class GpuEngine:
         self._run(Mode.VERIFY, m, True)
         return self.logits_rows[:m]
 
+    @torch.inference_mode()
+    def verify_at(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``verify`` with the base position in a device tensor ``pos`` (one integer element, copied into ``pos``
+        on the device: nothing is read back, so a caller can queue passes whose positions the device computes).
+        ``tokens`` [M] on the device; the caller guarantees pos + M <= max_len (not checkable without a sync)."""
+        m = tokens.numel()
+        if not 1 <= m <= MAX_VERIFY_ROWS:
+            raise ValueError(f"tokens: 1 to {MAX_VERIFY_ROWS} rows per verify pass, got {m}")
+        self.row_tokens[:m].copy_(tokens.view(-1))
+        self.pos.copy_(pos.view(1))
+        self._run(Mode.VERIFY, m, True)
+        return self.logits_rows[:m]
+
     # -- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids, all_logits: bool = False) -> torch.Tensor:

@@ -7,7 +7,8 @@
     ngram.py        n-gram / prompt lookup
     scripted.py     scripted (modeled acceptance) and adversarial drafters
     accept.py       the accept rules: greedy prefix match; speculative sampling with the residual distribution
-    loop.py         SpeculativeRunner (the Runner protocol of runtime/generate.py), SpecStats
+    loop.py         SpeculativeRunner (the Runner protocol of runtime/generate.py), SpecStats; the synchronous loop
+    pipeline.py     the pipelined loop (round r + 1 queued before round r's verdict is read back; CUDA default)
     factory.py      "ngram" | "pard:MODEL" | "MODEL" -> a drafter
 Greedy output is token for token plain greedy decoding of the same target; sampled output has its distribution.
 """

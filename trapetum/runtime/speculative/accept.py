@@ -1,4 +1,6 @@
-"""Accepting drafts: the target's verify rows against the drafts, on the device; one read-back per round.
+"""Accepting drafts: the target's verify rows against the drafts, on the device. ``device_verdict`` computes the
+round's accepted count n and emitted tokens without reading anything back (n from a cumulative product over the
+accept flags); the synchronous loop reads them back at once (``judge``), the pipelined one a round later.
 
 The verify pass ran rows [last, d_1 .. d_k] at p .. p + k; row r holds the target's logits for position p + r + 1
 as if d_1 .. d_r had been emitted (bitwise the decode step there).
@@ -30,22 +32,21 @@ class Verdict:
     emitted: torch.Tensor  # the same tokens on the device [n + 1]
 
 
-def judge(sampler: Sampler, logits: torch.Tensor, greedy_rows: torch.Tensor | None, drafts: torch.Tensor,
-          q: torch.Tensor | None) -> Verdict:
-    """logits fp32 [k + 1, V] (verify rows), greedy_rows [k + 1] their argmax (or None), drafts int64 [k] on the
-    logits' device, q [k, V] or None. Reads back one small tensor. Does not update the sampler's penalty state."""
+def device_verdict(sampler: Sampler, logits: torch.Tensor, greedy_rows: torch.Tensor | None, drafts: torch.Tensor,
+                   q: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's verdict on the device, nothing read back: (em int64 [k + 1], n int64 [1]); em[:n + 1] are the
+    emitted tokens (the n accepted drafts, then the target's own), em[n + 1:] meaningless. logits fp32 [k + 1, V]
+    (verify rows), greedy_rows [k + 1] their argmax (or None), drafts int64 [k] on the logits' device, q [k, V] or
+    None. The random draws (sampling) are k uniforms then one multinomial over k + 1 rows, whatever n turns out:
+    a fixed consumption of the sampler's generator per round. Does not update the sampler's penalty state."""
     k = drafts.shape[0]
     if sampler.greedy:
         if sampler.seen is None and greedy_rows is not None:
             c = greedy_rows[:k + 1]
         else:
             c = torch.argmax(sampler.processed(logits, drafts), -1)
-        host = torch.cat([c, drafts]).tolist()  # the round's one sync
-        choice, d = host[:k + 1], host[k + 1:]
-        n = 0
-        while n < k and d[n] == choice[n]:
-            n += 1
-        return Verdict(choice[:n + 1], n, c[:n + 1])
+        ok = c[:k] == drafts
+        return c, ok.long().cumprod(0).sum().view(1)  # c[i] = d_{i+1} for i < n
     p = sampler.probs(logits, drafts)  # [k + 1, V]
     dev = p.device
     ar = torch.arange(k, device=dev)
@@ -63,10 +64,22 @@ def judge(sampler: Sampler, logits: torch.Tensor, greedy_rows: torch.Tensor | No
     mass = resid.sum(-1, keepdim=True)
     resid = torch.where(mass > 0, resid / mass.clamp(min=1e-30), p)
     x = torch.multinomial(resid, 1, generator=sampler.gen).view(-1)  # [k + 1]: row r's draw, used when r = n
-    host = torch.cat([drafts, x, ok.long()]).tolist()
-    d, xs, oks = host[:k], host[k:2 * k + 1], host[2 * k + 1:]
-    n = 0
-    while n < k and oks[n]:
-        n += 1
-    emitted = torch.cat([drafts[:n], x[n:n + 1]])
-    return Verdict(d[:n] + [xs[n]], n, emitted)
+    n = ok.long().cumprod(0).sum().view(1)
+    em = torch.where(torch.arange(k + 1, device=dev) < n, torch.cat([drafts, x[k:]]), x)
+    return em, n
+
+
+def judge(sampler: Sampler, logits: torch.Tensor, greedy_rows: torch.Tensor | None, drafts: torch.Tensor,
+          q: torch.Tensor | None) -> Verdict:
+    """device_verdict, read back (the synchronous loop's one sync per round)."""
+    em, n = device_verdict(sampler, logits, greedy_rows, drafts, q)
+    host = torch.cat([em, n]).tolist()
+    acc = host[-1]
+    return Verdict(host[:acc + 1], acc, em[:acc + 1])
+
+
+def accept_emitted(sampler: Sampler, em: torch.Tensor, n: torch.Tensor) -> None:
+    """sampler.accept(em[:n + 1]) without reading n back (the entries past n repeat em[n])."""
+    if sampler.seen is not None:
+        idx = torch.minimum(torch.arange(em.shape[0], device=em.device), n)
+        sampler.accept(em.gather(0, idx))

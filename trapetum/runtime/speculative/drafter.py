@@ -10,6 +10,14 @@
 cache), ``new`` the same tokens' tail on the target's device (the tokens emitted by the previous round, its last one
 at ``pos``; the first token after the prompt on the first call), ``pos`` = len(seq) - 1.
 
+The pipelined loop (pipeline.py) asks drafters whose ``device_side`` is true for ``propose_at(dctx, k)`` instead:
+the same proposal from device tensors alone, queued before the previous round's verdict is read back.
+``DeviceContext``: ``new`` [L] the previous round's emitted tokens on the device, of which the first n + 1 are real
+(the rest padding, any ids), ``n`` int64 [1] on the device, ``base`` the host position of ``new[0]``, ``at`` int64
+[1] on the device = base + n, the position of the last real token (the ``pos`` of propose), ``hi`` = base + L - 1
+on the host, the highest position ``at`` can hold. A drafter's pass over ``new`` may write cache rows up to ``hi``:
+rows past ``at`` are rewritten before anything reads them (a forward reads positions up to its own only).
+
 ``Draft``: ``tokens`` int64 [k'] (k' <= k) on any device (model drafters keep theirs on the target's device, so
 nothing is read back per drafter step), ids < the target's vocabulary; ``q`` fp32 [k', V_target] the distribution
 each token was drawn from, or None for a deterministic proposal (q one-hot at the token). Exactness never depends
@@ -32,6 +40,15 @@ class DraftContext:
 
 
 @dataclass
+class DeviceContext:
+    new: torch.Tensor
+    n: torch.Tensor
+    base: int
+    at: torch.Tensor
+    hi: int
+
+
+@dataclass
 class Draft:
     tokens: torch.Tensor
     q: torch.Tensor | None = None
@@ -41,6 +58,8 @@ class Drafter:
     """Base class: a drafter that proposes nothing (every round is one verify row: plain decoding)."""
 
     name = "none"
+    device_side = True  # propose_at exists: the pipelined loop can run this drafter
+    host_free = True  # propose_at reads nothing back (the pipelined loop is chosen for it automatically)
 
     def begin(self, prompt: list[int], s: GenerationSettings, max_len: int, target_vocab: int,
               device: torch.device) -> None:
@@ -48,6 +67,9 @@ class Drafter:
         self.device = device
 
     def propose(self, ctx: DraftContext, k: int) -> Draft | None:
+        return None
+
+    def propose_at(self, ctx: DeviceContext, k: int) -> Draft | None:
         return None
 
 

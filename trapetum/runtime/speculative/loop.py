@@ -1,12 +1,18 @@
 """The speculative Runner: draft, verify in one pass, accept, repeat; plugs into runtime/generate.stream_tokens.
 
-    SpeculativeRunner(target, drafter, k=4, adaptive=False)
+    SpeculativeRunner(target, drafter, k=4, adaptive=False, pipelined=None)
         target   Rows over the target model (rows.py: the GPU engine or the CPU reference decoder)
         drafter  a Drafter (drafter.py: draft model, PARD, n-gram, scripted)
         k        drafts per round, 1 .. 15 (the verify pass holds k + 1 <= 16 rows); ``adaptive``: k moves in
                  1 .. ``k_max`` (+2 after a round that accepted every draft, -1 after one that rejected one)
+        pipelined  the loop of pipeline.py (round r + 1 queued before round r's verdict is read back) or this
+                 module's synchronous one; None chooses: pipelined when the target's rows read positions on a
+                 CUDA device and the drafter proposes from device tensors alone (``host_free``: PARD and draft
+                 models over the GPU engine, scripted drafters), synchronous otherwise (n-gram lookup, which
+                 needs the sequence on the host; the CPU reference rows). True forces it wherever the drafter
+                 has ``propose_at`` (on the CPU too: how the tests run it).
 
-``tokens(prompt, settings, max_len)`` (the Runner protocol) yields exactly the tokens plain decoding of the target
+``tokens(prompt, settings, max_len)`` (the Runner protocol) yields, in either loop, exactly the tokens plain decoding of the target
 yields (greedy: the same tokens; sampling: the same distribution, the accept rule of accept.py): the prompt goes
 through the target's own prefill, the first token is sampled from it as the plain runner does, then each round
 
@@ -31,6 +37,7 @@ from ...models.batch import MAX_VERIFY_ROWS
 from ..sampling import GenerationSettings, Sampler
 from .accept import judge
 from .drafter import DraftContext, Drafter
+from .pipeline import pipelined_tokens
 from .rows import Rows
 
 MAX_K = MAX_VERIFY_ROWS - 1
@@ -87,15 +94,25 @@ def check_k(k: int) -> int:
 
 
 class SpeculativeRunner:
-    def __init__(self, target: Rows, drafter: Drafter, k: int = 4, adaptive: bool = False, k_max: int = MAX_K):
+    def __init__(self, target: Rows, drafter: Drafter, k: int = 4, adaptive: bool = False, k_max: int = MAX_K,
+                 pipelined: bool | None = None):
         self.target, self.drafter = target, drafter
         self.k = check_k(k)
         self.k_max = check_k(k_max)
         self.adaptive = adaptive
+        if pipelined and not drafter.device_side:
+            raise ValueError(f"pipelined: the {drafter.name} drafter proposes from the host sequence only")
+        if pipelined is None:
+            pipelined = (target.device_positions and target.device.type == "cuda" and drafter.device_side
+                         and drafter.host_free)
+        self.pipelined = bool(pipelined)
         self.stats = SpecStats(drafter.name, k)
 
     @torch.inference_mode()
     def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
+        if self.pipelined:
+            yield from pipelined_tokens(self, prompt, s, max_len)
+            return
         T, D = self.target, self.drafter
         dev = T.device
         st = self.stats = SpecStats(D.name, self.k, accepted_hist=[0] * (self.k_max + 1))

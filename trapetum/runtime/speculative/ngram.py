@@ -41,6 +41,7 @@ def lookup(seq: np.ndarray, k: int, max_n: int = 4, min_n: int = 2) -> np.ndarra
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    device_side = host_free = False  # the lookup runs over the host sequence: the synchronous loop
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:

@@ -9,6 +9,13 @@ last K rows in one). Row p's argmax is draft 1 and mask row p + i's is draft i +
 rows' distributions, given to the loop as q). The mask rows' cache entries are overwritten by the next round's real
 tokens, so nothing is copied or rolled back.
 
+Pipelined (``propose_at``, pipeline.py): the previous round's emitted tokens are known only on the device, n + 1
+of the L = k_prev + 1 rows of ``new``; the pass runs a fixed L + K - 1 rows at base = the previous round's p + 1
+(host-known): ``new`` with every row past n replaced by the mask token, then K - 1 masks, so rows n .. n + K - 1
+are the last real token and K - 1 masks after it whatever n is; the drafts are gathered from those rows on the
+device. The extra mask rows past n + K - 1 write cache rows that the next round's pass (from the new p + 1)
+rewrites before reading. The rows are the synchronous pass's rows 0 .. n + K - 1, bitwise.
+
 The mask token id: PARD checkpoints name it ``pard_token`` in config.json (``mask_token_id`` resolves it).
 """
 from __future__ import annotations
@@ -21,7 +28,8 @@ import torch
 from ...errors import ConfigError
 from ..sampling import GenerationSettings
 from .draft_model import pending_tokens
-from .drafter import Draft, DraftContext, Drafter, draft_sampler, sample_rows
+from ...models.batch import MAX_VERIFY_ROWS
+from .drafter import Draft, DeviceContext, DraftContext, Drafter, draft_sampler, sample_rows
 from .rows import Rows
 
 
@@ -57,6 +65,11 @@ class PardDrafter(Drafter):
         self.rows = rows
         self.mask_token = mask_token
         self.masks = torch.full((16,), mask_token, dtype=torch.long, device=rows.device)
+        self.ar = torch.arange(16, device=rows.device)
+
+    @property
+    def host_free(self) -> bool:
+        return self.rows.device_positions
 
     def begin(self, prompt: list[int], s: GenerationSettings, max_len: int, target_vocab: int, device) -> None:
         super().begin(prompt, s, max_len, target_vocab, device)
@@ -81,4 +94,24 @@ class PardDrafter(Drafter):
         if self.sampler is None:
             return Draft(greedy[-k:].clamp(max=self.target_vocab - 1))
         t, q = sample_rows(self.sampler, logits[-k:], self.target_vocab)
+        return Draft(t, q)
+
+    def propose_at(self, ctx: DeviceContext, k: int) -> Draft | None:
+        if self.off:
+            return None
+        if ctx.hi >= self.cap:  # the real rows would pass the drafter's cache: no drafts from here on
+            self.off = True
+            return None
+        mk = max(0, min(k, self.cap - ctx.hi, MAX_VERIFY_ROWS))  # mask rows reach hi + mk - 1
+        L = ctx.new.shape[0]
+        n = ctx.n.to(self.rows.device)
+        real = torch.where(self.ar[:L] <= n, ctx.new.to(self.rows.device), self.masks[:L])
+        toks = torch.cat([real, self.masks[:mk - 1]]) if mk > 1 else real
+        logits, greedy = self.rows.rows_all(toks, ctx.base, logits=self.sampler is not None)
+        if mk == 0:  # the catch-up alone (the cache stays valid below the next round's base)
+            return None
+        idx = n + self.ar[:mk]
+        if self.sampler is None:
+            return Draft(greedy.index_select(0, idx).clamp(max=self.target_vocab - 1))
+        t, q = sample_rows(self.sampler, logits.index_select(0, idx), self.target_vocab)
         return Draft(t, q)

@@ -10,6 +10,12 @@ use, over the GPU engine or the CPU reference decoder.
     greedy_steps(first [1], pos, n, out [n])       n decode steps from ``first`` at ``pos``, each feeding its argmax
                                                     to the next; the n argmaxes go into ``out`` (on the device)
     step(token [1], pos) -> logits [V]              one decode step
+    rows_all(tokens [M], base) -> (logits [M, V] | None, greedy [M])
+                                 ``rows`` with every row's output (passes past the first 16 rows copied out)
+The pipelined loop (pipeline.py) uses the same forwards with the position in a device tensor ``at`` (one int
+element; nothing read back): ``rows_at(tokens [m <= 16], at)``, ``step_at(token, at)``,
+``greedy_steps_at(first, at, n, out)``. ``device_positions``: the rows read ``at`` on the device (the GPU engine's
+graphs); the reference reads it with int() (free on the CPU, so tests can run the pipelined loop there).
 
 Both caches are addressed by position: a row written at p stays until another forward writes p, and a forward
 reads only positions up to its own, so discarding rows (a rejected draft) needs no copy. Tensors returned are views
@@ -28,6 +34,7 @@ class Rows:
     vocab_size: int
     device: torch.device
     max_len: int  # positions the KV cache holds
+    device_positions = False
 
     def prefill(self, prompt: list[int], max_len: int) -> torch.Tensor:
         raise NotImplementedError
@@ -58,10 +65,37 @@ class Rows:
             out[i:i + 1].copy_(g[:1])
             tok = out[i:i + 1]
 
+    def rows_all(self, tokens: torch.Tensor, base: int, logits: bool = False):
+        """(logits [M, V] fp32 or None, greedy [M]) of rows ``tokens`` [M] at base .. base + M - 1 (any M);
+        M <= 16: views of the one pass; more: the earlier passes' outputs copied out as they come."""
+        m = int(tokens.shape[0])
+        if m <= MAX_VERIFY_ROWS:
+            lg, g = self.rows(tokens, base)
+            return (lg if logits else None), g
+        lgs, gs = [], []
+        for i in range(0, m, MAX_VERIFY_ROWS):
+            lg, g = self.rows(tokens[i:i + MAX_VERIFY_ROWS], base + i)
+            gs.append(g.clone())
+            if logits:
+                lgs.append(lg.clone())
+        return (torch.cat(lgs) if logits else None), torch.cat(gs)
+
+    # -- device positions (the pipelined loop) ----------------------------------------------------
+    def rows_at(self, tokens: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pass(tokens, int(at))
+
+    def step_at(self, token: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        return self.step(token, int(at))
+
+    def greedy_steps_at(self, first: torch.Tensor, at: torch.Tensor, n: int, out: torch.Tensor) -> None:
+        self.greedy_steps(first, int(at), n, out)
+
 
 class EngineRows(Rows):
     """Over a GpuEngine: verify passes (CUDA graphs per row count) and greedy decode steps whose argmax stays in the
     engine's ``token`` buffer between steps."""
+
+    device_positions = True
 
     def __init__(self, engine):
         self.engine = engine
@@ -90,6 +124,27 @@ class EngineRows(Rows):
         eng.set_position(first, pos)
         for i in range(n):
             eng.step(greedy=True)  # reads token at pos, writes its argmax into token, pos += 1
+            out[i:i + 1].copy_(eng.token)
+
+    def rows_at(self, tokens, at):
+        logits = self.engine.verify_at(tokens, at)
+        return logits, self.engine.argmax_rows[:logits.shape[0]]
+
+    def step_at(self, token, at):
+        eng = self.engine
+        eng.token.copy_(token.view(1))
+        eng.pos.copy_(at.view(1))
+        eng.step(greedy=False)
+        return eng.logits
+
+    def greedy_steps_at(self, first, at, n, out):
+        if n <= 0:
+            return
+        eng = self.engine
+        eng.token.copy_(first.view(1))
+        eng.pos.copy_(at.view(1))
+        for i in range(n):
+            eng.step(greedy=True)
             out[i:i + 1].copy_(eng.token)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import GenerationSettings
-from .drafter import Draft, DraftContext, Drafter
+from .drafter import Draft, DeviceContext, DraftContext, Drafter
 
 
 class ScriptedDrafter(Drafter):
@@ -26,6 +26,16 @@ class ScriptedDrafter(Drafter):
         self.script = script.to(torch.long)
         self.inner = inner
         self.zeros = torch.zeros(16, dtype=torch.long, device=script.device)
+        self.padded = torch.cat([self.script, self.zeros])  # propose_at gathers; past the end: token 0
+        self.ar = torch.arange(16, device=script.device)
+
+    @property
+    def device_side(self) -> bool:
+        return self.inner is None or self.inner.device_side
+
+    @property
+    def host_free(self) -> bool:
+        return self.inner is None or self.inner.host_free
 
     @classmethod
     def modeled(cls, truth: list[int], alpha: float, vocab: int, seed: int = 0, device="cpu",
@@ -55,6 +65,14 @@ class ScriptedDrafter(Drafter):
             got = torch.cat([got, self.zeros[:k - got.shape[0]]])
         return Draft(got)
 
+    def propose_at(self, ctx: DeviceContext, k: int) -> Draft | None:
+        if self.inner is not None:
+            self.inner.propose_at(ctx, k)
+        if k <= 0:
+            return None
+        idx = (ctx.at.to(self.padded.device) + 1 + self.ar[:k]).clamp_(max=self.padded.shape[0] - 1)
+        return Draft(self.padded.index_select(0, idx))
+
 
 class RandomDrafter(Drafter):
     name = "random"
@@ -68,6 +86,9 @@ class RandomDrafter(Drafter):
             return None
         return Draft(torch.randint(0, self.vocab, (k,), generator=self.gen))
 
+    def propose_at(self, ctx, k):
+        return self.propose(None, k)
+
 
 class ConstantDrafter(Drafter):
     name = "constant"
@@ -77,6 +98,9 @@ class ConstantDrafter(Drafter):
 
     def propose(self, ctx, k):
         return Draft(torch.full((k,), self.token, dtype=torch.long)) if k > 0 else None
+
+    def propose_at(self, ctx, k):
+        return self.propose(None, k)
 
 
 class OverlongDrafter(Drafter):
@@ -89,6 +113,17 @@ class OverlongDrafter(Drafter):
         super().begin(prompt, s, max_len, target_vocab, device)
         self.inner.begin(prompt, s, max_len, target_vocab, device)
 
+    @property
+    def device_side(self) -> bool:
+        return self.inner.device_side
+
+    @property
+    def host_free(self) -> bool:
+        return self.inner.host_free
+
     def propose(self, ctx, k):
         d = self.inner.propose(ctx, k + self.extra)
         return d
+
+    def propose_at(self, ctx, k):
+        return self.inner.propose_at(ctx, k + self.extra)
