@@ -86,3 +86,38 @@ def test_engine_runs_a_4bit_cbk_like_its_reference(tmp_path, family):
     assert_engine_matches(m, eng)
     res = check(eng, rows=(1, 5, 16), bases=(6,))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+@pytest.mark.slow  # ~45 s each: every engine kernel interpreted
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_expert_kernels_in_engine_under_triton_interpreter(tmp_path, monkeypatch, family):
+    """The engine's rows with the expert GEMVs (kernels/expert_gemv.py, interpreted): fp16 and 4-bit .cbk experts
+    stacked, only the chosen experts run (the all-experts loop is not entered), the reference within 2e-3 and
+    verify rows bitwise equal to decode steps."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs these in tests/test_moe_engine_gpu.py")
+    for path in (None, build_cbk(family, tmp_path / "q", iters=2)):
+        if path is None:
+            build(family, tmp_path / "d")
+            path = tmp_path / "d"
+        m = trapetum.load(path)
+        eng = GpuEngine(m.checkpoint, 24, device="cpu")
+        sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+        assert sets and all(s.stack is not None for s in sets)
+        assert {s.stack.scheme for s in sets} == ({"fp16"} if path.name == "d" else {"codebook"})
+        calls = []
+        run = type(sets[0].stack).run
+        monkeypatch.setattr(type(sets[0].stack), "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+        ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+        ref = m.logits(ids)
+        eng.prefill(ids[:-2])
+        assert not calls  # prefill keeps its path
+        for i, t in enumerate(ids[-2:]):
+            eng.set_position(t, 10 + i)
+            eng.step(greedy=False)
+            assert rel(eng.logits, ref[10 + i]) < TOL
+        assert len(calls) == 2 * len(sets)
+        res = check(eng, rows=(1, 3), bases=(6,))
+        assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+        monkeypatch.undo()

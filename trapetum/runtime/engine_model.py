@@ -21,6 +21,7 @@ from ..models.schema import attention_names, expected_shapes, fetch, mla_names, 
 from ..schemes import registry
 from ..schemes.base import GateUp, Projection, residual16
 from ..settings import Options
+from .engine_experts import stack_experts
 
 
 @dataclass
@@ -83,7 +84,8 @@ class EngineRouter:
 
 @dataclass
 class MoeWeights:
-    """A mixture-of-experts MLP (models/blocks/moe.py)."""
+    """A mixture-of-experts MLP (models/blocks/moe.py); ``experts`` an ExpertSet (runtime/engine_experts.py: the
+    per-expert projections, views of the layer's stacks where the expert GEMVs apply)."""
     norm: torch.Tensor
     router: EngineRouter
     experts: list[ExpertWeights]
@@ -194,7 +196,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
             router = registry.projection([registry.part(m["router"] + ".weight", router.float())], device, kopts,
                                          precise=precise)
             bias = None if m["router_bias"] is None else get(m["router_bias"]).to(device=device, dtype=torch.float32)
-            experts = [ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]]
+            experts = stack_experts([ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]])
             shared = ExpertWeights(gate_up(m["shared"]), proj(m["shared"]["down"])) if m["shared"] else None
             mlp = MoeWeights(norm=norm(m["norm"]), router=EngineRouter(router, bias), experts=experts, shared=shared,
                              shared_gate=opt(m["shared_gate"]), post_norm=norm(m["post_norm"]))

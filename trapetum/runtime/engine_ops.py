@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import expert_gemv
 from ..kernels.attention import attention_rows
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
@@ -139,16 +140,20 @@ class EngineOps:
         return a[0].transpose(0, 1).reshape(T, Hq * hd)
 
     # -- mixture of experts (models/blocks/moe.py) -----------------------------------------------
-    # The correct formulation under the engine's contracts, not the fast one: the router is a batch-invariant
-    # fp16 GEMV and select_experts runs on the device (sort / gather / scatter: no host sync, capturable); every
-    # expert runs over every row (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for
-    # the experts it did not choose), in ascending e, in fp32. Each row's result is the bits it has alone; the work
-    # is E / k times the chosen experts' (a GPU kernel that gathers only the chosen experts: NOTES-engine.md).
+    # The router is a batch-invariant fp16 GEMV and select_experts runs on the device (sort / gather / scatter: no
+    # host sync, capturable). DECODE / VERIFY rows of a layer with stacked experts (runtime/engine_experts.py) run
+    # only the chosen experts: kernels/expert_gemv.py, two launches with the ids read on the device, each row its
+    # own programs (its bits alone). Otherwise (PREFILL, unstacked schemes, no Triton) every expert runs over every
+    # row (batch-invariant GEMVs / the prefill matmul) and row r adds expert e's output times its weight (0 for the
+    # experts it did not choose), in ascending e, in fp32: E / k times the chosen experts' work.
     def route(self, router, h):
         logits = self.project(router.proj, h).float()  # [M, E]
         return select_experts(logits, self.cfg, router.bias)
 
     def experts(self, experts, h, weights, idx):
+        stack = getattr(experts, "stack", None)
+        if self.rows and stack is not None and expert_gemv.available(h.device):
+            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather)
         out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
         for e, ex in enumerate(experts):
             c = torch.where(idx == e, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)  # one match: exact

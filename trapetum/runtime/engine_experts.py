@@ -1,0 +1,86 @@
+"""The engine's experts of one MoE layer stacked for the expert GEMVs (kernels/expert_gemv.py).
+
+``stack_experts(experts)`` builds, once at load, the layer's stacks ([E, ...] tensors in the kernels' layouts, see
+kernels/expert_gemv.py) from the per-expert projections, and makes every expert's projection a view of its slice
+(no second copy: the per-expert forms still serve PREFILL's dequantize-and-matmul and the torch fallback).
+Codebook projections then keep canonical codes (the Triton expert kernel reads those, not the CUDA kernel's tiled
+layout). Stacked when every expert is one scheme the kernels know with the same shapes and no biases:
+    "codebook"  InterleavedGateUp + CodebookProjection, one bit width in {2, 4, 8}
+    "fp16"      DenseGateUp + DenseProjection
+anything else (2x8 additive codes, separate gate/up forms, biases, mixed bit widths) gives None: the layer keeps
+the all-experts path of runtime/engine_ops.py.
+
+``ExpertSet`` is the list of ExpertWeights the block sees (models/blocks/moe.py hands it to ``ops.experts``) with
+the stack beside it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import expert_gemv as xg
+from ..schemes.codebook import CodebookProjection, InterleavedGateUp
+from ..schemes.dense import DenseGateUp, DenseProjection
+
+
+@dataclass
+class ExpertStack:
+    """One layer's experts as stacks (kernels/expert_gemv.py layouts); ``gu_cb`` / ``dn_cb`` None for fp16."""
+    scheme: str
+    bits: int
+    f: int
+    act: str
+    gu_w: torch.Tensor
+    gu_cb: torch.Tensor | None
+    dn_w: torch.Tensor
+    dn_cb: torch.Tensor | None
+
+    def run(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """fp16 [M, D]: sum over the k slots of weights[m, j] * expert_{idx[m, j]}(h[m]), two launches."""
+        a = xg.expert_gate_up(h, idx, self.gu_w, self.gu_cb, self.bits, self.f, self.act, gather=gather)
+        return xg.expert_down(a, idx, weights, self.dn_w, self.dn_cb, self.bits, gather=gather)
+
+
+class ExpertSet(list):
+    """A layer's ExpertWeights, with ``stack`` (ExpertStack or None) beside them."""
+    stack: ExpertStack | None = None
+
+
+def _same(values) -> bool:
+    return len(set(values)) == 1
+
+
+def stack_experts(experts: list) -> ExpertSet:
+    """ExpertSet of ``experts`` (ExpertWeights), stacked where the module docstring says."""
+    out = ExpertSet(experts)
+    if not experts:
+        return out
+    gus, dns = [e.gate_up for e in experts], [e.down for e in experts]
+    if all(isinstance(g, InterleavedGateUp) for g in gus) and all(isinstance(d, CodebookProjection) for d in dns):
+        ps = [g.proj for g in gus]
+        if not (_same([p.bits for p in ps + dns]) and ps[0].bits in (2, 4, 8)
+                and _same([(p.out_features, p.in_features) for p in ps]) and _same([g.f for g in gus])
+                and _same([g.act for g in gus]) and _same([(d.out_features, d.in_features) for d in dns])
+                and all(p.bias is None for p in ps + dns) and dns[0].in_features == gus[0].f):
+            return out
+        gu_w = torch.stack([p.canonical_codes() for p in ps])
+        gu_cb = torch.stack([p.codebook for p in ps])
+        dn_w = torch.stack([d.canonical_codes() for d in dns])
+        dn_cb = torch.stack([d.codebook for d in dns])
+        for e, p in enumerate(ps + dns):
+            w, cb = (gu_w, gu_cb) if e < len(ps) else (dn_w, dn_cb)
+            p.codes, p.codebook, p.tiled = w[e % len(ps)], cb[e % len(ps)], False
+        out.stack = ExpertStack("codebook", ps[0].bits, gus[0].f, gus[0].act, gu_w, gu_cb, dn_w, dn_cb)
+    elif all(isinstance(g, DenseGateUp) for g in gus) and all(isinstance(d, DenseProjection) for d in dns):
+        js = [g.joint for g in gus]
+        if not (_same([tuple(j.w.shape) for j in js]) and _same([g.act for g in gus])
+                and _same([tuple(d.w.shape) for d in dns]) and all(p.bias is None for p in js + dns)
+                and dns[0].in_features == gus[0].f and js[0].out_features == 2 * gus[0].f):
+            return out
+        gu_w = torch.stack([j.w for j in js])
+        dn_w = torch.stack([d.w for d in dns])
+        for e, (j, d) in enumerate(zip(js, dns)):
+            j.w, d.w = gu_w[e], dn_w[e]
+        out.stack = ExpertStack("fp16", 4, gus[0].f, gus[0].act, gu_w, None, dn_w, None)
+    return out
