@@ -110,3 +110,20 @@ def test_bad_arguments():
         with pytest.raises(ValueError) as e:
             call()
         assert word in str(e.value) and "\n" not in str(e.value)
+
+
+def test_torch_fallback_matches_float64_and_rows(monkeypatch):
+    """TRITON_INTERPRET=0 on the CPU: the torch fallbacks, the same references and the same row contract."""
+    if DEV.type == "cuda":
+        pytest.skip("the fallback runs where Triton cannot")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not la.available(DEV)
+    g = torch.Generator().manual_seed(4)
+    q_lat, q_rot, cache = inputs(4, 6, 40, 8, 50, g)
+    o = la.latent_attention(q_lat, q_rot, cache, 40, 0.2)
+    assert rel(o, la.latent_attention_reference(q_lat, q_rot, cache, 40, 0.2)) < 3e-3
+    assert torch.equal(la.latent_attention(q_lat[2:3].clone(), q_rot[2:3].clone(), cache, 42, 0.2)[0], o[2])
+    w = (torch.randn(6, 9, 40, generator=g) / 40 ** 0.5).half()
+    y = la.head_gemv(q_lat, w)
+    assert rel(y, la.head_gemv_reference(q_lat, w)) < 2e-3
+    assert torch.equal(la.head_gemv(q_lat[3:].clone(), w)[0], y[3])

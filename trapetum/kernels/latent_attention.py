@@ -18,7 +18,9 @@ Split-KV, deterministic: row m's positions [0, L), L = start + m + 1, are cut in
 (a constant: never from M or the other rows); one program per (head block, row, chunk) writes its chunk's
 unnormalized sum, max and denominator (fp32), empty chunks write (0, -inf, 0); the merge kernel combines the chunks
 of a row in ascending order. Row m's result is bitwise that of a one-row call at start + m (the VERIFY contract;
-tested). Triton (CUDA, or the CPU under TRITON_INTERPRET=1); float64 references beside each kernel.
+tested). Triton (CUDA, or the CPU under TRITON_INTERPRET=1); where Triton cannot run, a torch fallback computes
+each row on its own in fp32 (the same contracts; it reads the start on the host). float64 references beside each
+kernel.
 """
 from __future__ import annotations
 
@@ -168,8 +170,15 @@ def latent_attention(q_lat: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tens
     if tuple(q_rot.shape[:2]) != (M, H) or cache.shape[1] != R + P or cache.stride(1) != 1:
         raise ValueError(f"cache: expected [T, {R} + {q_rot.shape[2]}] rows for q_lat {tuple(q_lat.shape)} and "
                          f"q_rot {tuple(q_rot.shape)}, got {tuple(cache.shape)}")
-    if not triton_ok(q_lat.device):
-        raise ValueError("device: latent attention needs a CUDA device or TRITON_INTERPRET=1")
+    y = torch.empty(M, H, R, dtype=torch.float16, device=q_lat.device) if out is None else out
+    if not triton_ok(q_lat.device):  # torch fallback: row by row, shapes from the row's length only
+        s0 = int(start)
+        for m in range(M):
+            L = s0 + m + 1
+            c, kr = cache[:L, :R].float(), cache[:L, R:].float()
+            sc = (q_lat[m].float() @ c.T + q_rot[m].float() @ kr.T) * scale
+            y[m].copy_(torch.softmax(sc, -1) @ c)
+        return y
     q_lat, q_rot = q_lat.contiguous(), q_rot.contiguous()
     dev = q_lat.device
     st = _start_tensor(start, dev)
@@ -177,7 +186,6 @@ def latent_attention(q_lat: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tens
     ns = part.shape[1]
     if part.shape[0] < M or tuple(part.shape[2:]) != (H, R) or ns * CHUNK < cache.shape[0]:
         raise ValueError(f"ws: a workspace for {M} rows, {H} heads, rank {R} and {cache.shape[0]} positions needed")
-    y = torch.empty(M, H, R, dtype=torch.float16, device=dev) if out is None else out
     rp, pp = max(16, triton.next_power_of_2(R)), max(16, triton.next_power_of_2(P))
     _split_kernel[(triton.cdiv(H, BH), M, ns)](q_lat, q_rot, cache, st, part, ml, H, R, P, ns, cache.stride(0),
                                                float(scale), CH=CHUNK, BLOCK_H=BH, BT=32, RP=rp, PP=pp,
@@ -193,12 +201,15 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = No
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.float16 or w.shape[0] != x.shape[1] \
             or w.shape[2] != x.shape[2]:
         raise ValueError(f"w: expected float16 [{x.shape[1]}, N, {x.shape[2]}], got {tuple(getattr(w, 'shape', ()))}")
-    if not triton_ok(x.device):
-        raise ValueError("device: head_gemv needs a CUDA device or TRITON_INTERPRET=1")
     M, H, K = x.shape
     N = w.shape[1]
     x, w = x.contiguous(), w.contiguous()
     y = torch.empty(M, H, N, dtype=torch.float16, device=x.device) if out is None else out
+    if not triton_ok(x.device):  # torch fallback, one row at a time
+        wf = w.float()
+        for m in range(M):
+            y[m].copy_(torch.bmm(wf, x[m].float().unsqueeze(-1)).squeeze(-1))
+        return y
     bk = max(16, min(512 if x.device.type == "cpu" else 256, triton.next_power_of_2(K)))
     bn = 32 if x.device.type == "cpu" else 16
     _head_gemv_kernel[(triton.cdiv(N, bn), H, M)](x, w, y, H, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)

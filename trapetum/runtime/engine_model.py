@@ -60,12 +60,14 @@ class MlaWeights:
     kv_b: Projection
     o: Projection
     sliding: bool = False
+    w_uk_t: torch.Tensor | None = None  # Options.mla "latent": kv_b's key / value blocks (runtime/engine_latent.py)
+    w_uv: torch.Tensor | None = None
 
     def projections(self) -> list:
         return [w for w in (self.q, self.q_a, self.q_b, self.kv_a, self.kv_b, self.o) if w is not None]
 
     def tensors(self) -> list:
-        return [t for t in (self.input_norm, self.q_a_norm, self.kv_a_norm) if t is not None]
+        return [t for t in (self.input_norm, self.q_a_norm, self.kv_a_norm, self.w_uk_t, self.w_uv) if t is not None]
 
 
 @dataclass

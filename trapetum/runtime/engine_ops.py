@@ -24,6 +24,7 @@ from ..models.batch import ForwardBatch, Mode
 from ..models.blocks.attention import row_heads
 from ..models.blocks.moe import select_experts
 from ..models.sparsity import DENSE_POSITIONS
+from . import engine_latent
 
 
 class EngineOps:
@@ -171,9 +172,11 @@ class EngineOps:
     # P = max(head_dim, v_head_dim), zero-padded), the rotary part first: q_h = [RoPE(q_rot_h), q_nope_h, 0],
     # k_h = [RoPE(k_rot), k_nope_h, 0] (de-interleaved, so the kernels' rotate-half RoPE of the first qk_rope
     # features is DeepSeek's interleaved rotation), v_h = [v_h, 0]; then the engine's ordinary attention (its
-    # contracts hold as they are). The absorbed form over the compressed latent cache (kv_lora_rank + qk_rope per
-    # position) is GPU work still to come (NOTES-engine.md).
+    # contracts hold as they are). Options.mla "latent": the absorbed form over the compressed latent cache
+    # (kv_lora_rank + qk_rope per position), runtime/engine_latent.py.
     def latent_attend(self, q, c, k_rot, batch: ForwardBatch, p):
+        if self.eng.latent:  # Options.mla "latent": the absorbed form over the latent cache
+            return engine_latent.attend(self, q, c, k_rot, batch, p)
         cfg = self.cfg
         n, H = q.shape[0], cfg.num_heads
         nope, rope, vd, P = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, self.eng.head_dim
