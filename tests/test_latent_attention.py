@@ -127,3 +127,39 @@ def test_torch_fallback_matches_float64_and_rows(monkeypatch):
     y = la.head_gemv(q_lat, w)
     assert rel(y, la.head_gemv_reference(q_lat, w)) < 2e-3
     assert torch.equal(la.head_gemv(q_lat[3:].clone(), w)[0], y[3])
+
+
+def _rope_reference(x, cos, sin, interleave):
+    x = x.double()
+    P = x.shape[-1]
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :P // 2], x[..., P // 2:])
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2, 1, 1, 0), (5, 3, 6, 53, 7, 9), (4, 17, 64, 512, 128, 30)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_latent_append_matches_float64(shape, interleave, monkeypatch):
+    n, H, P, R, nope, start = shape
+    g = torch.Generator().manual_seed(n + H + P)
+    T = start + n + 3
+    q = torch.randn(n, H, nope + P, generator=g).half().to(DEV)
+    c = torch.randn(n, R, generator=g).half().to(DEV)
+    kr = torch.randn(n, P, generator=g).half().to(DEV)
+    ang = torch.rand(T, P // 2, generator=g) * 6
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    cache0 = torch.randn(T, R + P, generator=g).half().to(DEV)
+    for interp in ("1", "0") if DEV.type == "cpu" else ("1",):  # the kernel, then (CPU) the torch fallback
+        monkeypatch.setenv("TRITON_INTERPRET", interp)
+        cache = cache0.clone()
+        st = torch.tensor([start], dtype=torch.int32, device=DEV)
+        q_rot = la.rope_latent_append(q, c, kr, cos, sin, st, cache, nope, interleave)
+        cs, sn = cos[start:start + n].double(), sin[start:start + n].double()
+        assert rel(q_rot, _rope_reference(q[..., nope:], cs[:, None], sn[:, None], interleave)) < 1e-3
+        assert torch.equal(cache[start:start + n, :R], c)
+        assert rel(cache[start:start + n, R:], _rope_reference(kr, cs, sn, interleave)) < 1e-3
+        assert torch.equal(cache[:start], cache0[:start]) and torch.equal(cache[start + n:], cache0[start + n:])
+        one = cache0.clone()
+        q1 = la.rope_latent_append(q[-1:].clone(), c[-1:].clone(), kr[-1:].clone(), cos, sin, start + n - 1, one,
+                                   nope, interleave)
+        assert torch.equal(q1[0], q_rot[-1]) and torch.equal(one[start + n - 1], cache[start + n - 1])
+    monkeypatch.undo()

@@ -128,7 +128,8 @@ if HAVE_TRITON:
         tl.store(o_ptr + (m * H + h) * R + rr, (acc / den).to(tl.float16), mask=rmask)
 
     @triton.jit(do_not_specialize=("x_ptr", "y_ptr"))
-    def _head_gemv_kernel(x_ptr, w_ptr, y_ptr, H, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _head_gemv_kernel(x_ptr, w_ptr, y_ptr, H, N, K, stride_xm, stride_xh, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         h = tl.program_id(1)
         m = tl.program_id(2)
@@ -140,9 +141,87 @@ if HAVE_TRITON:
             kmask = rk < K
             w = tl.load(w_ptr + (h * N + rn)[:, None] * K + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                         other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + (m * H + h) * K + rk, mask=kmask, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + m * stride_xm + h * stride_xh + rk, mask=kmask, other=0.0).to(tl.float32)
             acc += tl.sum(w * xv[None, :], axis=1)
         tl.store(y_ptr + (m * H + h) * N + rn, acc.to(tl.float16), mask=nmask)
+
+
+if HAVE_TRITON:
+
+    @triton.jit(do_not_specialize=("q_ptr", "c_ptr", "kr_ptr", "qr_ptr"))
+    def _rope_append_kernel(q_ptr, c_ptr, kr_ptr, cos_ptr, sin_ptr, start_ptr, cache_ptr, qr_ptr, H, R, P, NOPE,
+                            stride_qm, stride_qh, stride_cm, stride_km, stride_t, stride_tab,
+                            INTERLEAVE: tl.constexpr, HP: tl.constexpr, RP: tl.constexpr):
+        # program (m, h): h < H rotates q's rotary features of head h into qr[m, h]; h == H writes the cache row
+        # start + m = [c[m], RoPE(k_rot[m])]
+        m = tl.program_id(0)
+        h = tl.program_id(1)
+        pos = tl.load(start_ptr) + m
+        half = P // 2
+        i = tl.arange(0, HP)
+        imask = i < half
+        cs = tl.load(cos_ptr + pos * stride_tab + i, mask=imask, other=0.0)
+        sn = tl.load(sin_ptr + pos * stride_tab + i, mask=imask, other=0.0)
+        if h < H:
+            src = q_ptr + m * stride_qm + h * stride_qh + NOPE
+        else:
+            src = kr_ptr + m * stride_km
+        if INTERLEAVE:
+            x1 = tl.load(src + 2 * i, mask=imask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + 2 * i + 1, mask=imask, other=0.0).to(tl.float32)
+        else:
+            x1 = tl.load(src + i, mask=imask, other=0.0).to(tl.float32)
+            x2 = tl.load(src + half + i, mask=imask, other=0.0).to(tl.float32)
+        o1 = (x1 * cs - x2 * sn).to(tl.float16)
+        o2 = (x2 * cs + x1 * sn).to(tl.float16)
+        if h < H:
+            dst = qr_ptr + (m * H + h) * P
+        else:
+            dst = cache_ptr + pos * stride_t + R
+            rr = tl.arange(0, RP)
+            cv = tl.load(c_ptr + m * stride_cm + rr, mask=rr < R, other=0.0)
+            tl.store(cache_ptr + pos * stride_t + rr, cv.to(tl.float16), mask=rr < R)
+        tl.store(dst + i, o1, mask=imask)
+        tl.store(dst + half + i, o2, mask=imask)
+
+
+def rope_latent_append(q: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       start, cache: torch.Tensor, nope: int, interleave: bool) -> torch.Tensor:
+    """RoPE of the queries' rotary features and of the shared key, and the new cache rows, in one launch.
+
+    q [n, H, nope + P] (fp16, unit stride in features), c [n, R], k_rot [n, P]; cos / sin fp32 [T, P/2] (row p
+    rotates position p); rows start .. start + n - 1 of cache [T, R + P] become [c, RoPE(k_rot)]. Rotation: pairs
+    (x[2i], x[2i + 1]) with ``interleave`` (DeepSeek), else (x[i], x[i + P/2]); either way written de-interleaved
+    ([x1 cos - x2 sin, x2 cos + x1 sin]: q and k alike, so their dot products are the rotation's). Returns q_rot fp16
+    [n, H, P]. Element by element (each row its own bits)."""
+    n, H, D = q.shape
+    P = k_rot.shape[-1]
+    R = c.shape[-1]
+    if D != nope + P or cache.shape[1] != R + P or P % 2 or cos.shape[-1] != P // 2:
+        raise ValueError(f"q: shapes q {tuple(q.shape)}, c {tuple(c.shape)}, k_rot {tuple(k_rot.shape)}, cache "
+                         f"{tuple(cache.shape)}, cos {tuple(cos.shape)} do not fit nope={nope}")
+    q_rot = torch.empty(n, H, P, dtype=torch.float16, device=q.device)
+    if not triton_ok(q.device):  # torch fallback (reads the start on the host)
+        s0 = int(start)
+        cs, sn = cos[s0:s0 + n, None].float(), sin[s0:s0 + n, None].float()
+
+        def rot(x):
+            x = x.float()
+            x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :P // 2], x[..., P // 2:])
+            return torch.cat([x1 * cs - x2 * sn, x2 * cs + x1 * sn], -1).to(torch.float16)
+        q_rot.copy_(rot(q[..., nope:]))
+        cache[s0:s0 + n].copy_(torch.cat([c.to(torch.float16), rot(k_rot.view(n, 1, P)).view(n, P)], -1))
+        return q_rot
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    c, k_rot = c.reshape(n, R), k_rot.reshape(n, P)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _rope_append_kernel[(n, H + 1)](q, c, k_rot, cos, sin, _start_tensor(start, q.device), cache, q_rot, H, R, P,
+                                    nope, q.stride(0), q.stride(1), c.stride(0), k_rot.stride(0), cache.stride(0),
+                                    cos.stride(0), INTERLEAVE=bool(interleave),
+                                    HP=max(16, triton.next_power_of_2(P // 2)),
+                                    RP=max(16, triton.next_power_of_2(R)), num_warps=4)
+    return q_rot
 
 
 def _start_tensor(start, device) -> torch.Tensor:
@@ -195,7 +274,8 @@ def latent_attention(q_lat: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tens
 
 
 def head_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """y fp16 [M, H, N] = w[h] [N, K] @ x[m, h] [K], fp32 accumulation, one program per (rows block, head, row)."""
+    """y fp16 [M, H, N] = w[h] [N, K] @ x[m, h] [K], fp32 accumulation, one program per (rows block, head, row);
+    x may be a strided view (unit stride in K: q's nope features read in place)."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype != torch.float16:
         raise ValueError(f"x: expected float16 [M, H, K], got {tuple(getattr(x, 'shape', ()))}")
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.float16 or w.shape[0] != x.shape[1] \
@@ -203,7 +283,9 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = No
         raise ValueError(f"w: expected float16 [{x.shape[1]}, N, {x.shape[2]}], got {tuple(getattr(w, 'shape', ()))}")
     M, H, K = x.shape
     N = w.shape[1]
-    x, w = x.contiguous(), w.contiguous()
+    w = w.contiguous()
+    if x.stride(2) != 1:
+        x = x.contiguous()
     y = torch.empty(M, H, N, dtype=torch.float16, device=x.device) if out is None else out
     if not triton_ok(x.device):  # torch fallback, one row at a time
         wf = w.float()
@@ -212,5 +294,6 @@ def head_gemv(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = No
         return y
     bk = max(16, min(512 if x.device.type == "cpu" else 256, triton.next_power_of_2(K)))
     bn = 32 if x.device.type == "cpu" else 16
-    _head_gemv_kernel[(triton.cdiv(N, bn), H, M)](x, w, y, H, N, K, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    _head_gemv_kernel[(triton.cdiv(N, bn), H, M)](x, w, y, H, N, K, x.stride(0), x.stride(1), BLOCK_N=bn,
+                                                  BLOCK_K=bk, num_warps=4)
     return y

@@ -5,11 +5,11 @@ fp16 values: ``eng.kv.k`` [L, 1, T_max, R + P], ``eng.kv.v`` empty) instead of p
     setup(eng)         at load: per MLA layer, kv_b's per-head key and value blocks in fp16 (``w_uk_t`` [H, R, nope]
                        = W_uk^T, ``w_uv`` [H, vd, R]: kv_b dequantized once, a copy of kv_b's size), and the split
                        workspace of the attention kernel
-    attend(ops, ...)   DECODE / VERIFY rows: RoPE of q_rot and k_rot (rotate-half on the de-interleaved features,
-                       fp32, rounded to fp16; the table rows gathered by the device position: capturable), the new
-                       rows' latents written to the cache (index_copy at the device positions), q_lat = W_uk^T q_nope,
-                       attention over the latent cache, a = W_uv o; every op row by row, so a VERIFY row is
-                       bitwise the decode step at its position.
+    attend(ops, ...)   DECODE / VERIFY rows: RoPE of q_rot and k_rot and the new rows' latents written to the cache
+                       in one launch (kernels/latent_attention.rope_latent_append; the table rows read at the device
+                       position: capturable), q_lat = W_uk^T q_nope, attention over the latent cache, a = W_uv o
+                       (four launches in all); every op row by row, so a VERIFY row is bitwise the decode step at
+                       its position.
                        PREFILL: the same RoPE and cache rows; attention expanded from the latent cache through kv_b
                        (as the reference), fp32 softmax.
 """
@@ -35,15 +35,6 @@ def setup(eng) -> None:
         else None
 
 
-def _rotate(x, cos, sin, perm):
-    """Rotate-half RoPE of x [n, ..., P] (features de-interleaved by ``perm`` first) with cos / sin [n, 1, P/2]."""
-    if perm is not None:
-        x = x[..., perm]
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h].float(), x[..., h:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(torch.float16)
-
-
 def attend(ops, q, c, k_rot, batch: ForwardBatch, p):
     eng, cfg = ops.eng, ops.cfg
     n, H = q.shape[0], cfg.num_heads
@@ -51,25 +42,20 @@ def attend(ops, q, c, k_rot, batch: ForwardBatch, p):
     cache = eng.kv.k[p.layer, 0]  # [T_max, R + P]
     q = q.view(n, H, nope + P)
     if ops.rows:
-        pos = torch.arange(n, device=q.device, dtype=torch.long) + batch.start
         cos, sin = eng.rope
-        cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
+        start = batch.start  # the graph's position tensor
     else:
         start = int(batch.start)
-        pos = torch.arange(start, start + n, device=q.device)
         cos, sin = eng.pass_rope(False, start, n)
-        cos, sin = cos[start:start + n], sin[start:start + n]
-    q_rot = _rotate(q[..., nope:], cos[:, None], sin[:, None], eng.rope_perm)  # [n, H, P]
-    kr = _rotate(k_rot.view(n, 1, P), cos[:, None], sin[:, None], eng.rope_perm).view(n, P)
-    cache.index_copy_(0, pos, torch.cat([c.to(torch.float16), kr], -1))
+    q_rot = la.rope_latent_append(q, c, k_rot, cos, sin, start, cache, nope, eng.rope_perm is not None)
     if ops.rows:
-        q_lat = la.head_gemv(q[..., :nope].contiguous(), p.w_uk_t)  # [n, H, R]
+        q_lat = la.head_gemv(q[..., :nope], p.w_uk_t)  # [n, H, R], q's nope features read in place
         o = la.latent_attention(q_lat, q_rot, cache, batch.start, cfg.scale, ws=eng.latent_ws)
         return la.head_gemv(o, p.w_uv).view(n, H * vd)
     S = start + n
     kv = ops.project(p.kv_b, cache[:S, :R].contiguous()).view(S, H, nope + vd)
     s = torch.einsum("thd,shd->hts", q[..., :nope].float(), kv[..., :nope].float())
     s = (s + torch.einsum("thd,sd->hts", q_rot.float(), cache[:S, R:].float())) * cfg.scale
-    allowed = torch.arange(S, device=q.device)[None, :] <= pos[:, None]
+    allowed = torch.arange(S, device=q.device)[None, :] <= torch.arange(start, S, device=q.device)[:, None]
     a = torch.einsum("hts,shd->thd", s.masked_fill(~allowed, float("-inf")).softmax(-1), kv[..., nope:].float())
     return a.to(torch.float16).reshape(n, H * vd)

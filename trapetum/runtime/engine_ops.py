@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import expert_gemv
+from ..kernels import expert_gemv, moe_route
 from ..kernels.attention import attention_rows
 from ..kernels.fused import rmsnorm, rope_kv_append
 from ..models.batch import ForwardBatch, Mode
@@ -141,15 +141,19 @@ class EngineOps:
         return a[0].transpose(0, 1).reshape(T, Hq * hd)
 
     # -- mixture of experts (models/blocks/moe.py) -----------------------------------------------
-    # The router is a batch-invariant fp16 GEMV and select_experts runs on the device (sort / gather / scatter: no
-    # host sync, capturable). DECODE / VERIFY rows of a layer with stacked experts (runtime/engine_experts.py) run
+    # The router is a batch-invariant fp16 GEMV; the scores and top-k run on the device (rows without group limits:
+    # kernels/moe_route.py, one launch; else select_experts' sort / gather / scatter): no host sync, capturable. DECODE / VERIFY rows of a layer with stacked experts (runtime/engine_experts.py) run
     # only the chosen experts: kernels/expert_gemv.py, two launches with the ids read on the device, each row its
     # own programs (its bits alone). Otherwise (PREFILL, unstacked schemes, no Triton) every expert runs over every
     # row (batch-invariant GEMVs / the prefill matmul) and row r adds expert e's output times its weight (0 for the
     # experts it did not choose), in ascending e, in fp32: E / k times the chosen experts' work.
     def route(self, router, h):
-        logits = self.project(router.proj, h).float()  # [M, E]
-        return select_experts(logits, self.cfg, router.bias)
+        logits = self.project(router.proj, h)  # [M, E] fp16
+        cfg = self.cfg
+        if self.rows and moe_route.applies(cfg) and moe_route.available(h.device):  # one launch, no groups
+            return moe_route.route(logits, cfg.num_experts_per_tok, cfg.router_scoring, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor, router.bias)
+        return select_experts(logits.float(), cfg, router.bias)
 
     def experts(self, experts, h, weights, idx):
         stack = getattr(experts, "stack", None)
