@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from trapetum.kernels import expert_gemv as xg
+from trapetum.kernels import expert_gemv_2x8 as x8
 from trapetum.kernels import latent_attention as la
 from trapetum.kernels import moe_route as mr
 
@@ -62,6 +63,12 @@ def main() -> int:
          dict(KS=2, DENSE=False, BITS=4, HAS_RES=False, USE_GATHER=True, BLOCK_N=8, BLOCK_K=256)),
         ("expert down fp16 k=6", xg._down_kernel, dnd,
          dict(KS=6, DENSE=True, BITS=4, HAS_RES=False, USE_GATHER=False, BLOCK_N=16, BLOCK_K=256)),
+        ("expert gate/up 2x8", x8._gate_up_2x8_kernel, {"x_ptr": p16, "idx_ptr": i64, "c_ptr": "*i8", "cb_ptr": p16,
+                                                         "sc_ptr": p16, "y_ptr": p16},
+         dict(ACT=1, BLOCK_N=16, BLOCK_G=32)),
+        ("expert down 2x8 k=6", x8._down_2x8_kernel, {"x_ptr": p16, "idx_ptr": i64, "rw_ptr": f32, "c_ptr": "*i8",
+                                                      "cb_ptr": p16, "sc_ptr": p16, "res_ptr": p16, "y_ptr": p16},
+         dict(KS=6, HAS_RES=False, BLOCK_N=16, BLOCK_G=32)),
         ("route softmax E=64 k=6", mr._route_kernel, {"x_ptr": p16, "b_ptr": f32, "w_ptr": f32, "i_ptr": "*i32",
                                                        "scale": "fp32"},
          dict(K=6, SIGMOID=False, HAS_BIAS=False, NORM=False, EP=64, KP=8)),

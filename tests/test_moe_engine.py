@@ -121,3 +121,34 @@ def test_expert_kernels_in_engine_under_triton_interpreter(tmp_path, monkeypatch
         res = check(eng, rows=(1, 3), bases=(6,))
         assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
         monkeypatch.undo()
+
+
+def _2x8_engine_against_reference(tmp_path, device):
+    """A tiny Qwen2-MoE whose projections (experts included) are random AQLM 2x8 records: the experts stacked for
+    kernels/expert_gemv_2x8.py, decode steps against the float32 reference of the same checkpoint, verify rows
+    bitwise equal to decode steps."""
+    from tests.tiny_models import additive_checkpoint
+    from trapetum.models.decoder import Decoder
+    ck = additive_checkpoint("qwen2_moe", tmp_path / "src", device=device)
+    eng = GpuEngine(ck, 24, device=device)
+    sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+    assert sets and all(s.stack is not None and s.stack.scheme == "2x8" for s in sets)
+    ref = Decoder.from_checkpoint(ck, dtype=torch.float32, device=device)
+    ids = list(range(5, 17))
+    want = ref(torch.tensor([ids], device=device))[0]
+    eng.prefill(ids[:-2])
+    for i, t in enumerate(ids[-2:]):
+        eng.set_position(t, 10 + i)
+        eng.step(greedy=False)
+        assert rel(eng.logits.cpu(), want[10 + i].cpu()) < 3e-3
+    res = check(eng, rows=(1, 3), bases=(6,))
+    assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+@pytest.mark.slow  # every engine kernel interpreted
+def test_2x8_experts_in_engine_under_triton_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs this in tests/test_moe_engine_gpu.py")
+    _2x8_engine_against_reference(tmp_path, "cpu")
+

@@ -138,3 +138,10 @@ def test_gpu_latent_attention_engine(pairs, family):
     assert torch.equal(eager.logits, outs[0])
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+def test_gpu_2x8_experts_match_their_reference(tmp_path):
+    """AQLM 2x8 experts (kernels/expert_gemv_2x8.py) on the GPU: the float32 reference of the checkpoint, verify rows
+    bitwise (tests/test_moe_engine.py's check, on CUDA)."""
+    from tests.test_moe_engine import _2x8_engine_against_reference
+    _2x8_engine_against_reference(tmp_path, "cuda")
