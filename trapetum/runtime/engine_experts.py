@@ -15,6 +15,11 @@ all-experts path of runtime/engine_ops.py.
 
 ``ExpertSet`` is the list of ExpertWeights the block sees (models/blocks/moe.py hands it to ``ops.experts``) with
 the stack beside it.
+
+``prefill_experts`` is PREFILL's form (any scheme): the (token, slot) pairs grouped by expert (a stable sort; the
+counts read on the host: prefill is not captured), each expert's projections over its tokens (``ops.project`` /
+``ops.gate_up``: dequantize + matmul), its outputs times their weights written to their (token, slot) places, the
+k slots summed in slot order: deterministic (no atomics), k / E of the work of every expert over every token.
 """
 from __future__ import annotations
 
@@ -136,3 +141,25 @@ def _stack_2x8(experts: list, out: ExpertSet) -> None:
         p.packed = d.packed = None
         ex.gate_up = SeparateGateUp(act, p)
     out.stack = ExpertStack("2x8", 2, f, act, gu_c, gu_cb, dn_c, dn_cb, gu_sc, dn_sc)
+
+
+def prefill_experts(ops, experts, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """[T, D] in h's dtype: sum over the k slots of weights[t, j] * expert_{idx[t, j]}(h[t]) (module docstring)."""
+    T, k = idx.shape
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True)[1]
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    wflat = weights.reshape(-1, 1).float()
+    buf = torch.zeros(T * k, ops.cfg.hidden_size, dtype=torch.float32, device=h.device)
+    s = 0
+    for ex, n in zip(experts, counts):
+        if n:
+            sel = order[s:s + n]
+            y = ops.project(ex.down, ops.gate_up(ex.gate_up, h.index_select(0, sel // k)))
+            buf[sel] = y.float() * wflat[sel]
+            s += n
+    buf = buf.view(T, k, -1)
+    out = buf[:, 0]
+    for j in range(1, k):
+        out = out + buf[:, j]
+    return out.to(h.dtype)

@@ -25,6 +25,7 @@ from ..models.blocks.attention import row_heads
 from ..models.blocks.moe import select_experts
 from ..models.sparsity import DENSE_POSITIONS
 from . import engine_latent
+from .engine_experts import prefill_experts
 
 
 class EngineOps:
@@ -144,9 +145,10 @@ class EngineOps:
     # The router is a batch-invariant fp16 GEMV; the scores and top-k run on the device (rows without group limits:
     # kernels/moe_route.py, one launch; else select_experts' sort / gather / scatter): no host sync, capturable. DECODE / VERIFY rows of a layer with stacked experts (runtime/engine_experts.py) run
     # only the chosen experts: kernels/expert_gemv.py, two launches with the ids read on the device, each row its
-    # own programs (its bits alone). Otherwise (PREFILL, unstacked schemes, no Triton) every expert runs over every
-    # row (batch-invariant GEMVs / the prefill matmul) and row r adds expert e's output times its weight (0 for the
-    # experts it did not choose), in ascending e, in fp32: E / k times the chosen experts' work.
+    # own programs (its bits alone). PREFILL runs each expert over the tokens that chose it
+    # (engine_experts.prefill_experts). Otherwise (unstacked schemes, no Triton) every expert runs over every row
+    # (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for the experts it did not
+    # choose), in ascending e, in fp32: E / k times the chosen experts' work.
     def route(self, router, h):
         logits = self.project(router.proj, h)  # [M, E] fp16
         cfg = self.cfg
@@ -159,6 +161,8 @@ class EngineOps:
         stack = getattr(experts, "stack", None)
         if self.rows and stack is not None and expert_gemv.available(h.device):
             return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather)
+        if not self.rows:  # each expert over the tokens that chose it (engine_experts.py)
+            return prefill_experts(self, experts, h, weights, idx)
         out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
         for e, ex in enumerate(experts):
             c = torch.where(idx == e, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)  # one match: exact
