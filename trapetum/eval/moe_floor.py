@@ -18,7 +18,7 @@ import argparse
 
 from ..models.config import ModelConfig
 from ..models.schema import expected_shapes
-from .random_model import SHAPES
+from .random_model import FORMATS, SHAPES
 
 
 def weight_bytes(name: str, shape: tuple, fmt: str) -> int:
@@ -64,12 +64,18 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.0, help="TB/s")
     p.add_argument("--position", type=int, default=64)
     a = p.parse_args(argv)
+    for shape in a.models.split(","):
+        if shape not in SHAPES:
+            print(f"moe_floor: --models: unknown shape {shape!r} (one of {', '.join(SHAPES)})")
+            return 2
+    for fmt in a.formats.split(","):
+        if fmt not in FORMATS:
+            print(f"moe_floor: --formats: unknown format {fmt!r} (one of {', '.join(FORMATS)})")
+            return 2
     print("| model | format | non-expert MB | active experts MB | KV MB (engine now / latent) | MB / token "
           "(now / latent) | floor us (latent) | tok/s bound (latent) |")
     print("|---|---|---|---|---|---|---|---|")
     for shape in a.models.split(","):
-        if shape not in SHAPES:
-            p.error(f"--models: unknown shape {shape!r} (one of {', '.join(SHAPES)})")
         for fmt in a.formats.split(","):
             b = step_bytes(shape, fmt, a.position)
             now = b["dense"] + b["experts_active"] + b["kv_now"]
