@@ -86,3 +86,69 @@ def test_engine_runs_a_4bit_cbk_like_its_reference(tmp_path, family):
     assert_engine_matches(m, eng)
     res = check(eng, rows=(1, 5, 16), bases=(6,))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+@pytest.mark.slow  # ~45 s each: every engine kernel interpreted
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_expert_kernels_in_engine_under_triton_interpreter(tmp_path, monkeypatch, family):
+    """The engine's rows with the expert GEMVs (kernels/expert_gemv.py, interpreted): fp16 and 4-bit .cbk experts
+    stacked, only the chosen experts run (the all-experts loop is not entered), the reference within 2e-3 and
+    verify rows bitwise equal to decode steps."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs these in tests/test_moe_engine_gpu.py")
+    for path in (None, build_cbk(family, tmp_path / "q", iters=2)):
+        if path is None:
+            build(family, tmp_path / "d")
+            path = tmp_path / "d"
+        m = trapetum.load(path)
+        eng = GpuEngine(m.checkpoint, 24, device="cpu")
+        sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+        assert sets and all(s.stack is not None for s in sets)
+        assert {s.stack.scheme for s in sets} == ({"fp16"} if path.name == "d" else {"codebook"})
+        calls = []
+        run = type(sets[0].stack).run
+        monkeypatch.setattr(type(sets[0].stack), "run", lambda self, *a, **k: calls.append(1) or run(self, *a, **k))
+        ids = torch.randint(3, 300, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+        ref = m.logits(ids)
+        eng.prefill(ids[:-2])
+        assert not calls  # prefill keeps its path
+        for i, t in enumerate(ids[-2:]):
+            eng.set_position(t, 10 + i)
+            eng.step(greedy=False)
+            assert rel(eng.logits, ref[10 + i]) < TOL
+        assert len(calls) == 2 * len(sets)
+        res = check(eng, rows=(1, 3), bases=(6,))
+        assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+        monkeypatch.undo()
+
+
+def _2x8_engine_against_reference(tmp_path, device):
+    """A tiny Qwen2-MoE whose projections (experts included) are random AQLM 2x8 records: the experts stacked for
+    kernels/expert_gemv_2x8.py, decode steps against the float32 reference of the same checkpoint, verify rows
+    bitwise equal to decode steps."""
+    from tests.tiny_models import additive_checkpoint
+    from trapetum.models.decoder import Decoder
+    ck = additive_checkpoint("qwen2_moe", tmp_path / "src", device=device)
+    eng = GpuEngine(ck, 24, device=device)
+    sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+    assert sets and all(s.stack is not None and s.stack.scheme == "2x8" for s in sets)
+    ref = Decoder.from_checkpoint(ck, dtype=torch.float32, device=device)
+    ids = list(range(5, 17))
+    want = ref(torch.tensor([ids], device=device))[0]
+    eng.prefill(ids[:-2])
+    for i, t in enumerate(ids[-2:]):
+        eng.set_position(t, 10 + i)
+        eng.step(greedy=False)
+        assert rel(eng.logits.cpu(), want[10 + i].cpu()) < 3e-3
+    res = check(eng, rows=(1, 3), bases=(6,))
+    assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+@pytest.mark.slow  # every engine kernel interpreted
+def test_2x8_experts_in_engine_under_triton_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the GPU runs this in tests/test_moe_engine_gpu.py")
+    _2x8_engine_against_reference(tmp_path, "cpu")
+

@@ -87,3 +87,63 @@ def test_gpu_rope_variants_match_cpu_reference(tmp_path, family):
     ids = long[:40]  # 40 + 32 crosses 32, 48 and 64
     assert gpu.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids == \
         cpu.generate(ids, max_new_tokens=32, ignore_eos=True).token_ids
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_gpu_expert_kernels_match_the_all_experts_path(pairs, family):
+    """Every MoE layer stacked; decode steps and verify rows through the expert GEMVs (kernels/expert_gemv.py)
+    against the same engine with the stacks taken away (every expert over every row): within 2e-3."""
+    cpu, _ = pairs[family]
+    eng = GpuEngine(cpu.checkpoint, 48, device="cuda", options=Options(graph=False))
+    sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+    assert sets and all(s.stack is not None for s in sets)
+    ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    runs = []
+    for stacks in ([s.stack for s in sets], [None] * len(sets)):
+        for s, st in zip(sets, stacks):
+            s.stack = st
+        eng.prefill(ids[:16])
+        out = []
+        for i, t in enumerate(ids[16:]):
+            eng.set_position(t, 16 + i)
+            eng.step(greedy=False)
+            out.append(eng.logits.clone())
+        eng.prefill(ids[:16])
+        out += list(eng.verify(ids[16:], 16).clone())
+        runs.append(out)
+    assert all(rel(a, b) < 2e-3 for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_gpu_latent_attention_engine(pairs, family):
+    """Options(mla="latent") (runtime/engine_latent.py, kernels/latent_attention.py): the latent cache; the CPU
+    reference within 2e-3 teacher-forced; 100 graph replays bitwise, graph == eager (both latent); verify rows bitwise
+    equal to decode steps."""
+    from types import SimpleNamespace
+    cpu, _ = pairs[family]
+    cfg = cpu.config
+    eng = GpuEngine(cpu.checkpoint, 80, device="cuda", options=Options(mla="latent"))
+    assert eng.kv.k.shape == (cfg.num_layers, 1, 80, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    _agree(cpu, SimpleNamespace(runner=eng))
+    ids = list(range(5, 25))
+    eng.prefill(ids)
+    outs = []
+    for _ in range(100):
+        eng.set_position(7, len(ids))
+        eng.step(greedy=False)
+        outs.append(eng.logits.clone())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    eager = GpuEngine(cpu.checkpoint, 80, device="cuda", options=Options(mla="latent", graph=False))
+    eager.prefill(ids)
+    eager.set_position(7, len(ids))
+    eager.step(greedy=False)
+    assert torch.equal(eager.logits, outs[0])
+    res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
+    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+def test_gpu_2x8_experts_match_their_reference(tmp_path):
+    """AQLM 2x8 experts (kernels/expert_gemv_2x8.py) on the GPU: the float32 reference of the checkpoint, verify rows
+    bitwise (tests/test_moe_engine.py's check, on CUDA)."""
+    from tests.test_moe_engine import _2x8_engine_against_reference
+    _2x8_engine_against_reference(tmp_path, "cuda")

@@ -29,7 +29,9 @@ means the default; anything else is a ConfigError naming the variable.
 Fields without a variable (API and benchmarks): ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
-small ops in C) instead of the reference decoder's torch ops.
+small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
+caches per-head keys and values ("expanded") or the compressed latent and attends in the absorbed form ("latent":
+runtime/engine_latent.py).
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ PDL_MODES = ("all", "cuda", "triton", "off")
 ATTENTION_MODES = ("fused", "unfused")
 PREFILL_MODES = ("default", "precise", "exact")
 ENGINES = ("gpu", "reference")
+MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 
 
@@ -122,11 +125,13 @@ class Options:
     calib_mem_gb: float | None = None
     host_kernels: bool = True
     cpu_step: bool = True
+    mla: str = "expanded"
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):
         for name, value, choices in (("attention", self.attention, ATTENTION_MODES),
-                                     ("prefill", self.prefill, PREFILL_MODES), ("engine", self.engine, ENGINES)):
+                                     ("prefill", self.prefill, PREFILL_MODES), ("engine", self.engine, ENGINES),
+                                     ("mla", self.mla, MLA_MODES)):
             if value not in choices:
                 raise ConfigError(f"options.{name}: expected one of {', '.join(choices)}, got {value!r}")
         if self.calib_mem_gb is not None and not self.calib_mem_gb > 0:

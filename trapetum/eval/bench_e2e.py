@@ -3,6 +3,8 @@
     python -m trapetum.eval.bench_e2e --out DIR [--models llama2-7b,llama3-8b] [--formats fp16,cb4] [--switches]
                                       [--verify 1,2,4,8,16] [--verify-bases 64,1088] [--attn-configs NAME,...]
     python -m trapetum.eval.bench_e2e --out DIR --models llama2-70b --bins 0 --verify 8   (2-bit AQLM formats)
+    python -m trapetum.eval.bench_e2e --out DIR --models deepseek-v2-lite,mixtral-8x7b --formats cb4,aqlm-2x8 --bins 0
+                                      [--mla latent]   (mixture of experts; floors: python -m trapetum.eval.moe_floor)
 
 For each model shape and format (eval/random_model.py: fp16; cb4 = 4-bit codebook projections + 8-bit head;
 llama2-70b: aqlm-2x8 and aqlm-1x16), the engine is built from a random checkpoint generated on the GPU, and one
@@ -193,6 +195,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-bases", default="64,1088", help="positions of the verify passes")
     p.add_argument("--attn-configs", default="", help="comma list of attention config names (AttnConfig.name): "
                    "the bins again with each, next to the default")
+    p.add_argument("--mla", default="expanded", choices=("expanded", "latent"),
+                   help="latent-attention models: per-head cache (expanded) or the absorbed form over the latent cache")
     a = p.parse_args(argv)
     from ..kernels.attention import named_config
     names = tuple(n for n in a.attn_configs.split(",") if n)
@@ -206,7 +210,7 @@ def main(argv=None) -> int:
         print("bench_e2e needs a CUDA GPU")
         return 1
     run(a.models.split(","), a.switches, Path(a.out), [f for f in a.formats.split(",") if f] or None,
-        _ints(a.bins), names, _ints(a.verify), _ints(a.verify_bases), Options.from_env())
+        _ints(a.bins), names, _ints(a.verify), _ints(a.verify_bases), Options.from_env().replace(mla=a.mla))
     return 0
 
 

@@ -31,6 +31,7 @@ from ..models.layers import rotaries
 from ..models.rope import deinterleave_index
 from ..models.sparsity import check_sparse_kinds
 from ..settings import Options
+from . import engine_latent
 from .engine_model import build_model
 from .engine_ops import EngineOps
 from .kv import ContiguousKV
@@ -82,7 +83,13 @@ class GpuEngine:
             self.attn_config = fixed_chunk_config(hd, G)
         else:
             self.attn_config = None
-        self.kv = ContiguousKV(cfg, max_len, dev, head_dim=hd)
+        self.latent = bool(cfg.mla) and options.mla == "latent"
+        if self.latent:  # the latent [c, RoPE(k_rot)] per position, one "head", nothing in v (engine_latent.py)
+            self.kv = ContiguousKV(cfg, max_len, dev, head_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, heads=1,
+                                   v_dim=0)
+            engine_latent.setup(self)
+        else:
+            self.kv = ContiguousKV(cfg, max_len, dev, head_dim=hd)
         self.attn_ws = attention_workspace(cfg.num_heads, hd, max_len, dev, hkv=cfg.num_kv_heads,
                                            config=self.attn_config, rows=MAX_VERIFY_ROWS)
         self.row_tokens = torch.zeros(MAX_VERIFY_ROWS, dtype=torch.long, device=dev)

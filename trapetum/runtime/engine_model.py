@@ -21,6 +21,7 @@ from ..models.schema import attention_names, expected_shapes, fetch, mla_names, 
 from ..schemes import registry
 from ..schemes.base import GateUp, Projection, residual16
 from ..settings import Options
+from .engine_experts import stack_experts
 
 
 @dataclass
@@ -59,12 +60,14 @@ class MlaWeights:
     kv_b: Projection
     o: Projection
     sliding: bool = False
+    w_uk_t: torch.Tensor | None = None  # Options.mla "latent": kv_b's key / value blocks (runtime/engine_latent.py)
+    w_uv: torch.Tensor | None = None
 
     def projections(self) -> list:
         return [w for w in (self.q, self.q_a, self.q_b, self.kv_a, self.kv_b, self.o) if w is not None]
 
     def tensors(self) -> list:
-        return [t for t in (self.input_norm, self.q_a_norm, self.kv_a_norm) if t is not None]
+        return [t for t in (self.input_norm, self.q_a_norm, self.kv_a_norm, self.w_uk_t, self.w_uv) if t is not None]
 
 
 @dataclass
@@ -83,7 +86,8 @@ class EngineRouter:
 
 @dataclass
 class MoeWeights:
-    """A mixture-of-experts MLP (models/blocks/moe.py)."""
+    """A mixture-of-experts MLP (models/blocks/moe.py); ``experts`` an ExpertSet (runtime/engine_experts.py: the
+    per-expert projections, views of the layer's stacks where the expert GEMVs apply)."""
     norm: torch.Tensor
     router: EngineRouter
     experts: list[ExpertWeights]
@@ -194,7 +198,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
             router = registry.projection([registry.part(m["router"] + ".weight", router.float())], device, kopts,
                                          precise=precise)
             bias = None if m["router_bias"] is None else get(m["router_bias"]).to(device=device, dtype=torch.float32)
-            experts = [ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]]
+            experts = stack_experts([ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]])
             shared = ExpertWeights(gate_up(m["shared"]), proj(m["shared"]["down"])) if m["shared"] else None
             mlp = MoeWeights(norm=norm(m["norm"]), router=EngineRouter(router, bias), experts=experts, shared=shared,
                              shared_gate=opt(m["shared_gate"]), post_norm=norm(m["post_norm"]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..kernels import expert_gemv, moe_route
 from ..kernels.attention import attention_rows
 from ..kernels.codebook_layout import FRAG_ROWS
 from ..kernels.fused import rmsnorm, rope_kv_append
@@ -27,6 +28,8 @@ from ..models.batch import ForwardBatch, Mode
 from ..models.blocks.attention import row_heads
 from ..models.blocks.moe import select_experts
 from ..models.sparsity import DENSE_POSITIONS
+from . import engine_latent
+from .engine_experts import prefill_experts
 
 
 class EngineOps:
@@ -154,16 +157,27 @@ class EngineOps:
         return a[0].transpose(0, 1).reshape(T, Hq * hd)
 
     # -- mixture of experts (models/blocks/moe.py) -----------------------------------------------
-    # The correct formulation under the engine's contracts, not the fast one: the router is a batch-invariant
-    # fp16 GEMV and select_experts runs on the device (sort / gather / scatter: no host sync, capturable); every
-    # expert runs over every row (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for
-    # the experts it did not choose), in ascending e, in fp32. Each row's result is the bits it has alone; the work
-    # is E / k times the chosen experts' (a GPU kernel that gathers only the chosen experts: NOTES-engine.md).
+    # The router is a batch-invariant fp16 GEMV; the scores and top-k run on the device (rows without group limits:
+    # kernels/moe_route.py, one launch; else select_experts' sort / gather / scatter): no host sync, capturable. DECODE / VERIFY rows of a layer with stacked experts (runtime/engine_experts.py) run
+    # only the chosen experts: kernels/expert_gemv.py, two launches with the ids read on the device, each row its
+    # own programs (its bits alone). PREFILL runs each expert over the tokens that chose it
+    # (engine_experts.prefill_experts). Otherwise (unstacked schemes, no Triton) every expert runs over every row
+    # (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for the experts it did not
+    # choose), in ascending e, in fp32: E / k times the chosen experts' work.
     def route(self, router, h):
-        logits = self.project(router.proj, h).float()  # [M, E]
-        return select_experts(logits, self.cfg, router.bias)
+        logits = self.project(router.proj, h)  # [M, E] fp16
+        cfg = self.cfg
+        if self.rows and moe_route.applies(cfg) and moe_route.available(h.device):  # one launch, no groups
+            return moe_route.route(logits, cfg.num_experts_per_tok, cfg.router_scoring, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor, router.bias)
+        return select_experts(logits.float(), cfg, router.bias)
 
     def experts(self, experts, h, weights, idx):
+        stack = getattr(experts, "stack", None)
+        if self.rows and stack is not None and expert_gemv.available(h.device):
+            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather)
+        if not self.rows:  # each expert over the tokens that chose it (engine_experts.py)
+            return prefill_experts(self, experts, h, weights, idx)
         out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
         for e, ex in enumerate(experts):
             c = torch.where(idx == e, weights, torch.zeros_like(weights)).sum(-1, keepdim=True)  # one match: exact
@@ -181,9 +195,11 @@ class EngineOps:
     # P = max(head_dim, v_head_dim), zero-padded), the rotary part first: q_h = [RoPE(q_rot_h), q_nope_h, 0],
     # k_h = [RoPE(k_rot), k_nope_h, 0] (de-interleaved, so the kernels' rotate-half RoPE of the first qk_rope
     # features is DeepSeek's interleaved rotation), v_h = [v_h, 0]; then the engine's ordinary attention (its
-    # contracts hold as they are). The absorbed form over the compressed latent cache (kv_lora_rank + qk_rope per
-    # position) is GPU work still to come (NOTES-engine.md).
+    # contracts hold as they are). Options.mla "latent": the absorbed form over the compressed latent cache
+    # (kv_lora_rank + qk_rope per position), runtime/engine_latent.py.
     def latent_attend(self, q, c, k_rot, batch: ForwardBatch, p):
+        if self.eng.latent:  # Options.mla "latent": the absorbed form over the latent cache
+            return engine_latent.attend(self, q, c, k_rot, batch, p)
         cfg = self.cfg
         n, H = q.shape[0], cfg.num_heads
         nope, rope, vd, P = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, self.eng.head_dim
