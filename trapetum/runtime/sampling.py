@@ -113,7 +113,7 @@ class Sampler:
         if drafts is not None and m > 1:
             d = drafts.reshape(-1)[: m - 1].to(device=rows.device, dtype=torch.long)
             hit = torch.zeros(m, self.vocab_size, dtype=torch.bool, device=rows.device)
-            hit[torch.arange(1, m, device=rows.device), d] = True
+            hit[1:].scatter_(1, d.view(-1, 1), True)  # row r gets drafts[r - 1]; no host value crosses (no sync)
             rows |= hit.cumsum(0).bool()
         return rows
 
