@@ -227,12 +227,13 @@ def test_64_concurrent_requests_give_their_alone_tokens(which, hf_model, cbk_mod
 
 
 @pytest.mark.parametrize("which", ["hf", "cbk"])
-def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, hf_model, cbk_model, alone):
-    """Blocks for about a dozen requests (the rest queue), freed blocks poisoned with NaN and reused, every
-    seventh request cancelled after its third token: the others give their alone tokens, the cancelled ones a
-    prefix of theirs."""
+@pytest.mark.parametrize("blocks", [100, 40])
+def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, blocks, hf_model, cbk_model, alone):
+    """Few blocks (the rest queue; running requests are preempted and rebuilt), freed blocks poisoned
+    with NaN and reused, every seventh request cancelled after its third token: the others give their alone
+    tokens and logits, the cancelled ones a prefix of theirs."""
     reqs, (ref, ref_rows) = alone[0], alone[1][which]
-    sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=160, max_batch=64, chunk=8)
+    sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=blocks, max_batch=64, chunk=8)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     cancel = {i for i in range(0, 64, 7)}
     cancelled = set()
@@ -244,7 +245,9 @@ def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, hf_model, 
             if r.rid in cancel and not r.done and len(r.stream.out) >= 3:
                 sch.cancel(r)
                 cancelled.add(r.rid)
+    print(f"{which} {blocks} blocks: at most {most} running, {queued} queued, {sch.preemptions} preemptions")
     assert most < 40 and queued > 20  # blocks ran out: requests waited
+    assert sch.preemptions > 0  # running requests were preempted and rebuilt
     assert len(cancelled) >= 5
     for i, (h, c) in enumerate(zip(handles, ref)):
         if i in cancelled:
@@ -260,11 +263,11 @@ def test_reject_when_full_and_too_long(hf_model):
     sch = _scheduler(hf_model, blocks=6, block_size=4, on_full="reject")
     with pytest.raises(TrapetumError, match="more than the whole cache of 6"):
         sch.submit([1] * 20, GenerationSettings(max_new_tokens=8))
-    a = sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=14, ignore_eos=True))  # 16 positions: 4 blocks
+    a = sch.submit([1] * 13, GenerationSettings(max_new_tokens=4, ignore_eos=True))  # 13 positions: 4 blocks
     sch.step()
     assert sch.kv.alloc.num_free == 2
-    with pytest.raises(KVExhausted, match="needs 3 blocks, 2 of 6 are free"):
-        sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=9))
+    with pytest.raises(KVExhausted, match="needs 3 blocks, 2 of 6 are free"):  # its prompt's 2 and a spare
+        sch.submit([1] * 5, GenerationSettings(max_new_tokens=9))
     sch.cancel(a)  # frees at once
     assert sch.kv.alloc.num_free == 6 and a.completion.finish_reason == "cancelled"
     b = sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=9))
@@ -279,7 +282,8 @@ def test_cancel_waiting_and_zero_new_tokens(hf_model):
     z = sch.submit([1, 2], GenerationSettings(max_new_tokens=0))
     assert z.done and z.completion.finish_reason == "length" and z.completion.token_ids == []
     sch.step()
-    assert sch.load() == {"running": 1, "queued": 1, "free_blocks": 2, "total_blocks": 4, "max_batch": 1}
+    assert sch.load() == {"running": 1, "queued": 1, "free_blocks": 3, "total_blocks": 4, "max_batch": 1,
+                          "preemptions": 0}
     sch.cancel(b)
     assert b.done and b.completion.finish_reason == "cancelled" and not sch.waiting
     sch.run()

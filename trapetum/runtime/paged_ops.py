@@ -6,7 +6,9 @@ blocks (models/blocks) run by executors whose every row is computed independentl
         CPU executor for chunks of up to 16 rows where it applies, the reference TorchOps otherwise), the new rows
         written back into the blocks; logits fp32 [V] of the chunk's last row.
     CpuBatchRunner.decode(tables, tokens, positions)   one decode row per sequence, S sequences in one forward:
-        logits fp32 [S, V]. Executors (chosen as ``Decoder.forward`` chooses: the host-kernel CPU executor for
+        logits fp32 [S, V].
+    CpuBatchRunner.replay(table, tokens, start)   up to 16 decode rows of one sequence in one forward, no logits
+        (rebuilding a preempted request's cache). Executors (chosen as ``Decoder.forward`` chooses: the host-kernel CPU executor for
         dense models whose projections run the host GEMV, TorchOps otherwise):
           PagedCpuOps    models/cpu_ops.CpuOps with per-row positions (RoPE, sparsity) and attention per sequence
                          over its gathered blocks; its fused host GEMVs are batch-invariant for any M (their
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import host_ops as ho
-from ..models.batch import ForwardBatch, Mode
+from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import layer_forward
 from ..models.cpu_ops import CpuOps, _Plan
 from ..models.kv_cache import KVCache
@@ -155,18 +157,29 @@ class CpuBatchRunner:
 
     @torch.inference_mode()
     def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        S = len(tokens)
-        groups = [Group(i, 1, int(positions[i]), tables[i]) for i in range(S)]
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        batch = ForwardBatch(Mode.DECODE, torch.tensor([tokens], dtype=torch.long, device=self.device), 0, S,
-                             seq_slots=torch.arange(S, dtype=torch.int32), seq_lens=(pos + 1).to(torch.int32),
-                             positions=pos)
-        if self.step is not None:
-            return self._run_cpu(batch, groups, pos)
-        ops = PagedTorchOps(self.cfg, self.rotaries, pos, self.kv, groups)
-        return self._forward(batch, ops, self.decoder)[0]
+        groups = [Group(i, 1, int(positions[i]), tables[i]) for i in range(len(tokens))]
+        return self._rows(Mode.DECODE, groups, tokens, [int(p) for p in positions], True)
 
-    def _run_cpu(self, batch, groups, pos):
+    @torch.inference_mode()
+    def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
+        """Decode rows ``tokens`` (at most MAX_VERIFY_ROWS) of one sequence at start .. start + n - 1 in one
+        forward, without logits: their K/V rows bitwise those of n decode steps (each row computed alone; the
+        host attention's M-row contract), so a preempted request is rebuilt exactly."""
+        n = len(tokens)
+        if not 1 <= n <= MAX_VERIFY_ROWS:
+            raise ValueError(f"replay: 1 to {MAX_VERIFY_ROWS} rows, got {n}")
+        self._rows(Mode.PREFILL, [Group(0, n, start, table)], tokens, list(range(start, start + n)), False)
+
+    def _rows(self, mode, groups, tokens, positions, logits: bool):
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        slots = torch.tensor([i for i, g in enumerate(groups) for _ in range(g.n)], dtype=torch.int32)
+        lens = torch.tensor([g.start + g.n for g in groups], dtype=torch.int32)
+        batch = ForwardBatch(mode, torch.tensor([tokens], dtype=torch.long, device=self.device), 0, len(tokens),
+                             seq_slots=slots, seq_lens=lens, positions=pos)
+        if self.step is None:
+            ops = PagedTorchOps(self.cfg, self.rotaries, pos, self.kv, groups)
+            out = self._forward(batch, ops, self.decoder, logits)
+            return None if out is None else out[0]
         step = self.step
         if step._plan is None:
             step._plan = _Plan(self.decoder)
@@ -174,14 +187,14 @@ class CpuBatchRunner:
         ops = PagedCpuOps(step, self.kv, groups, pos, nt if step.threads is None else step.threads)
         torch.set_num_threads(1)
         try:
-            return self._forward(batch, ops, step._plan)
+            return self._forward(batch, ops, step._plan, logits)
         finally:
             torch.set_num_threads(nt)
 
     @staticmethod
-    def _forward(batch, ops, model):
-        """blocks.decoder_forward with every row's logits."""
+    def _forward(batch, ops, model, logits: bool = True):
+        """blocks.decoder_forward with every row's logits (or none)."""
         x = ops.embed(model.embed, batch)
         for layer in model.layers:
             x = layer_forward(x, batch, ops, layer)
-        return ops.logits(model.head, ops.norm(x, model.final_norm))
+        return ops.logits(model.head, ops.norm(x, model.final_norm)) if logits else None
