@@ -6,7 +6,7 @@ A sequence owns a block table (a list of block ids, in position order): position
 ids first, so a run is reproducible) and come back when the sequence finishes or is cancelled.
 
 Contract: a sequence reads only positions it wrote (attention over [0, length)), so a block's stale contents from
-an earlier owner are never read; ``poison_freed`` fills returned blocks with NaN so that a test sees any stale
+an earlier owner are never read; ``poison_freed`` fills new and returned blocks with NaN so that a test sees any stale
 read as NaN logits. ``gather`` copies a sequence's positions into a fresh contiguous tensor whose size depends on
 that sequence alone (never on the other sequences or on where its blocks lie).
 """
@@ -77,8 +77,13 @@ class PagedKV:
         self.cfg, self.block_size, self.poison_freed = cfg, block_size, poison_freed
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.alloc = BlockAllocator(num_blocks)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        # uninitialized: a position is written before it is read, and a large cache then takes no memory pages
+        # until requests use them
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        if poison_freed:  # (tests) never-written positions are NaN too
+            for t in self.k + self.v:
+                t.fill_(float("nan"))
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32) -> int:
