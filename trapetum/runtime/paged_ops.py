@@ -13,9 +13,10 @@ blocks (models/blocks) run by executors whose every row is computed independentl
           PagedCpuOps    models/cpu_ops.CpuOps with per-row positions (RoPE, sparsity) and attention per sequence
                          over its gathered blocks; its fused host GEMVs are batch-invariant for any M (their
                          contract); projections the host GEMV does not take run row by row (M = 1 products).
-          PagedTorchOps  models/torch_ops.TorchOps in its row-by-row mode (each projection, norm and RoPE an M = 1
-                         computation on a fresh row) with each row's attention over a fresh contiguous copy of its
-                         own sequence's keys and values.
+          PagedTorchOps  models/torch_ops.TorchOps in its row-by-row mode (each norm, RoPE and activation an M = 1
+                         computation on a fresh row; dense fp32 projections on the dense host GEMV over all rows,
+                         kernels/dense_host.py, whose rows are independent; other projections row by row) with
+                         each row's attention over a fresh contiguous copy of its own sequence's keys and values.
 
 Contract (tests/test_scheduler.py): a sequence's logits are bitwise the same whatever the other rows of the
 forward are, and whatever blocks it was given. Chunk boundaries are the scheduler's (multiples of its chunk size
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import dense_host as dh
 from ..kernels import host_ops as ho
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import layer_forward
@@ -34,6 +36,7 @@ from ..models.cpu_ops import CpuOps, _Plan
 from ..models.kv_cache import KVCache
 from ..models.sparsity import DENSE_POSITIONS
 from ..models.torch_ops import TorchOps
+from ..schemes.dense import Linear
 from .paged_kv import PagedKV
 
 
@@ -44,6 +47,24 @@ class Group:
     n: int
     start: int
     table: torch.Tensor  # int64 [blocks]
+
+
+def _dense_rows(w, x: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] through projection(s) ``w`` (a module or a tuple of modules of one input, outputs side by side) on
+    the dense host GEMV, every row independent of the others; None where a module is not a dense fp32 Linear on
+    the CPU (or the kernel is unavailable)."""
+    mods = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    for m in mods:
+        wt = getattr(m, "weight", None)
+        if type(m) is not Linear or wt.dtype != torch.float32 or wt.device.type != "cpu" or wt.stride(1) != 1 \
+                or (m.bias is not None and m.bias.dtype != torch.float32):
+            return None
+    if x.dtype != torch.float32 or not dh.available():
+        return None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    outs = [dh.dense_gemv_host(x, m.weight.detach(), None if m.bias is None else m.bias.detach().contiguous())
+            for m in mods]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
 
 
 def _scratch(kv: PagedKV, table: torch.Tensor, length: int) -> KVCache:
@@ -72,6 +93,28 @@ class PagedTorchOps(TorchOps):
                 i = g.row0 + r
                 outs.append(self._attention(q[:, :, i:i + 1].contiguous(), kk[None], vv[None], g.start + r, p))
         return torch.cat(outs, 1)
+
+    def project(self, w, x, residual=None):
+        y = _dense_rows(w, x[0])
+        if y is None:
+            return super().project(w, x, residual)  # row by row
+        return y[None] if residual is None else residual + y[None]
+
+    def gate_up(self, w, x):
+        gate, up, act = w
+        g, u = _dense_rows(gate, x[0]), _dense_rows(up, x[0])
+        if g is None or u is None:
+            return super().gate_up(w, x)
+        return torch.cat([act(g[i:i + 1].clone()) * u[i:i + 1] for i in range(g.shape[0])])[None]
+
+    def logits(self, head, h):
+        y = _dense_rows(head, h[0])
+        if y is None:
+            return super().logits(head, h)
+        cap = self.cfg.final_softcap
+        if cap is not None:  # row by row, as the one-row pass (a transcendental over the batch need not)
+            y = torch.cat([torch.tanh(y[i:i + 1].clone() / cap) * cap for i in range(y.shape[0])])
+        return y[None]
 
     def latent_attend(self, q, c, k_rot, batch, p):  # PagedKV refuses MLA models before a forward gets here
         raise NotImplementedError("batched serving of latent attention")
@@ -102,7 +145,9 @@ class PagedCpuOps(CpuOps):
     def project(self, w, x, residual=None):
         f = self.step.fused(w)
         if not f or x.dtype != torch.float32 or (residual is not None and residual.dtype != torch.float32):
-            y = torch.cat([self._row_project(w, x[i:i + 1].clone()) for i in range(x.shape[0])])  # M = 1 products
+            y = _dense_rows(w, x)
+            if y is None:  # M = 1 products
+                y = torch.cat([self._row_project(w, x[i:i + 1].clone()) for i in range(x.shape[0])])
             return y if residual is None else residual + y
         return super().project(w, x, residual)
 
