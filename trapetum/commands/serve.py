@@ -56,6 +56,8 @@ def register(subparsers) -> None:
                    help="requests decoded together per model (continuous batching over a paged KV cache; each "
                         "request gets exactly the tokens it gets alone); 1: one request at a time (default 16; "
                         "CPU models without a drafter; the GPU engine decodes one request at a time so far)")
+    p.add_argument("--gpu-batch", action="store_true",
+                   help="experimental: batch on the GPU engine too (eager, no CUDA graphs yet; runtime/paged_engine.py)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=_positive, default=None, metavar="N",
                     help="KV cache of the batch: N blocks of 16 positions per model (default: room for --max-batch "
@@ -134,7 +136,10 @@ def _batch(args) -> dict | None:
     """The batch scheduler's options (Model.batch_scheduler), or None with --max-batch 1."""
     if args.max_batch == 1 and args.kv_blocks is None and args.kv_mem is None:
         return None
-    return {"max_batch": args.max_batch, "kv_blocks": args.kv_blocks, "kv_mem": args.kv_mem}
+    out = {"max_batch": args.max_batch, "kv_blocks": args.kv_blocks, "kv_mem": args.kv_mem}
+    if args.gpu_batch:
+        out["gpu"] = True
+    return out
 
 
 def _threads(args) -> tuple[int | None, str]:
