@@ -55,7 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
                    help="requests decoded together per model (continuous batching over a paged KV cache; each "
                         "request gets exactly the tokens it gets alone); 1: one request at a time (default 16; "
-                        "CPU models without a drafter; the GPU engine decodes one request at a time so far)")
+                        "models without a drafter, on the CPU; on the GPU engine with --gpu-batch)")
     p.add_argument("--gpu-batch", action="store_true",
                    help="experimental: batch on the GPU engine too (eager, no CUDA graphs yet; runtime/paged_engine.py)")
     kv = p.add_mutually_exclusive_group()

@@ -258,6 +258,7 @@ def add_arguments(p) -> None:
                    help="--max-batch for the started server (requests decoded together)")
     p.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="--kv-blocks for the started server")
     p.add_argument("--kv-mem", type=float, default=None, metavar="GB", help="--kv-mem for the started server")
+    p.add_argument("--gpu-batch", action="store_true", help="--gpu-batch for the started server")
     p.add_argument("--timeout", type=float, default=600, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
 
@@ -284,6 +285,8 @@ def run(args) -> int:
         for flag, v in (("--max-batch", args.max_batch), ("--kv-blocks", args.kv_blocks), ("--kv-mem", args.kv_mem)):
             if v is not None:
                 extra += [flag, str(v)]
+        if args.gpu_batch:
+            extra.append("--gpu-batch")
         server = _Server(args.model or [], extra, queue=max(levels) * 2 + 8)
         print(f"starting trapetum serve on {server.url} ...", file=sys.stderr, flush=True)
         server.wait()
