@@ -111,3 +111,24 @@ def test_64_requests_give_their_alone_tokens_on_the_gpu(model):
         sch.run()
         for i, (h, a) in enumerate(zip(handles, alone)):
             assert (h.completion.token_ids, h.completion.text) == (a.token_ids, a.text), (blocks, i)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_graph_buckets_replay_the_eager_forward(model):
+    """Decode rows through the captured bucket graphs (3 rows: bucket 4, one padding row; then 5: bucket 8) are
+    bitwise the eager forward's, and a bucket captured once replays for other rows and positions."""
+    runner = GpuBatchRunner(_engine(model), 60, 16)
+    assert runner.eng.use_graph
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [torch.tensor([i * 3, i * 3 + 1, i * 3 + 2]) for i in range(5)]
+    for i, t in enumerate(tables):
+        runner.prefill(t, ids[:5 + i], 0)
+    for n, step in ((3, 0), (5, 0), (3, 1)):
+        toks = [ids[20 + j + step] for j in range(n)]
+        pos = [5 + j + step for j in range(n)]
+        got = runner.decode(tables[:n], toks, pos)
+        dev = runner.eng.device
+        tab = torch.stack([runner._table(t) for t in tables[:n]]).to(dev)
+        want = runner._forward(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), tab)
+        assert torch.equal(got, want), (n, step)
+    assert set(runner.graphs) == {4, 8}

@@ -200,7 +200,7 @@ class Model:
         requests decoded together, each producing exactly the tokens it produces alone. The cache: ``kv_blocks``
         blocks of ``block_size`` positions, or ``kv_mem`` GiB of them (default: room for max_batch full contexts,
         at most DEFAULT_KV_GIB). On the CPU over the reference decoder (runtime/paged_ops.py); on the GPU engine
-        only with ``gpu=True`` (runtime/paged_engine.py: eager, its GPU tests still to be run; else
+        only with ``gpu=True`` (runtime/paged_engine.py: its GPU tests still to be run; else
         UnsupportedError). A drafter (``draft=``) is not used by batched decoding."""
         from .runtime.paged_kv import PagedKV
         from .runtime.scheduler import Scheduler

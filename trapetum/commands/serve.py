@@ -57,7 +57,7 @@ def register(subparsers) -> None:
                         "request gets exactly the tokens it gets alone); 1: one request at a time (default 16; "
                         "models without a drafter, on the CPU; on the GPU engine with --gpu-batch)")
     p.add_argument("--gpu-batch", action="store_true",
-                   help="experimental: batch on the GPU engine too (eager, no CUDA graphs yet; runtime/paged_engine.py)")
+                   help="experimental: batch on the GPU engine too (runtime/paged_engine.py; not yet run on a GPU)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=_positive, default=None, metavar="N",
                     help="KV cache of the batch: N blocks of 16 positions per model (default: room for --max-batch "

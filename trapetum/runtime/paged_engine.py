@@ -17,8 +17,12 @@ blocks; attention by kernels/paged_attention.py (each row over its own blocks, b
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
-Scope: dense attention + MLP models without activation sparsity; eager (CUDA graphs per batch-size bucket are
-still to come); latent attention and mixture-of-experts layers are refused (UnsupportedError).
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows),
+captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
+rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent).
+
+Scope: dense attention + MLP models without activation sparsity; latent attention and mixture-of-experts layers
+are refused (UnsupportedError).
 """
 from __future__ import annotations
 
@@ -31,6 +35,9 @@ from ..models.blocks import decoder_forward
 from ..models.sparsity import DENSE_POSITIONS
 from .engine_ops import EngineOps
 from .paged_kv import PagedKV
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _groups(n: int):
@@ -112,8 +119,11 @@ class GpuBatchRunner:
         if eng.options.prefill == "exact":
             raise UnsupportedError("batched decoding on the GPU engine: the exact prefill is not supported")
         self.eng, self.cfg = eng, cfg
-        self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device)
+        self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
+        self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens, positions, tables, logits)
+        self._pool = None
 
     def _table(self, table: torch.Tensor) -> torch.Tensor:
         t = torch.zeros(self.width, dtype=torch.int32)
@@ -148,9 +158,50 @@ class GpuBatchRunner:
         tab = torch.stack([self._table(t) for t in tables]).to(eng.device)
         pos = torch.tensor(positions, dtype=torch.long, device=eng.device)
         ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        if not eng.use_graph or S > BUCKETS[-1]:
+            return self._forward(ids, pos, tab)
+        B = next(b for b in BUCKETS if b >= S)
+        entry = self.graphs.get(B)
+        if entry is None:
+            entry = self.graphs[B] = self._capture(B, ids, pos, tab)
+        g, ids_b, pos_b, tab_b, logits = entry
+        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+        g.replay()
+        return logits[:S].clone()
+
+    def _forward(self, ids, pos, tab):
+        eng, S = self.eng, ids.numel()
         batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
                              seq_lens=(pos + 1).to(torch.int32), positions=pos)
         return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos), eng.model)
+
+    def _fill(self, ids_b, pos_b, tab_b, ids, pos, tab) -> None:
+        S = ids.numel()
+        ids_b[:S].copy_(ids)
+        pos_b[:S].copy_(pos)
+        tab_b[:S].copy_(tab)
+        ids_b[S:] = 0
+        pos_b[S:] = 0
+        tab_b[S:] = self.pad_block
+
+    def _capture(self, B: int, ids, pos, tab):
+        dev = self.eng.device
+        ids_b = torch.zeros(B, dtype=torch.long, device=dev)
+        pos_b = torch.zeros(B, dtype=torch.long, device=dev)
+        tab_b = torch.zeros(B, self.width, dtype=torch.int32, device=dev)
+        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # compile the kernels, settle allocations (the rows' K/V written: the same bits)
+                self._forward(ids_b, pos_b, tab_b)
+        torch.cuda.current_stream().wait_stream(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            logits = self._forward(ids_b, pos_b, tab_b)
+        return g, ids_b, pos_b, tab_b, logits
 
     def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
         n = len(tokens)

@@ -69,13 +69,15 @@ class PagedKV:
     """The blocks of every layer plus their allocator (module docstring for the layout)."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", poison_freed: bool = False):
+                 device: str | torch.device = "cpu", poison_freed: bool = False, spare_blocks: int = 0):
+        """``spare_blocks``: blocks num_blocks .. num_blocks + spare_blocks - 1 outside the allocator (the GPU
+        runner's padding rows write there)."""
         if cfg.mla:
             raise UnsupportedError("batched serving: latent-attention (MLA) models are not supported yet")
         if block_size < 1:
             raise TrapetumError(f"kv block size: at least 1, got {block_size}")
         self.cfg, self.block_size, self.poison_freed = cfg, block_size, poison_freed
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (num_blocks + spare_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.alloc = BlockAllocator(num_blocks)
         # uninitialized: a position is written before it is read, and a large cache then takes no memory pages
         # until requests use them
