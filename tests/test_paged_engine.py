@@ -132,3 +132,61 @@ def test_graph_buckets_replay_the_eager_forward(model):
         want = runner._forward(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), tab)
         assert torch.equal(got, want), (n, step)
     assert set(runner.graphs) == {4, 8}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (the tests above)")
+def test_paged_engine_kernels_under_the_triton_interpreter(model):
+    """The engine's real Triton kernels (GEMVs, norms, the paged attention; interpreted on the CPU) in the batch
+    runner: three sequences decoded together against the reference, and each row bitwise its row alone."""
+    from trapetum.runtime.engine import GpuEngine
+    eng = GpuEngine(model.checkpoint, 64, device="cpu", options=Options())
+    runner = GpuBatchRunner(eng, 12, 16)
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = model.logits(ids)
+    tables = [torch.tensor([4, 1]), torch.tensor([0, 9]), torch.tensor([6, 2])]
+    starts = [17, 5, 11]
+    for t, n in zip(tables, starts):
+        runner.prefill(t, ids[:n], 0)
+    toks, pos = [ids[n] for n in starts], starts
+    together = runner.decode(tables, toks, pos)
+    for i, n in enumerate(starts):
+        assert rel(together[i], ref[n]) < 3e-3, i
+        alone = runner.decode([tables[i]], [toks[i]], [pos[i]])[0]
+        assert torch.equal(alone, together[i]), i
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (test_64_requests_give_their_alone_tokens_on_the_gpu)")
+def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
+    """Five requests through the scheduler on the engine's interpreted Triton kernels, alone and together (then with
+    few blocks: queued): the same tokens and logits bitwise."""
+    from trapetum.runtime.engine import GpuEngine
+    if model.config.sliding_window is not None:
+        pytest.skip("one family is enough for this slow test")
+    eng = GpuEngine(model.checkpoint, 64, device="cpu", options=Options())
+    reqs = _requests(5)
+
+    def run(blocks, together):
+        sch = Scheduler(GpuBatchRunner(eng, blocks, 16), model.tokenizer, model.config.vocab_size, 64, max_batch=8,
+                        chunk=16)
+        rows: dict = {}
+        take = sch._take
+
+        def record(req, logits):
+            rows.setdefault(req.rid, []).append(logits.clone())
+            take(req, logits)
+        sch._take = record
+        out = []
+        for p, s in reqs:
+            out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))
+            if not together:
+                sch.run()
+        sch.run()
+        return [h.completion.token_ids for h in out], rows
+
+    alone, alone_rows = run(40, False)
+    for blocks in (40, 6):
+        got, rows = run(blocks, True)
+        assert got == alone, blocks
+        assert all(len(rows[i]) == len(alone_rows[i]) and all(torch.equal(a, b) for a, b in zip(rows[i], alone_rows[i]))
+                   for i in alone_rows), blocks
