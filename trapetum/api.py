@@ -199,7 +199,7 @@ class Model:
         """A Scheduler (continuous batching over a paged KV cache, runtime/scheduler.py): up to ``max_batch``
         requests decoded together, each producing exactly the tokens it produces alone. The cache: ``kv_blocks``
         blocks of ``block_size`` positions, or ``kv_mem`` GiB of them (default: room for max_batch full contexts,
-        at most DEFAULT_KV_GIB). On the CPU over the reference decoder (runtime/paged_ops.py); on the GPU engine
+        at most DEFAULT_KV_GIB on the CPU, at most half the free GPU memory on the engine). On the CPU over the reference decoder (runtime/paged_ops.py); on the GPU engine
         only with ``gpu=True`` (runtime/paged_engine.py: its GPU tests still to be run; else
         UnsupportedError). A drafter (``draft=``) is not used by batched decoding."""
         from .runtime.paged_kv import PagedKV
@@ -214,8 +214,13 @@ class Model:
         dtype = torch.float16 if self.engine is not None else self.dtype
         per = PagedKV.bytes_per_block(self.config, block_size, dtype)
         if kv_blocks is None:
-            nbytes = kv_mem * 2 ** 30 if kv_mem is not None else min(
-                DEFAULT_KV_GIB * 2 ** 30, per * math.ceil(self.context_size / block_size) * max_batch)
+            full = per * math.ceil(self.context_size / block_size) * max_batch
+            if kv_mem is not None:
+                nbytes = kv_mem * 2 ** 30
+            elif self.engine is not None:  # on the GPU: at most half of the memory left free after the weights
+                nbytes = min(full, torch.cuda.mem_get_info(self.engine.device)[0] // 2)
+            else:
+                nbytes = min(DEFAULT_KV_GIB * 2 ** 30, full)
             kv_blocks = int(nbytes // per)
             if kv_blocks < 1:
                 raise TrapetumError(f"kv_mem {kv_mem} GiB holds no KV block ({per} bytes each)")

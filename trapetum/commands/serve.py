@@ -61,7 +61,7 @@ def register(subparsers) -> None:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=_positive, default=None, metavar="N",
                     help="KV cache of the batch: N blocks of 16 positions per model (default: room for --max-batch "
-                         "full contexts, at most 1 GiB)")
+                         "full contexts, at most 1 GiB on the CPU, half the free GPU memory with --gpu-batch)")
     kv.add_argument("--kv-mem", type=_gib, default=None, metavar="GB",
                     help="KV cache of the batch: GB GiB per model (instead of --kv-blocks)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
