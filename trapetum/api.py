@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
@@ -31,6 +32,10 @@ __all__ = ["load", "load_checkpoint", "Model", "GenerationSettings", "Completion
 
 
 ENGINE_MAX_LEN = 8192  # KV cache positions the GPU engine allocates (at most the model's context)
+DEFAULT_MAX_BATCH = 16  # requests decoded together (batch_scheduler; trapetum serve --max-batch)
+DEFAULT_KV_GIB = 1.0    # the batch scheduler's paged KV cache, at most (--kv-mem / --kv-blocks choose)
+KV_BLOCK = 16           # positions per KV block
+PREFILL_CHUNK = 128     # prompt positions per prefill chunk (chunk boundaries at multiples of it)
 
 
 def default_dtype(ckpt: Checkpoint, device: str, options: Options) -> torch.dtype:
@@ -186,6 +191,66 @@ class Model:
     def chat(self, messages: list[dict[str, Any]], settings: GenerationSettings | None = None, *,
              speculative: bool = True, **overrides: Any) -> Completion:
         return self.generate(self.encode_chat(messages), settings, speculative=speculative, **overrides)
+
+    # -- batched generation (runtime/scheduler.py) ----------------------------------------------
+    def batch_scheduler(self, max_batch: int = DEFAULT_MAX_BATCH, kv_blocks: int | None = None,
+                        kv_mem: float | None = None, block_size: int = KV_BLOCK, chunk: int = PREFILL_CHUNK,
+                        on_full: str = "queue", gpu: bool = False):
+        """A Scheduler (continuous batching over a paged KV cache, runtime/scheduler.py): up to ``max_batch``
+        requests decoded together, each producing exactly the tokens it produces alone. The cache: ``kv_blocks``
+        blocks of ``block_size`` positions, or ``kv_mem`` GiB of them (default: room for max_batch full contexts,
+        at most DEFAULT_KV_GIB on the CPU, at most half the free GPU memory on the engine). On the CPU over the reference decoder (runtime/paged_ops.py); on the GPU engine
+        only with ``gpu=True`` (runtime/paged_engine.py: its GPU tests still to be run; else
+        UnsupportedError). A drafter (``draft=``) is not used by batched decoding."""
+        from .runtime.paged_kv import PagedKV
+        from .runtime.scheduler import Scheduler
+        if self.engine is None and self.device != "cpu":
+            raise UnsupportedError("batched decoding: the torch reference path on CUDA is not batched")
+        if self.engine is not None and not gpu:
+            raise UnsupportedError("batched decoding on the GPU engine is experimental: pass gpu=True "
+                                   "(trapetum serve --gpu-batch)")
+        if kv_blocks is not None and kv_mem is not None:
+            raise TrapetumError("give kv_blocks or kv_mem, not both")
+        dtype = torch.float16 if self.engine is not None else self.dtype
+        per = PagedKV.bytes_per_block(self.config, block_size, dtype)
+        if kv_blocks is None:
+            full = per * math.ceil(self.context_size / block_size) * max_batch
+            if kv_mem is not None:
+                nbytes = kv_mem * 2 ** 30
+            elif self.engine is not None:  # on the GPU: at most half of the memory left free after the weights
+                nbytes = min(full, torch.cuda.mem_get_info(self.engine.device)[0] // 2)
+            else:
+                nbytes = min(DEFAULT_KV_GIB * 2 ** 30, full)
+            kv_blocks = int(nbytes // per)
+            if kv_blocks < 1:
+                raise TrapetumError(f"kv_mem {kv_mem} GiB holds no KV block ({per} bytes each)")
+        if self.engine is not None:
+            from .runtime.paged_engine import GpuBatchRunner
+            runner = GpuBatchRunner(self.engine, kv_blocks, block_size)
+        else:
+            from .runtime.paged_ops import CpuBatchRunner
+            runner = CpuBatchRunner(self.decoder, PagedKV(self.config, kv_blocks, block_size, dtype, self.device))
+        return Scheduler(runner, self.tokenizer, self.config.vocab_size, self.context_size, max_batch=max_batch,
+                         chunk=chunk, on_full=on_full, device=self.device)
+
+    def generate_batch(self, prompts: list, settings: GenerationSettings | list | None = None, *,
+                       max_batch: int | None = None, kv_blocks: int | None = None, kv_mem: float | None = None,
+                       gpu: bool = False, **overrides: Any) -> list[Completion]:
+        """Completions of many prompts (text or token ids), decoded together (``batch_scheduler``); ``settings``:
+        one for all or one per prompt (``overrides`` apply to each). Each completion is exactly what the prompt
+        gives alone through the scheduler. On the GPU engine without ``gpu=True`` the prompts run one after
+        another (the same completions as ``generate``, without the batch speed-up)."""
+        per = settings if isinstance(settings, list) else [settings] * len(prompts)
+        if len(per) != len(prompts):
+            raise TrapetumError(f"settings: {len(per)} for {len(prompts)} prompts")
+        sets = [self._settings(s, overrides) for s in per]
+        ids = [self.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if self.engine is not None and not gpu:
+            return [self.generate(i, s, speculative=False) for i, s in zip(ids, sets)]
+        sched = self.batch_scheduler(max_batch or max(1, min(len(prompts), 64)), kv_blocks, kv_mem, gpu=gpu)
+        reqs = [sched.submit(i, s) for i, s in zip(ids, sets)]
+        sched.run()
+        return [r.completion for r in reqs]
 
     @torch.inference_mode()
     def logits(self, ids: list[int]) -> torch.Tensor:

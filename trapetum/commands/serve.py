@@ -19,6 +19,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return v
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve models over an OpenAI-compatible HTTP API with a chat/compare web page",
@@ -42,6 +52,18 @@ def register(subparsers) -> None:
                         "loopback bind (repeatable); other Host names get 403 (DNS rebinding)")
     p.add_argument("--queue", type=_positive, default=64, metavar="N",
                    help="requests allowed to wait per engine; past it, 429 with Retry-After (default 64)")
+    p.add_argument("--max-batch", type=_positive, default=16, metavar="N",
+                   help="requests decoded together per model (continuous batching over a paged KV cache; each "
+                        "request gets exactly the tokens it gets alone); 1: one request at a time (default 16; "
+                        "models without a drafter, on the CPU; on the GPU engine with --gpu-batch)")
+    p.add_argument("--gpu-batch", action="store_true",
+                   help="experimental: batch on the GPU engine too (runtime/paged_engine.py; not yet run on a GPU)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=_positive, default=None, metavar="N",
+                    help="KV cache of the batch: N blocks of 16 positions per model (default: room for --max-batch "
+                         "full contexts, at most 1 GiB on the CPU, half the free GPU memory with --gpu-batch)")
+    kv.add_argument("--kv-mem", type=_gib, default=None, metavar="GB",
+                    help="KV cache of the batch: GB GiB per model (instead of --kv-blocks)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted, else 413 (default 1 MiB)")
     p.add_argument("--device", default=None,
@@ -106,8 +128,18 @@ def run(args) -> int:
     serve(specs, host=args.host, port=args.port, api_key=api_key, max_waiting=args.queue,
           max_body=args.max_body, log_level=args.log_level, access_log=not args.no_access_log,
           threads=threads, cors_origins=args.cors_origin, allowed_hosts=args.allowed_host, sampling=sampling,
-          note=note)
+          note=note, batch=_batch(args))
     return 0
+
+
+def _batch(args) -> dict | None:
+    """The batch scheduler's options (Model.batch_scheduler), or None with --max-batch 1."""
+    if args.max_batch == 1 and args.kv_blocks is None and args.kv_mem is None:
+        return None
+    out = {"max_batch": args.max_batch, "kv_blocks": args.kv_blocks, "kv_mem": args.kv_mem}
+    if args.gpu_batch:
+        out["gpu"] = True
+    return out
 
 
 def _threads(args) -> tuple[int | None, str]:

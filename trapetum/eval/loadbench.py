@@ -2,6 +2,7 @@
 
     trapetum bench load --clients 1,4,16 --requests 32 --max-tokens 64
     trapetum bench load --url http://127.0.0.1:8000 --api-key KEY --clients 8
+    trapetum bench load --clients 1,4,16,64 --max-tokens 128 --max-batch 64   # batched serving (scheduler)
 
 Without ``--url`` it starts ``trapetum serve MODEL`` on a free loopback port (the embedded
 default model unless ``--model`` is given) and stops it afterwards. Each client sends streamed
@@ -12,7 +13,9 @@ client side, per request:
 - TTFT: request sent -> first content token (includes queueing behind other clients),
 - inter-token latency (ITL): the gaps between successive content tokens,
 - end-to-end latency; and for the run: output tokens / wall time (total throughput),
-  requests / s, errors.
+  requests / s, errors; the throughput and the p50 ITL relative to the 1-client level (when the run has one);
+  the most requests the server reported running at once (``/health`` polled during the level: whether the
+  requests were decoded together).
 """
 from __future__ import annotations
 
@@ -103,12 +106,29 @@ async def one_request(client, url: str, headers: dict, model: str | None, prompt
     return r
 
 
+async def _peak_running(client, url: str, stop: asyncio.Event) -> int:
+    """The most jobs /health reports running on one engine, polled every 0.1 s until ``stop``."""
+    peak = 0
+    while not stop.is_set():
+        try:
+            r = await client.get(url + "/health", timeout=5)
+            peak = max([peak] + [int(e.get("running", 0)) for e in r.json().get("engines", [])])
+        except Exception:  # noqa: BLE001 -- a missed poll is no data point
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+    return peak
+
+
 async def run_level(url: str, clients: int, requests: int, *, max_tokens: int, api_key: str | None,
                     model: str | None, temperature: float, timeout: float) -> dict:
     import httpx
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     results: list[Result] = []
     counter = iter(range(requests))
+    stop = asyncio.Event()
 
     async def client_loop(c):
         for i in counter:
@@ -116,10 +136,13 @@ async def run_level(url: str, clients: int, requests: int, *, max_tokens: int, a
                                               temperature))
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as c:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as c, httpx.AsyncClient() as poll:
+        watcher = asyncio.ensure_future(_peak_running(poll, url, stop))
         t0 = time.perf_counter()
         await asyncio.gather(*(client_loop(c) for _ in range(clients)))
         wall = time.perf_counter() - t0
+        stop.set()
+        peak = await watcher
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     itl = [x for r in ok for x in r.itl]
@@ -135,7 +158,18 @@ async def run_level(url: str, clients: int, requests: int, *, max_tokens: int, a
         "e2e_s": {f"p{p}": pct(e2e, p) for p in (50, 90, 99)},
         "per_stream_tok_s_mean": statistics.mean([(r.tokens - 1) / sum(r.itl) for r in ok
                                                   if r.itl and sum(r.itl) > 0]) if ok else None,
+        "peak_running": peak,
     }
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each level's throughput and p50 ITL relative to the 1-client level's (None without one)."""
+    base = next((r for r in rows if r["clients"] == 1), None)
+    for r in rows:
+        tput = base and base["throughput_tok_s"]
+        itl = base and base["itl_ms"]["p50"]
+        r["throughput_vs_1"] = r["throughput_tok_s"] / tput if tput else None
+        r["itl_p50_vs_1"] = r["itl_ms"]["p50"] / itl if itl and r["itl_ms"]["p50"] is not None else None
 
 
 def _f(x, nd=2):
@@ -146,15 +180,17 @@ def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"Load benchmark: {meta['model']} at {meta['url']}, streamed chat completions, "
            f"{meta['max_tokens']} output tokens each (ignore_eos), temperature {meta['temperature']}.",
            f"Command: `{meta['command']}`", "",
-           "| clients | requests (errors) | throughput tok/s | req/s | TTFT p50 / p90 / p99 s "
-           "| ITL p50 / p90 / p99 ms | e2e p50 / p99 s | per-stream tok/s |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| clients | requests (errors) | throughput tok/s (x 1 client) | req/s | TTFT p50 / p90 / p99 s "
+           "| ITL p50 / p90 / p99 ms (p50 x 1 client) | e2e p50 / p99 s | per-stream tok/s | peak running |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t, i, e = r["ttft_s"], r["itl_ms"], r["e2e_s"]
-        out.append(f"| {r['clients']} | {r['requests']} ({r['errors']}) | {_f(r['throughput_tok_s'], 1)} | "
+        out.append(f"| {r['clients']} | {r['requests']} ({r['errors']}) | {_f(r['throughput_tok_s'], 1)} "
+                   f"({_f(r.get('throughput_vs_1'))}) | "
                    f"{_f(r['requests_per_s'])} | {_f(t['p50'])} / {_f(t['p90'])} / {_f(t['p99'])} | "
-                   f"{_f(i['p50'], 1)} / {_f(i['p90'], 1)} / {_f(i['p99'], 1)} | {_f(e['p50'])} / {_f(e['p99'])} | "
-                   f"{_f(r['per_stream_tok_s_mean'], 1)} |")
+                   f"{_f(i['p50'], 1)} / {_f(i['p90'], 1)} / {_f(i['p99'], 1)} ({_f(r.get('itl_p50_vs_1'))}) | "
+                   f"{_f(e['p50'])} / {_f(e['p99'])} | {_f(r['per_stream_tok_s_mean'], 1)} | "
+                   f"{r.get('peak_running', '-')} |")
     return "\n".join(out)
 
 
@@ -218,6 +254,11 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None, help="--threads for the started server")
     p.add_argument("--device", default=None, help="--device for the started server")
+    p.add_argument("--max-batch", type=int, default=None, metavar="N",
+                   help="--max-batch for the started server (requests decoded together)")
+    p.add_argument("--kv-blocks", type=int, default=None, metavar="N", help="--kv-blocks for the started server")
+    p.add_argument("--kv-mem", type=float, default=None, metavar="GB", help="--kv-mem for the started server")
+    p.add_argument("--gpu-batch", action="store_true", help="--gpu-batch for the started server")
     p.add_argument("--timeout", type=float, default=600, help="per-request timeout in seconds")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
 
@@ -241,6 +282,11 @@ def run(args) -> int:
             extra += ["--threads", str(args.threads)]
         if args.device:
             extra += ["--device", args.device]
+        for flag, v in (("--max-batch", args.max_batch), ("--kv-blocks", args.kv_blocks), ("--kv-mem", args.kv_mem)):
+            if v is not None:
+                extra += [flag, str(v)]
+        if args.gpu_batch:
+            extra.append("--gpu-batch")
         server = _Server(args.model or [], extra, queue=max(levels) * 2 + 8)
         print(f"starting trapetum serve on {server.url} ...", file=sys.stderr, flush=True)
         server.wait()
@@ -263,6 +309,7 @@ def run(args) -> int:
     finally:
         if server is not None:
             server.stop()
+    add_ratios(rows)
     argv = sys.argv[1:]
     for word in ("load", "loadbench"):
         if word in argv:

@@ -8,8 +8,13 @@
     start       position of row 0 (an int, or a one-element int32 device tensor that a captured graph reads)
     n           rows N (T for the reference)
     logits      "all" rows need logits, or only the "last" row of each sequence
-    seq_slots   int32 [N] the KV-cache slot of each row's sequence (one sequence today: None = slot 0)
+    seq_slots   int32 [N] the KV-cache slot of each row's sequence (one sequence: None = slot 0)
     seq_lens    int32 [S] each sequence's length after this pass (None: start + n for the one sequence)
+    positions   int64 [N] each row's position (many sequences; None: start .. start + n - 1)
+
+Many sequences (the batch scheduler, runtime/scheduler.py): ``seq_slots`` gives each row's sequence (an index
+into ``seq_lens``), ``positions`` each row's position; a DECODE batch then has one row per sequence, a PREFILL
+batch any rows (prompt chunks and decode rows side by side).
 
 Rows of one sequence are at consecutive positions start .. start + n - 1 and attend causally to everything
 before them. The batch object is model vocabulary (the blocks read it), so it lives below the blocks; the
@@ -40,13 +45,14 @@ class ForwardBatch:
     logits: str = "all"
     seq_slots: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.logits not in ("all", "last"):
             raise ValueError(f"logits: 'all' or 'last', got {self.logits!r}")
         if self.n < 1:
             raise ValueError(f"n: a batch has at least one row, got {self.n}")
-        if self.mode is Mode.DECODE and self.n != 1:
+        if self.mode is Mode.DECODE and self.seq_slots is None and self.n != 1:
             raise ValueError(f"n: a DECODE batch of one sequence has one row, got {self.n}")
         if self.mode is Mode.VERIFY and self.n > MAX_VERIFY_ROWS:
             raise ValueError(f"n: a VERIFY batch has at most {MAX_VERIFY_ROWS} rows, got {self.n}")

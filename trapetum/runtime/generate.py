@@ -109,55 +109,85 @@ class _StopScan:
         return out
 
 
-def stream_tokens(runner: Runner, tokenizer: Tokenizer | None, prompt: list[int], s: GenerationSettings,
-                  context_size: int, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
-    """Yield text pieces as they are produced; the last event has done=True and the Completion."""
+class TokenStream:
+    """One request's output as tokens arrive: EOS, stop strings (never leaked), max_new_tokens, the streamed text
+    pieces and the final Completion. ``push(tok)`` returns the StreamEvents that token releases and sets
+    ``finish`` ("stop" | "length") when the request is done; ``close(finish)`` returns the tail and the done
+    event. Both the one-request loop (``stream_tokens``) and the batch scheduler (runtime/scheduler.py) use it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt: list[int], s: GenerationSettings,
+                 t0: float | None = None):
+        self.s, self.prompt_tokens = s, len(prompt)
+        self.eos = set() if (s.ignore_eos or tokenizer is None) else set(tokenizer.eos_ids)
+        self.dec = StreamDecoder(tokenizer) if tokenizer is not None else None
+        self.scan = _StopScan(list(s.stop))
+        self.out: list[int] = []
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.t_first: float | None = None
+        self.finish: str | None = None
+
+    def push(self, tok: int) -> list[StreamEvent]:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if tok in self.eos:
+            self.finish = "stop"
+            return []
+        self.out.append(tok)
+        piece = self.scan.feed(self.dec.push(tok)) if self.dec is not None else ""
+        if self.scan.hit:
+            self.finish = "stop"
+            return [StreamEvent(piece, tok)] if piece else []
+        if len(self.out) >= self.s.max_new_tokens:
+            self.finish = "length"
+        return [StreamEvent(piece, tok)]
+
+    def close(self, finish: str | None = None) -> list[StreamEvent]:
+        """The tail text (if any) and the done event; ``finish`` overrides (e.g. "cancelled"); default "length"."""
+        events = []
+        dec, scan = self.dec, self.scan
+        if dec is not None and not scan.hit:
+            tail = scan.feed(dec.flush())
+            tail += "" if scan.hit else scan.flush()
+            if tail:
+                events.append(StreamEvent(tail, None))
+        finish = finish or self.finish or "length"
+        t_end = time.perf_counter()
+        t_first, out = self.t_first, self.out
+        ttft = (t_first or t_end) - self.t0
+        rate = (len(out) - 1) / (t_end - t_first) if t_first and len(out) > 1 and t_end > t_first else 0.0
+        text = scan.text if dec is not None else ""
+        comp = Completion(text, list(out), finish, self.prompt_tokens, len(out), ttft, rate)
+        events.append(StreamEvent("", None, done=True, completion=comp))
+        return events
+
+
+def check_request(prompt: list[int], s: GenerationSettings, context_size: int) -> None:
+    """Settings valid, prompt non-empty, prompt + max_new_tokens within the context (TrapetumError otherwise)."""
     s.validate()
     if not prompt:
         raise TrapetumError("prompt is empty (no tokens)")
     if len(prompt) + s.max_new_tokens > context_size:
         raise ContextOverflow(len(prompt), s.max_new_tokens, context_size)
-    eos = set() if (s.ignore_eos or tokenizer is None) else set(tokenizer.eos_ids)
-    dec = StreamDecoder(tokenizer) if tokenizer is not None else None
-    scan = _StopScan(list(s.stop))
-    out: list[int] = []
-    t0 = time.perf_counter()
-    t_first = None
-    finish = "length"
+
+
+def stream_tokens(runner: Runner, tokenizer: Tokenizer | None, prompt: list[int], s: GenerationSettings,
+                  context_size: int, cancel: threading.Event | None = None) -> Iterator[StreamEvent]:
+    """Yield text pieces as they are produced; the last event has done=True and the Completion."""
+    check_request(prompt, s, context_size)
+    ts = TokenStream(tokenizer, prompt, s)
+    finish = None
     if cancel is not None and cancel.is_set():
         finish = "cancelled"
     elif s.max_new_tokens > 0:
         source = runner.tokens(prompt, s, len(prompt) + s.max_new_tokens)
         try:
             for tok in source:
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if tok in eos:
-                    finish = "stop"
-                    break
-                out.append(tok)
-                piece = scan.feed(dec.push(tok)) if dec is not None else ""
-                if scan.hit:
-                    finish = "stop"
-                    if piece:
-                        yield StreamEvent(piece, tok)
-                    break
-                yield StreamEvent(piece, tok)
-                if len(out) >= s.max_new_tokens:
+                yield from ts.push(tok)
+                if ts.finish is not None:
                     break
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
         finally:
             source.close()
-    if dec is not None and not scan.hit:
-        tail = scan.feed(dec.flush())
-        tail += "" if scan.hit else scan.flush()
-        if tail:
-            yield StreamEvent(tail, None)
-    t_end = time.perf_counter()
-    ttft = (t_first or t_end) - t0
-    rate = (len(out) - 1) / (t_end - t_first) if t_first and len(out) > 1 and t_end > t_first else 0.0
-    text = scan.text if dec is not None else ""
-    comp = Completion(text, out, finish, len(prompt), len(out), ttft, rate)
-    yield StreamEvent("", None, done=True, completion=comp)
+    yield from ts.close(finish)

@@ -221,12 +221,14 @@ class _Channel:
 def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waiting: int = 64,
                max_body: int = DEFAULT_MAX_BODY, threads: int | None = None,
                cors_origins: list[str] | None = None, allowed_hosts: set[str] | None = None,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None) -> FastAPI:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None,
+               batch: dict | None = None) -> FastAPI:
     """Build the ASGI app; engines start (and load their models) when the app starts.
     ``threads``: torch CPU threads per engine (None: torch's default); ``cors_origins``: web
     origins allowed to call the API from a browser (the page at / needs none); ``allowed_hosts``: the
     Host names answered (None: any; ``run`` sets the loopback names for a loopback bind); ``sampling``: the
-    defaults of requests that leave a field out, over the model's own (defaults.py)."""
+    defaults of requests that leave a field out, over the model's own (defaults.py); ``batch``: the batch
+    scheduler's options (``Model.batch_scheduler``: max_batch, kv_blocks, kv_mem; None: one request at a time)."""
     if not specs:
         specs = [ModelSpec()]
     registry = Registry(sampling)
@@ -239,7 +241,7 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
         def init():
             import torch
             torch.set_num_threads(threads)
-    workers = [Worker(g, max_waiting=max_waiting, name=f"engine-{dev}", claim=lambda n: n, init=init)
+    workers = [Worker(g, max_waiting=max_waiting, name=f"engine-{dev}", claim=lambda n: n, init=init, batch=batch)
                for dev, g in groups.items()]
     for w in workers:
         w.on_ready = registry.ready
@@ -423,7 +425,10 @@ def create_app(specs: list[ModelSpec], *, api_key: str | None = None, max_waitin
             raise loading_error() from None
 
     async def generate(request: Request, req: P.GenRequest, kind: str, inputs):
-        name, w, _, settings, engine_inputs = await prepare(req.model, req, kind, inputs)
+        name, w, n_prompt, settings, engine_inputs = await prepare(req.model, req, kind, inputs)
+        too_big = w.check_fits(name, n_prompt, settings["max_new_tokens"])
+        if too_big:
+            raise APIError(400, too_big, param="max_tokens", code="kv_cache_too_small")
         ch = _Channel()
         # a chat is handed over as its token ids: the engine thread runs no template
         job = Job(model=name, kind="text", inputs=engine_inputs, settings=settings, sink=ch.sink)
@@ -557,7 +562,8 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
         max_waiting: int = 64, max_body: int = DEFAULT_MAX_BODY, log_level: str = "info",
         access_log: bool = True, threads: int | None = None, cors_origins: list[str] | None = None,
         allowed_hosts: list[str] | None = None, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None, note: str = "") -> None:
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, sampling: dict | None = None, note: str = "",
+        batch: dict | None = None) -> None:
     """Serve until interrupted (what ``trapetum serve`` runs). ``allowed_hosts``: Host names answered besides
     the loopback names of a loopback bind (``guards.allowed_hosts_for``); ``sampling``: see create_app; ``note``:
     said after the address, once the socket is bound (listen.py: a port in use is a TrapetumError)."""
@@ -575,7 +581,7 @@ def run(specs: list[ModelSpec], *, host: str = "127.0.0.1", port: int = 8000, ap
         torch.set_num_threads(threads)      # this thread (tokenizing helpers) and the default
     app = create_app(specs, api_key=api_key, max_waiting=max_waiting, max_body=max_body, threads=threads,
                      cors_origins=cors_origins, allowed_hosts=allowed_hosts_for(host, allowed_hosts),
-                     body_timeout_s=body_timeout_s, sampling=sampling)
+                     body_timeout_s=body_timeout_s, sampling=sampling, batch=batch)
     shown = f"[{host}]" if ":" in host else host
     print(f"trapetum: serving on http://{shown}:{port}/ (OpenAI API at /v1, models load in the background; "
           f"GET /health is 200 once ready){note}", flush=True)

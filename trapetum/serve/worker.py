@@ -9,8 +9,12 @@ Cancellation: ``job.cancel`` is a ``threading.Event``. A queued job that is canc
 dropped when it reaches the head of the queue; a running one stops at its next token (the
 engine checks the event, and so does this loop).
 
-Batching later: ``_take_batch`` returns a list; today it is a list of one and ``_run_batch``
-streams it. A batched engine replaces those two methods, nothing else.
+Batching (``batch``: the options of ``Model.batch_scheduler``, or None): each model that can (the CPU
+reference path, no drafter) gets a Scheduler (runtime/scheduler.py); its jobs join it at step boundaries and are
+decoded together, each streamed as alone (the same tokens). The loop takes every waiting job of a batched model
+at once, steps the schedulers, hands each job its events and cancels a job's request at the next step after
+``job.cancel`` is set (its KV blocks freed). Jobs of other models (the GPU engine, speculative models, their
+``:plain`` views, test fakes) run one at a time as before, the batch pausing while one runs.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import TrapetumError
+from ..errors import TrapetumError, UnsupportedError
 
 log = logging.getLogger("trapetum.serve")
 
@@ -55,7 +59,7 @@ class NotReady(Exception):
     pass
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One generation request. ``kind`` is "chat" (inputs = messages) or "text" (inputs = prompt).
 
@@ -97,10 +101,11 @@ class Worker:
 
     def __init__(self, loaders: list[Callable[[], tuple[str | None, Any]]], *, max_waiting: int = 64,
                  name: str = "engine", claim: Callable[[str], str] | None = None,
-                 init: Callable[[], None] | None = None):
+                 init: Callable[[], None] | None = None, batch: dict | None = None):
         """``loaders`` return ``(preferred_name or None, model)``; ``claim(name)`` makes a name unique
         across workers (default: unique within this one); ``init()`` runs first on the engine thread
-        (per-thread settings such as torch's CPU thread count)."""
+        (per-thread settings such as torch's CPU thread count); ``batch``: keyword arguments of
+        ``Model.batch_scheduler`` (None: one job at a time)."""
         self.init = init
         self.loaders = loaders
         self.claim = claim
@@ -114,6 +119,10 @@ class Worker:
         self._waiting: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._running: Job | None = None
+        self.batch = batch
+        self.schedulers: dict[str, Any] = {}     # model name -> Scheduler (engine thread only)
+        self._active: dict[Job, Any] = {}        # batched jobs submitted to a scheduler -> their Request
+        self._loads: dict[str, dict] = {}        # model name -> Scheduler.load(), after the last step
         self._stop = False
         self._avg_job_s = 1.0
         self.stats = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "tokens": 0}
@@ -132,7 +141,7 @@ class Worker:
     def cancel_all(self) -> None:
         """Cancel every waiting and running job (the engine keeps running)."""
         with self._cv:
-            for j in self._waiting:
+            for j in list(self._waiting) + list(self._active):
                 j.cancel.set()
             if self._running is not None:
                 self._running.cancel.set()
@@ -142,19 +151,45 @@ class Worker:
         with self._cv:
             if self.state != "ready":
                 raise NotReady(self.state)
-            live = sum(1 for j in self._waiting if not j.cancel.is_set())
+            live = sum(1 for j in self._waiting if not j.cancel.is_set()) + self._queued()
             if live >= self.max_waiting:
                 self.stats["rejected"] += 1
-                busy = live + (1 if self._running is not None else 0)
-                raise QueueFull(live, max(1, round(busy * self._avg_job_s)))
+                busy = live + self._busy()
+                lanes = max(1, sum(d["max_batch"] for d in self._loads.values()))  # jobs that run at once
+                raise QueueFull(live, max(1, round(busy * self._avg_job_s / lanes)))
             self._waiting.append(job)
             self._cv.notify()
 
+    def _queued(self) -> int:
+        return sum(d["queued"] for d in self._loads.values())
+
+    def _busy(self) -> int:
+        return int(self._running is not None) + sum(d["running"] for d in self._loads.values())
+
     def snapshot(self) -> dict:
+        """State and load: ``running`` jobs (batched ones included), ``waiting`` ones (in the queue or a
+        scheduler's), the job counters, and per batched model its scheduler's load (running, queued, free KV
+        blocks of the total, max_batch, preemptions)."""
         with self._cv:
-            return {"state": self.state, "models": list(self.models), "running": int(self._running is not None),
-                    "waiting": sum(1 for j in self._waiting if not j.cancel.is_set()),
+            snap = {"state": self.state, "models": list(self.models), "running": self._busy(),
+                    "waiting": sum(1 for j in self._waiting if not j.cancel.is_set()) + self._queued(),
                     "max_waiting": self.max_waiting, **self.stats}
+            if self._loads:
+                snap["batch"] = {name: dict(d) for name, d in self._loads.items()}
+            return snap
+
+    def check_fits(self, model: str, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of this size can never run on ``model``'s KV cache (None: it can); any thread."""
+        sched = self.schedulers.get(model)
+        if sched is None:
+            return None
+        kv = sched.kv
+        need = kv.blocks_needed(prompt_tokens + max(max_new_tokens, 1) - 1)
+        if need <= kv.num_blocks:
+            return None
+        return (f"The request needs {need} KV blocks ({prompt_tokens} prompt + {max_new_tokens} new tokens), more "
+                f"than the server's whole KV cache of {kv.num_blocks} blocks of {kv.block_size}: lower max_tokens, "
+                "or restart the server with a larger --kv-blocks / --kv-mem.")
 
     # ------------------------------------------------------------------ engine thread
     def _main(self) -> None:
@@ -172,6 +207,7 @@ class Worker:
                     plain = f"{name}:plain"
                     plain = self.claim(plain) if self.claim else _unique(plain, self.models)
                     self.models[plain] = PlainView(m)
+            self._make_schedulers()
             if self.on_ready:         # e.g. register the models; before "ready", so /health waits for it
                 self.on_ready(self)
         except BaseException as e:  # noqa: BLE001 -- reported through /health, never raised into the loop
@@ -184,27 +220,138 @@ class Worker:
         with self._cv:
             self.state = "ready"
         while True:
-            batch = self._take_batch()
-            if batch is None:
+            jobs = self._take_batch()
+            if jobs is None:
                 break
-            self._run_batch(batch)
+            for job in jobs:
+                if job.model in self.schedulers:
+                    self._admit(job)
+                else:
+                    self._run_batch([job])
+            if self._active:
+                self._step()
+        for job in list(self._active):  # stopping: every batched job ends ("cancelled")
+            job.cancel.set()
+        if self._active:
+            self._step()
         with self._cv:
             self.state = "stopped"
 
+    def _make_schedulers(self) -> None:
+        if self.batch is None:
+            return
+        for name, m in self.models.items():
+            if isinstance(m, PlainView) or getattr(m, "speculative", None) is not None \
+                    or not hasattr(m, "batch_scheduler"):
+                continue
+            try:
+                self.schedulers[name] = sched = m.batch_scheduler(**self.batch)
+            except UnsupportedError as e:
+                log.info("model %s decodes one request at a time: %s", name, e)
+                continue
+            self._loads[name] = sched.load()
+
     def _take_batch(self) -> list[Job] | None:
+        """The jobs to start now: every waiting job of a batched model up to the first other one, or that other
+        one alone (``_running``); [] when only the schedulers have work; None when stopping."""
         with self._cv:
             while True:
                 if self._stop:
                     return None
-                while self._waiting and self._waiting[0].cancel.is_set():
-                    j = self._waiting.popleft()
-                    self.stats["cancelled"] += 1
-                    _safe_sink(j, "done", _Cancelled())
-                if self._waiting:
-                    job = self._waiting.popleft()
-                    self._running = job
-                    return [job]
+                jobs: list[Job] = []
+                while self._waiting:
+                    j = self._waiting[0]
+                    if j.cancel.is_set():
+                        self._waiting.popleft()
+                        self.stats["cancelled"] += 1
+                        _safe_sink(j, "done", _Cancelled())
+                    elif j.model in self.schedulers:
+                        jobs.append(self._waiting.popleft())
+                    elif not jobs:
+                        self._running = self._waiting.popleft()
+                        return [self._running]
+                    else:
+                        break
+                if jobs or self._active:
+                    return jobs
                 self._cv.wait()
+
+    # ------------------------------------------------------------------ batched jobs (engine thread)
+    def _admit(self, job: Job) -> None:
+        model, sched = self.models[job.model], self.schedulers[job.model]
+        try:
+            if job.kind == "chat":
+                ids = model.encode_chat(job.inputs)
+            else:
+                ids = model.encode(job.inputs) if isinstance(job.inputs, str) else list(job.inputs)
+            req = sched.submit(ids, model._settings(None, job.settings))
+        except BaseException as e:  # noqa: BLE001 -- a bad job must not stop the others
+            self.stats["failed"] += 1
+            if not isinstance(e, TrapetumError):
+                log.error("generation failed:\n%s", traceback.format_exc())
+            job.started_at = job.finished_at = time.perf_counter()
+            _safe_sink(job, "error", e)
+            return
+        with self._cv:
+            self._active[job] = req
+        self._load(job.model)
+
+    def _step(self) -> None:
+        """Cancel what was cancelled, one step of every scheduler with work, then every job's new events."""
+        for job, req in list(self._active.items()):
+            if job.cancel.is_set() and not req.done:
+                self.schedulers[job.model].cancel(req)
+        for name, sched in self.schedulers.items():
+            if not sched.has_work:
+                self._load(name)
+                continue
+            try:
+                sched.step()
+            except BaseException as e:  # noqa: BLE001 -- fail this model's jobs, keep the engine thread
+                log.error("batched generation failed:\n%s", traceback.format_exc())
+                for job, req in list(self._active.items()):
+                    if job.model == name:
+                        sched.cancel(req)
+                        self._end(job, error=e)
+            self._load(name)
+        for job, req in list(self._active.items()):
+            self._deliver(job, req)
+
+    def _deliver(self, job: Job, req) -> None:
+        from ..runtime.scheduler import drain
+        if job.started_at is None and (req.state != "waiting" or req.done):
+            job.started_at = time.perf_counter()
+            _safe_sink(job, "start", None)
+        completion = None
+        for ev in drain(req):
+            if ev.done:
+                completion = ev.completion
+            else:
+                _safe_sink(job, "token", ev)
+        if completion is not None:
+            self.stats["tokens"] += int(completion.completion_tokens or 0)
+            if job.cancel.is_set() or completion.finish_reason == "cancelled":
+                self.stats["cancelled"] += 1
+            else:
+                self.stats["completed"] += 1
+            self._end(job, completion=completion)
+
+    def _end(self, job: Job, completion=None, error: BaseException | None = None) -> None:
+        job.finished_at = time.perf_counter()
+        if error is not None:
+            self.stats["failed"] += 1
+            _safe_sink(job, "error", error)
+        else:
+            _safe_sink(job, "done", completion)
+        dt = job.finished_at - (job.started_at or job.finished_at)
+        self._avg_job_s = 0.8 * self._avg_job_s + 0.2 * dt
+        with self._cv:
+            self._active.pop(job, None)
+
+    def _load(self, name: str) -> None:
+        load = self.schedulers[name].load()
+        with self._cv:
+            self._loads[name] = load
 
     def _run_batch(self, batch: list[Job]) -> None:
         (job,) = batch

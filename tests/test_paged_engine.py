@@ -1,0 +1,192 @@
+"""The batch scheduler on the GPU engine (runtime/paged_engine.py). On the CPU (the engine's torch fallbacks):
+its prefill chunks and decode rows over a paged fp16 cache against the reference decoder, within the engine's
+fp16 tolerance, and requests through the scheduler complete. On the GPU: 64 concurrent requests give bitwise their
+alone logits and tokens (the schemes' GEMVs and the paged attention kernel are batch-invariant there; the CPU
+fallbacks' matmuls are not, so that assertion needs CUDA)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import trapetum
+from tests.tiny_models import build
+from trapetum.runtime.paged_engine import GpuBatchRunner
+from trapetum.runtime.sampling import GenerationSettings
+from trapetum.runtime.scheduler import Scheduler
+from trapetum.settings import Options
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+pytestmark = pytest.mark.usefixtures("torch_fallbacks")
+
+
+def rel(a, b):
+    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
+
+
+@pytest.fixture(scope="module", params=["llama3", "gemma2"])
+def model(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    build(request.param, d, tokenizer=True)
+    if ON_GPU:
+        return trapetum.load(str(d), device="cuda", max_context=256)
+    from trapetum.runtime.engine import GpuEngine
+    m = trapetum.load(str(d))
+    m.gpu_engine = GpuEngine(m.checkpoint, 256, device="cpu", options=Options())
+    return m
+
+
+def _engine(m):
+    return m.engine if ON_GPU else m.gpu_engine
+
+
+def test_paged_forwards_match_the_reference(model):
+    eng = _engine(model)
+    runner = GpuBatchRunner(eng, 40, 16)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    # the reference decoder's logits on the CPU; on the GPU the engine's own one-pass prefill
+    ref = eng.logits_for(ids).float().cpu() if ON_GPU else model.logits(ids)
+    tables = [torch.tensor([7, 3, 30]), torch.tensor([12, 0, 25])]
+    tol = 3e-3
+    # sequence A: a prompt of 21 in chunks of 16 + 5, then decode rows; sequence B: a prompt of 9, then rows
+    la = runner.prefill(tables[0], ids[:16], 0)
+    la = runner.prefill(tables[0], ids[16:21], 16)
+    lb = runner.prefill(tables[1], ids[:9], 0)
+    assert rel(la, ref[20]) < tol and rel(lb, ref[8]) < tol
+    for i in range(8):
+        out = runner.decode(tables, [ids[21 + i], ids[9 + i]], [21 + i, 9 + i])
+        assert rel(out[0], ref[21 + i]) < tol, i
+        assert rel(out[1], ref[9 + i]) < tol, i
+    # replay: rows 29..32 of A in one forward write the cache rows that four decode rows write
+    runner.replay(tables[0], ids[29:33], 29)
+    out = runner.decode(tables[:1], [ids[33]], [33])
+    assert rel(out[0], ref[33]) < tol
+
+
+def _requests(n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [1] + [rng.randrange(3, 300) for _ in range((i * 7) % 37)]
+        s = GenerationSettings(max_new_tokens=4 + i % 9, ignore_eos=True, stop=[["e"], []][i % 2])
+        if i % 3 == 1:
+            s.temperature, s.top_k, s.seed = 0.9, 40, i
+        out.append((prompt, s))
+    return out
+
+
+def _scheduler(model, blocks, max_batch):
+    runner = GpuBatchRunner(_engine(model), blocks, 16)
+    return Scheduler(runner, model.tokenizer, model.config.vocab_size, 256, max_batch=max_batch, chunk=16,
+                     device=DEV)
+
+
+def test_requests_complete_through_the_scheduler(model):
+    reqs = _requests(6)
+    sch = _scheduler(model, 12, 6)
+    handles = [sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})) for p, s in reqs]
+    sch.run()
+    assert all(h.done and h.completion.completion_tokens >= 1 for h in handles)
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bitwise batch invariance needs the GPU kernels")
+def test_64_requests_give_their_alone_tokens_on_the_gpu(model):
+    reqs = _requests(64)
+
+    def copy(s):
+        return GenerationSettings(**{**vars(s), "stop": list(s.stop)})
+
+    alone = []
+    sch = _scheduler(model, 200, 64)
+    for p, s in reqs:
+        r = sch.submit(p, copy(s))
+        sch.run()
+        alone.append(r.completion)
+    for blocks in (400, 60):  # room for all, then exhausted (queued and preempted)
+        sch = _scheduler(model, blocks, 64)
+        handles = [sch.submit(p, copy(s)) for p, s in reqs]
+        sch.run()
+        for i, (h, a) in enumerate(zip(handles, alone)):
+            assert (h.completion.token_ids, h.completion.text) == (a.token_ids, a.text), (blocks, i)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_graph_buckets_replay_the_eager_forward(model):
+    """Decode rows through the captured bucket graphs (3 rows: bucket 4, one padding row; then 5: bucket 8) are
+    bitwise the eager forward's, and a bucket captured once replays for other rows and positions."""
+    runner = GpuBatchRunner(_engine(model), 60, 16)
+    assert runner.eng.use_graph
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    tables = [torch.tensor([i * 3, i * 3 + 1, i * 3 + 2]) for i in range(5)]
+    for i, t in enumerate(tables):
+        runner.prefill(t, ids[:5 + i], 0)
+    for n, step in ((3, 0), (5, 0), (3, 1)):
+        toks = [ids[20 + j + step] for j in range(n)]
+        pos = [5 + j + step for j in range(n)]
+        got = runner.decode(tables[:n], toks, pos)
+        dev = runner.eng.device
+        tab = torch.stack([runner._table(t) for t in tables[:n]]).to(dev)
+        want = runner._forward(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), tab)
+        assert torch.equal(got, want), (n, step)
+    assert set(runner.graphs) == {4, 8}
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (the tests above)")
+def test_paged_engine_kernels_under_the_triton_interpreter(model):
+    """The engine's real Triton kernels (GEMVs, norms, the paged attention; interpreted on the CPU) in the batch
+    runner: three sequences decoded together against the reference, and each row bitwise its row alone."""
+    from trapetum.runtime.engine import GpuEngine
+    eng = GpuEngine(model.checkpoint, 64, device="cpu", options=Options())
+    runner = GpuBatchRunner(eng, 12, 16)
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = model.logits(ids)
+    tables = [torch.tensor([4, 1]), torch.tensor([0, 9]), torch.tensor([6, 2])]
+    starts = [17, 5, 11]
+    for t, n in zip(tables, starts):
+        runner.prefill(t, ids[:n], 0)
+    toks, pos = [ids[n] for n in starts], starts
+    together = runner.decode(tables, toks, pos)
+    for i, n in enumerate(starts):
+        assert rel(together[i], ref[n]) < 3e-3, i
+        alone = runner.decode([tables[i]], [toks[i]], [pos[i]])[0]
+        assert torch.equal(alone, together[i]), i
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (test_64_requests_give_their_alone_tokens_on_the_gpu)")
+def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
+    """Five requests through the scheduler on the engine's interpreted Triton kernels, alone and together (then with
+    few blocks: queued): the same tokens and logits bitwise."""
+    from trapetum.runtime.engine import GpuEngine
+    if model.config.sliding_window is not None:
+        pytest.skip("one family is enough for this slow test")
+    eng = GpuEngine(model.checkpoint, 64, device="cpu", options=Options())
+    reqs = _requests(5)
+
+    def run(blocks, together):
+        sch = Scheduler(GpuBatchRunner(eng, blocks, 16), model.tokenizer, model.config.vocab_size, 64, max_batch=8,
+                        chunk=16)
+        rows: dict = {}
+        take = sch._take
+
+        def record(req, logits):
+            rows.setdefault(req.rid, []).append(logits.clone())
+            take(req, logits)
+        sch._take = record
+        out = []
+        for p, s in reqs:
+            out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))
+            if not together:
+                sch.run()
+        sch.run()
+        return [h.completion.token_ids for h in out], rows
+
+    alone, alone_rows = run(40, False)
+    for blocks in (40, 6):
+        got, rows = run(blocks, True)
+        assert got == alone, blocks
+        assert all(len(rows[i]) == len(alone_rows[i]) and all(torch.equal(a, b) for a, b in zip(rows[i], alone_rows[i]))
+                   for i in alone_rows), blocks

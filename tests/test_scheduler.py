@@ -1,0 +1,290 @@
+"""The batch scheduler over the paged KV cache on the CPU backends (runtime/scheduler.py, paged_kv.py,
+paged_ops.py): the allocator's accounting, the paged forwards against the contiguous-cache reference decoder
+(within fp32 rounding), the row-independence of the kernels the decode forward uses, and batch invariance:
+64 concurrent requests (mixed prompt lengths, greedy and seeded sampling, stop strings) give exactly the tokens
+each gives alone, also with requests cancelled mid-way and with KV blocks exhausted (queued, or refused with
+KVExhausted), on the reference TorchOps path (fp32 HF model) and on the host-kernel CPU executor (.cbk)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import build
+from trapetum.errors import TrapetumError
+from trapetum.formats.detect import load_checkpoint
+from trapetum.kernels import host_gemv as hg
+from trapetum.models.decoder import Decoder
+from trapetum.runtime.paged_kv import BlockAllocator, KVExhausted, PagedKV
+from trapetum.runtime.paged_ops import CpuBatchRunner
+from trapetum.runtime.sampling import GenerationSettings
+from trapetum.runtime.scheduler import Scheduler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CTX = 256
+
+
+def _model(path, host: bool):
+    ck = load_checkpoint(str(path))
+    dec = Decoder.from_checkpoint(ck).eval()
+    if host:
+        assert dec.use_host_kernels(1) > 0
+        assert dec.cpu_step is not None and dec.cpu_step.dense
+    return ck, dec
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama3")
+    build("llama3", d, tokenizer=True)
+    return _model(d, host=False)
+
+
+@pytest.fixture(scope="module")
+def cbk_model(tmp_path_factory):
+    if not hg.available():
+        pytest.skip(f"host kernels unavailable: {hg.error()}")
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    d = tmp_path_factory.mktemp("gemma2")
+    build("gemma2", d / "src", tokenizer=True)  # sliding windows, softcaps, sandwich norms
+    out = Path(d) / "m.cbk"
+    quantize_to_cbk(str(d / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=3).validate(),
+                    progress=False, log=lambda s: None)
+    return _model(out, host=True)
+
+
+class Recording(Scheduler):
+    """A scheduler that keeps every logits row each request sampled from (by request id: the order of submits)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows: dict[int, list[torch.Tensor]] = {}
+
+    def _take(self, req, logits):
+        self.rows.setdefault(req.rid, []).append(logits.clone())
+        super()._take(req, logits)
+
+
+def _scheduler(model, blocks=400, block_size=4, **kw):
+    ck, dec = model
+    kv = PagedKV(ck.config, blocks, block_size, poison_freed=True)
+    return Recording(CpuBatchRunner(dec, kv), ck.tokenizer, ck.config.vocab_size, CTX, **kw)
+
+
+# -- the allocator and the cache ---------------------------------------------------------------
+def test_allocator_accounting():
+    a = BlockAllocator(5)
+    assert a.allocate(2) == [0, 1] and a.num_free == 3 and a.used == 2
+    b = a.allocate(3)
+    assert b == [2, 3, 4] and a.num_free == 0 and a.peak == 5
+    with pytest.raises(KVExhausted, match="needs 1 blocks, 0 of 5 are free"):
+        a.allocate(1)
+    a.free([3, 0])
+    assert a.num_free == 2 and a.allocate(2) == [0, 3]
+    a.free([0])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        a.free([0])
+    with pytest.raises(TrapetumError):
+        BlockAllocator(0)
+
+
+def test_paged_write_gather_roundtrip(hf_model):
+    cfg = hf_model[0].config
+    kv = PagedKV(cfg, 12, 3)
+    table = torch.tensor([7, 2, 9, 0, 5])
+    k = torch.randn(cfg.num_kv_heads, 14, cfg.head_dim)
+    v = torch.randn_like(k)
+    kv.write(1, table, 0, k[:, :5], v[:, :5])
+    kv.write(1, table, 5, k[:, 5:], v[:, 5:])
+    gk, gv = kv.gather(1, table, 14)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    assert torch.equal(kv.k[1][2, :, 1], k[:, 4])  # position 4: block table[1] = 2, offset 1
+    with pytest.raises(RuntimeError, match="past the sequence"):
+        kv.write(0, table, 14, k[:, :2], v[:, :2])
+
+
+# -- the kernels of the decode forward: each row's result independent of the other rows ----------
+@pytest.mark.parametrize("m", [1, 3, 17, 53, 64])
+def test_host_gemv_rows_are_batch_invariant(cbk_model, m):
+    dec = cbk_model[1]
+    step = dec.cpu_step
+    step._plan = None
+    from trapetum.models.cpu_ops import _Plan
+    plan = _Plan(dec)
+    attn = dict(plan.layers[0].blocks)["attention"]
+    f = step.fused(attn.qkv)
+    assert f
+    x = torch.randn(m, f.in_features)
+    rows = f.run(x, torch.empty(m, f.out_features), None, 1)
+    for i in range(m):
+        one = f.run(x[i:i + 1].clone(), torch.empty(1, f.out_features), None, 1)
+        assert torch.equal(rows[i:i + 1], one)
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+def test_decode_rows_independent_of_the_batch(which, hf_model, cbk_model):
+    """One decode forward over S sequences: each sequence's logits bitwise its forward alone."""
+    model = hf_model if which == "hf" else cbk_model
+    sch = _scheduler(model)
+    runner = sch.runner
+    rng = random.Random(3)
+    seqs = []
+    for i in range(9):
+        n = 1 + 5 * i
+        blocks = runner.kv.alloc.allocate(runner.kv.blocks_needed(n + 1))
+        table = torch.tensor(blocks)
+        runner.prefill(table, [rng.randrange(3, 300) for _ in range(n)], 0)
+        seqs.append((table, rng.randrange(3, 300), n))
+    together = runner.decode([t for t, _, _ in seqs], [x for _, x, _ in seqs], [p for _, _, p in seqs])
+    for i, (t, x, p) in enumerate(seqs):
+        alone = runner.decode([t], [x], [p])[0]
+        assert torch.equal(together[i], alone), i
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+def test_paged_forwards_match_the_contiguous_reference(which, hf_model, cbk_model):
+    """Prefill in chunks, then decode steps over scattered blocks, against the reference decoder over its
+    contiguous cache (one prefill, decode steps): logits within fp32 rounding."""
+    ck, dec = hf_model if which == "hf" else cbk_model
+    kv = PagedKV(ck.config, 40, 3)
+    runner = CpuBatchRunner(dec, kv)
+    prompt, steps = [1, 5, 9, 14, 3, 22, 40, 41, 42, 43, 44, 45, 46], [7, 30, 11, 4, 18, 25, 6, 13]
+    table = torch.tensor([31, 2, 17, 5, 0, 22, 9, 38])  # 24 positions
+    ref_cache = dec.new_cache(1, 64)
+    with torch.inference_mode():
+        ref = [dec(torch.tensor([prompt]), ref_cache, 0)[0, -1]]
+        for i, t in enumerate(steps):
+            ref.append(dec(torch.tensor([[t]]), ref_cache, len(prompt) + i)[0, -1])
+    got = [runner.prefill(table, prompt[:8], 0), runner.prefill(table, prompt[8:], 8)][1:]
+    for i, t in enumerate(steps):
+        got.append(runner.decode([table], [t], [len(prompt) + i])[0])
+    for a, b in zip(got, ref):
+        assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-5
+
+
+# -- batch invariance ----------------------------------------------------------------------------
+def _requests(n=64, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [1] + [rng.randrange(3, 300) for _ in range((i * 7) % 37)]
+        kind = i % 4
+        s = GenerationSettings(max_new_tokens=6 + i % 11, ignore_eos=i % 5 == 0,
+                               stop=[["e"], [" t", "ou"], []][i % 3])
+        if kind == 1:
+            s.temperature, s.top_k, s.seed = 0.9, 40, i
+        elif kind == 2:
+            s.temperature, s.top_p, s.min_p, s.repetition_penalty, s.seed = 0.7, 0.9, 0.05, 1.2, 1000 + i
+        elif kind == 3:
+            s.repetition_penalty = 1.3
+        out.append((prompt, s))
+    return out
+
+
+def _copy(s: GenerationSettings) -> GenerationSettings:
+    return GenerationSettings(**{**vars(s), "stop": list(s.stop)})
+
+
+def _alone(model, reqs):
+    sch = _scheduler(model, chunk=8)
+    out = []
+    for prompt, s in reqs:
+        r = sch.submit(prompt, _copy(s))
+        sch.run()
+        out.append(r.completion)
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+    return out, sch.rows
+
+
+@pytest.fixture(scope="module")
+def alone(hf_model, cbk_model):
+    reqs = _requests()
+    return reqs, {"hf": _alone(hf_model, reqs), "cbk": _alone(cbk_model, reqs)}
+
+
+def _same(a, b):
+    return (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+
+
+def _same_rows(a: list, b: list) -> bool:
+    return len(a) <= len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+def test_64_concurrent_requests_give_their_alone_tokens(which, hf_model, cbk_model, alone):
+    reqs, (ref, ref_rows) = alone[0], alone[1][which]
+    assert sum(c.finish_reason == "stop" for c in ref) >= 10  # stop strings and EOS do end requests
+    sch = _scheduler(hf_model if which == "hf" else cbk_model, max_batch=64, chunk=8, prefill_budget=160)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    sch.run()
+    assert sch.peak_batch >= 24  # decoded together, not one by one
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        assert _same(h.completion, c), i
+        assert len(sch.rows[i]) == len(ref_rows[i]) and _same_rows(sch.rows[i], ref_rows[i]), i  # logits bitwise
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+@pytest.mark.parametrize("blocks", [100, 40])
+def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, blocks, hf_model, cbk_model, alone):
+    """Few blocks (the rest queue; running requests are preempted and rebuilt), freed blocks poisoned
+    with NaN and reused, every seventh request cancelled after its third token: the others give their alone
+    tokens and logits, the cancelled ones a prefix of theirs."""
+    reqs, (ref, ref_rows) = alone[0], alone[1][which]
+    sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=blocks, max_batch=64, chunk=8)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    cancel = {i for i in range(0, 64, 7)}
+    cancelled = set()
+    most = queued = 0
+    while sch.has_work:
+        most, queued = max(most, len(sch.active)), max(queued, len(sch.waiting))
+        assert sch.kv.alloc.used == sum(len(r.blocks) for r in sch.active)
+        for r in sch.step():
+            if r.rid in cancel and not r.done and len(r.stream.out) >= 3:
+                sch.cancel(r)
+                cancelled.add(r.rid)
+    print(f"{which} {blocks} blocks: at most {most} running, {queued} queued, {sch.preemptions} preemptions")
+    assert most < 40 and queued > 20  # blocks ran out: requests waited
+    assert sch.preemptions > 0  # running requests were preempted and rebuilt
+    assert len(cancelled) >= 5
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        if i in cancelled:
+            assert h.completion.finish_reason == "cancelled"
+            assert h.completion.token_ids == c.token_ids[:len(h.completion.token_ids)]
+        else:
+            assert _same(h.completion, c), i
+        assert _same_rows(sch.rows[i], ref_rows[i]), i
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+
+
+def test_reject_when_full_and_too_long(hf_model):
+    sch = _scheduler(hf_model, blocks=6, block_size=4, on_full="reject")
+    with pytest.raises(TrapetumError, match="more than the whole cache of 6"):
+        sch.submit([1] * 20, GenerationSettings(max_new_tokens=8))
+    a = sch.submit([1] * 13, GenerationSettings(max_new_tokens=4, ignore_eos=True))  # 13 positions: 4 blocks
+    sch.step()
+    assert sch.kv.alloc.num_free == 2
+    with pytest.raises(KVExhausted, match="needs 3 blocks, 2 of 6 are free"):  # its prompt's 2 and a spare
+        sch.submit([1] * 5, GenerationSettings(max_new_tokens=9))
+    sch.cancel(a)  # frees at once
+    assert sch.kv.alloc.num_free == 6 and a.completion.finish_reason == "cancelled"
+    b = sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=9))
+    sch.run()
+    assert b.completion.finish_reason in ("length", "stop") and sch.load()["free_blocks"] == 6
+
+
+def test_cancel_waiting_and_zero_new_tokens(hf_model):
+    sch = _scheduler(hf_model, blocks=4, block_size=4, max_batch=1)
+    a = sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4, ignore_eos=True))
+    b = sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4))
+    z = sch.submit([1, 2], GenerationSettings(max_new_tokens=0))
+    assert z.done and z.completion.finish_reason == "length" and z.completion.token_ids == []
+    sch.step()
+    assert sch.load() == {"running": 1, "queued": 1, "free_blocks": 3, "total_blocks": 4, "max_batch": 1,
+                          "preemptions": 0}
+    sch.cancel(b)
+    assert b.done and b.completion.finish_reason == "cancelled" and not sch.waiting
+    sch.run()
+    assert a.completion.finish_reason in ("length", "stop")

@@ -1,0 +1,189 @@
+"""Decode attention through block tables (a paged KV cache, batched serving): one new row for each of S
+sequences in one launch, each over its own blocks and its own length; its torch form and the float64 reference.
+
+Layouts: q fp16 [S, Hq, D] (already rotated; its new k / v rows already in the blocks), Hq = G * Hkv, query head h
+reads kv head h // G; k_blocks, v_blocks fp16 [num_blocks, Hkv, BS, D] (one layer of runtime/paged_kv.PagedKV,
+last dim contiguous, BS >= 16 a power of two); tables int32 [S, W] (each sequence's block ids in position order;
+entries past its blocks are never read); lens int32 [S] (each sequence's length, its new row included). Row s
+attends to positions [lo, L) of its sequence, lo = max(0, L - window) with a window; s = scale q.k, with softcap
+c: c tanh(s / c); softmax; out fp16 [S, Hq * D].
+
+Split-KV: program (s, kv head, chunk c) covers positions [c CH, (c + 1) CH) of sequence s, CH = NB * BS (NB whole
+blocks), one block at a time with an online softmax (finite _NEG as minus infinity; positions outside [lo, L)
+masked, their K/V loaded as 0, so stale or NaN contents of a block are never used), for the G query heads of its
+kv head (BLOCK_G = max(16, G) rows of one tl.dot tile), and writes (max, sum, unnormalized out) to the workspace.
+Programs whose chunk holds no visible position exit. The merge program (s, query head) folds chunks
+lo // CH .. ceil(L / CH) - 1 in ascending order.
+
+Contract (tests/test_paged_attention.py): row s is a function of its own q row, its blocks' contents and its
+length only: bitwise the same in any batch, at any batch position, whatever the other lengths, the table width W
+(the grid's chunk count) and where its blocks lie. No program reads another sequence's data, the chunking depends
+on the length alone, and every program runs the same tile shapes.
+"""
+from __future__ import annotations
+
+import torch
+
+from .triton_util import HAVE_TRITON, triton_ok
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+_NEG = tl.constexpr(-1.0e30) if HAVE_TRITON else -1.0e30
+CHUNK_BLOCKS = 4  # blocks per split-KV chunk (NB)
+
+
+def paged_attention_torch(q, k_blocks, v_blocks, tables, lens, *, scale, window=None, softcap=None,
+                          dtype=torch.float32):
+    """Row by row in ``dtype`` (float64: the reference): [S, Hq * D] in ``dtype``."""
+    S, Hq, D = q.shape
+    _, Hkv, BS, _ = k_blocks.shape
+    out = []
+    for s in range(S):
+        L = int(lens[s])
+        nb = (L + BS - 1) // BS
+        ids = tables[s, :nb].long()
+        k = k_blocks[ids].transpose(0, 1).reshape(Hkv, nb * BS, D)[:, :L].to(dtype)
+        v = v_blocks[ids].transpose(0, 1).reshape(Hkv, nb * BS, D)[:, :L].to(dtype)
+        lo = max(0, L - window) if window else 0
+        k, v = k[:, lo:].repeat_interleave(Hq // Hkv, 0), v[:, lo:].repeat_interleave(Hq // Hkv, 0)
+        sc = (k @ q[s].to(dtype)[:, :, None])[..., 0] * scale  # [Hq, L - lo]
+        if softcap is not None:
+            sc = softcap * torch.tanh(sc / softcap)
+        out.append((torch.softmax(sc, -1)[:, None, :] @ v)[:, 0].reshape(-1))
+    return torch.stack(out)
+
+
+def paged_attention_reference(q, k_blocks, v_blocks, tables, lens, *, scale, window=None, softcap=None):
+    """float64 reference: [S, Hq * D] float64."""
+    return paged_attention_torch(q, k_blocks, v_blocks, tables, lens, scale=scale, window=window, softcap=softcap,
+                                 dtype=torch.float64)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _tanh(x):
+        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _paged_split(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, m_ptr, l_ptr, o_ptr, G, D, HQ, NCH,
+                     stride_qs, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                     stride_tab, scale, softcap, window, HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
+                     BS: tl.constexpr, NB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        s = tl.program_id(0)
+        hk = tl.program_id(1)
+        c = tl.program_id(2)
+        L = tl.load(len_ptr + s)
+        lo = 0
+        if HAS_WIN:
+            lo = tl.maximum(L - window, 0)
+        p0 = c * (NB * BS)
+        if (p0 < L) & (p0 + NB * BS > lo):
+            rg = tl.arange(0, BLOCK_G)
+            rd = tl.arange(0, BLOCK_D)
+            rt = tl.arange(0, BS)
+            hq = hk * G + rg
+            gmask = rg < G
+            dmask = rd < D
+            q = tl.load(q_ptr + s * stride_qs + hq[:, None] * stride_qh + rd[None, :],
+                        mask=gmask[:, None] & dmask[None, :], other=0.0)
+            m = tl.full([BLOCK_G], _NEG, tl.float32)
+            l = tl.zeros([BLOCK_G], tl.float32)
+            o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            for b in tl.static_range(NB):
+                p = p0 + b * BS
+                blk = tl.load(tab_ptr + s * stride_tab + p // BS, mask=p < L, other=0).to(tl.int64)
+                pos = p + rt
+                valid = (pos < L) & (pos >= lo)
+                kt = tl.load(k_ptr + blk * stride_kb + hk * stride_kh + rt[:, None] * stride_kt + rd[None, :],
+                             mask=valid[:, None] & dmask[None, :], other=0.0)
+                vt = tl.load(v_ptr + blk * stride_vb + hk * stride_vh + rt[:, None] * stride_vt + rd[None, :],
+                             mask=valid[:, None] & dmask[None, :], other=0.0)
+                sc = tl.dot(q, tl.trans(kt)) * scale  # [BG, BS] fp32
+                if HAS_CAP:
+                    sc = softcap * _tanh(sc / softcap)
+                sc = tl.where(valid[None, :], sc, _NEG)
+                m_new = tl.maximum(m, tl.max(sc, 1))
+                alpha = tl.exp(m - m_new)
+                pr = tl.where(valid[None, :], tl.exp(sc - m_new[:, None]), 0.0)
+                l = l * alpha + tl.sum(pr, 1)
+                o = o * alpha[:, None] + tl.dot(pr.to(tl.float16), vt)
+                m = m_new
+            idx = (s * HQ + hq) * NCH + c
+            tl.store(m_ptr + idx, m, mask=gmask)
+            tl.store(l_ptr + idx, l, mask=gmask)
+            tl.store(o_ptr + idx[:, None] * BLOCK_D + rd[None, :], o, mask=gmask[:, None])
+
+    @triton.jit
+    def _paged_merge(len_ptr, m_ptr, l_ptr, o_ptr, out_ptr, D, HQ, NCH, stride_os, window,
+                     HAS_WIN: tl.constexpr, CH: tl.constexpr, BLOCK_D: tl.constexpr):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        L = tl.load(len_ptr + s)
+        lo = 0
+        if HAS_WIN:
+            lo = tl.maximum(L - window, 0)
+        rd = tl.arange(0, BLOCK_D)
+        base = (s * HQ + h) * NCH
+        mt = tl.full([1], _NEG, tl.float32)
+        lt = tl.zeros([1], tl.float32)
+        ot = tl.zeros([BLOCK_D], tl.float32)
+        for c in range(lo // CH, (L + CH - 1) // CH):
+            mc = tl.load(m_ptr + base + c + tl.zeros([1], tl.int32))
+            lc = tl.load(l_ptr + base + c + tl.zeros([1], tl.int32))
+            oc = tl.load(o_ptr + (base + c) * BLOCK_D + rd)
+            mn = tl.maximum(mt, mc)
+            a = tl.exp(mt - mn)
+            bb = tl.exp(mc - mn)
+            lt = lt * a + lc * bb
+            ot = ot * a + oc * bb
+            mt = mn
+        tl.store(out_ptr + s * stride_os + h * D + rd, (ot / lt).to(tl.float16), mask=rd < D)
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
+                    lens: torch.Tensor, *, scale: float, window: int | None = None, softcap: float | None = None,
+                    out: torch.Tensor | None = None, chunk_blocks: int = CHUNK_BLOCKS) -> torch.Tensor:
+    """Module docstring; returns out fp16 [S, Hq * D]. Without Triton on q's device: the torch form in fp32,
+    rounded to fp16 (rows independent too)."""
+    S, Hq, D = q.shape
+    NBLK, Hkv, BS, Dk = k_blocks.shape
+    if Dk != D or tuple(v_blocks.shape) != tuple(k_blocks.shape) or Hq % Hkv:
+        raise ValueError(f"paged attention: q {tuple(q.shape)} does not match blocks {tuple(k_blocks.shape)} / "
+                         f"{tuple(v_blocks.shape)}")
+    if tables.dim() != 2 or tables.shape[0] != S or lens.shape != (S,):
+        raise ValueError(f"paged attention: tables [S, W] and lens [S] for S = {S}, got {tuple(tables.shape)}, "
+                         f"{tuple(lens.shape)}")
+    if BS < 16 or BS & (BS - 1):
+        raise ValueError(f"paged attention: the block size must be a power of two >= 16, got {BS}")
+    if out is None:
+        out = torch.empty(S, Hq * D, dtype=torch.float16, device=q.device)
+    if S == 0:
+        return out
+    if not triton_ok(q.device):
+        out.copy_(paged_attention_torch(q, k_blocks, v_blocks, tables, lens, scale=scale, window=window,
+                                        softcap=softcap).to(torch.float16))
+        return out
+    G = Hq // Hkv
+    bd = _block(D)
+    ch = chunk_blocks * BS
+    nch = (tables.shape[1] * BS + ch - 1) // ch
+    m = torch.empty(S * Hq * nch, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    o = torch.empty(S * Hq * nch, bd, dtype=torch.float32, device=q.device)
+    win = int(window) if window else 0
+    cap = float(softcap) if softcap is not None else 1.0
+    _paged_split[(S, Hkv, nch)](q, k_blocks, v_blocks, tables, lens, m, l, o, G, D, Hq, nch,
+                                q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
+                                v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2), tables.stride(0),
+                                float(scale), cap, win, HAS_WIN=bool(window), HAS_CAP=softcap is not None,
+                                BS=BS, NB=chunk_blocks, BLOCK_G=_block(G), BLOCK_D=bd)
+    _paged_merge[(S, Hq)](lens, m, l, o, out, D, Hq, nch, out.stride(0), win, HAS_WIN=bool(window), CH=ch,
+                          BLOCK_D=bd)
+    return out

@@ -1,0 +1,208 @@
+"""The batch scheduler's forwards on the GPU engine (runtime/engine.py) over a paged fp16 KV cache: the same
+interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, ``replay``).
+
+    prefill(table, tokens, start)   one prompt chunk of one sequence: its positions 0 .. start - 1 copied from its
+        blocks into the engine's contiguous cache, the engine's PREFILL forward over the chunk (tensor cores), the
+        new rows copied back into the blocks; logits fp32 [V] of the chunk's last row. A function of the
+        sequence's own chunk and prefix alone.
+    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay, several
+        rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
+        row sees only positions below its length): PagedEngineOps.
+
+PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs in groups of at
+most MAX_VERIFY_ROWS rows (row r of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue 15);
+RMSNorm, the gate/up activation and the residual adds row by row as in the decode step; RoPE of each row at its
+own position (the engine's tables, rotate-half, in fp32, rounded to fp16) and its K/V written into its sequence's
+blocks; attention by kernels/paged_attention.py (each row over its own blocks, bitwise independent of the batch).
+So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
+assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
+
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows),
+captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
+rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent).
+
+Scope: dense attention + MLP models without activation sparsity; latent attention and mixture-of-experts layers
+are refused (UnsupportedError).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedError
+from ..kernels.paged_attention import paged_attention
+from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
+from ..models.blocks import decoder_forward
+from ..models.sparsity import DENSE_POSITIONS
+from .engine_ops import EngineOps
+from .paged_kv import PagedKV
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _groups(n: int):
+    return [(i, min(i + MAX_VERIFY_ROWS, n)) for i in range(0, n, MAX_VERIFY_ROWS)]
+
+
+class PagedEngineOps(EngineOps):
+    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor):
+        super().__init__(eng, Mode.DECODE)
+        self.kv, self.tables, self.positions = kv, tables, positions  # int32 [S, W], int64 [S]
+        self.lens = (positions + 1).to(torch.int32)
+        bs = kv.block_size
+        self.blk = tables.gather(1, (positions // bs).view(-1, 1)).view(-1).long()
+        self.off = positions % bs
+
+    def project(self, w, x, residual=None):
+        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
+        for a, b in _groups(x.shape[0]):
+            o = torch.empty(b - a, w.out_features, dtype=torch.float16, device=x.device)
+            if residual is not None and self.eng.options.fuse:
+                o = w.gemv(x[a:b].contiguous(), o, residual=residual[a:b].contiguous())
+            else:
+                o = w.gemv(x[a:b].contiguous(), o)
+                if residual is not None:
+                    o = residual[a:b] + o
+            out[a:b] = o
+        return out
+
+    def gate_up(self, w, x):
+        out = torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device)
+        for a, b in _groups(x.shape[0]):
+            out[a:b] = w.gemv(x[a:b].contiguous(), torch.empty(b - a, w.f, dtype=torch.float16, device=x.device))
+        return out
+
+    def sparsify(self, x, t, batch):
+        keep = (x.abs() > t) | (self.positions < DENSE_POSITIONS).view(-1, 1)
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    def logits(self, head, h):
+        out = self.project(head, h).float()
+        cap = self.cfg.final_softcap
+        return torch.tanh(out / cap) * cap if cap is not None else out
+
+    def _rope(self, x, sliding: bool):
+        """x [S, H, hd] rotated (rotate-half over the first 2 * HALF features) at each row's position -> fp16."""
+        cos, sin = self.eng.rope_local if sliding else self.eng.rope  # fp32 [T_max, HALF]
+        c, s = cos[self.positions][:, None, :], sin[self.positions][:, None, :]
+        half = c.shape[-1]
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+        out = xf.clone()
+        out[..., :half] = x1 * c + (-x2) * s
+        out[..., half:2 * half] = x2 * c + x1 * s
+        return out.to(torch.float16)
+
+    def attend(self, q, k, v, batch: ForwardBatch, p):
+        cfg = self.cfg
+        q, k = self._rope(q, p.sliding), self._rope(k, p.sliding)
+        kb, vb = self.kv.k[p.layer], self.kv.v[p.layer]  # [NB, Hkv, BS, hd]
+        kb[self.blk, :, self.off] = k
+        vb[self.blk, :, self.off] = v.to(torch.float16)
+        out = paged_attention(q.contiguous(), kb, vb, self.tables, self.lens, scale=cfg.scale,
+                              window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap)
+        return out
+
+    def latent_attend(self, q, c, k_rot, batch, p):  # GpuBatchRunner refuses MLA models
+        raise NotImplementedError("batched serving of latent attention on the engine")
+
+
+class GpuBatchRunner:
+    """The scheduler's forwards (module docstring) over a GpuEngine."""
+
+    def __init__(self, eng, num_blocks: int, block_size: int = 16):
+        cfg = eng.cfg
+        if cfg.mla or cfg.moe:
+            raise UnsupportedError("batched decoding on the GPU engine runs attention + MLP models only so far")
+        if eng.sparsity is not None:
+            raise UnsupportedError("batched decoding on the GPU engine does not run activation sparsity yet")
+        if eng.options.prefill == "exact":
+            raise UnsupportedError("batched decoding on the GPU engine: the exact prefill is not supported")
+        self.eng, self.cfg = eng, cfg
+        self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
+        self.pad_block = num_blocks  # the spare block: padding rows write and read there
+        self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens, positions, tables, logits)
+        self._pool = None
+
+    def _table(self, table: torch.Tensor) -> torch.Tensor:
+        t = torch.zeros(self.width, dtype=torch.int32)
+        t[:table.numel()] = table.to(torch.int32)
+        return t
+
+    @torch.inference_mode()
+    def prefill(self, table: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
+        eng, n = self.eng, len(tokens)
+        table = table.to(eng.device)
+        for layer in range(self.cfg.num_layers):
+            if start:
+                k, v = self.kv.gather(layer, table, start)
+                eng.kv.k[layer, :, :start] = k
+                eng.kv.v[layer, :, :start] = v
+        ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        batch = ForwardBatch.prefill(ids, start, "last")
+        if eng.options.prefill == "precise":
+            from .precise import PreciseOps, no_tf32
+            with no_tf32():
+                logits = decoder_forward(batch, PreciseOps(eng), eng.model)
+        else:
+            logits = decoder_forward(batch, EngineOps(eng, Mode.PREFILL), eng.model)
+        for layer in range(self.cfg.num_layers):
+            self.kv.write(layer, table, start, eng.kv.k[layer, :, start:start + n], eng.kv.v[layer, :, start:start + n])
+        return logits[-1].float()
+
+    @torch.inference_mode()
+    def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        eng = self.eng
+        S = len(tokens)
+        tab = torch.stack([self._table(t) for t in tables]).to(eng.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=eng.device)
+        ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        if not eng.use_graph or S > BUCKETS[-1]:
+            return self._forward(ids, pos, tab)
+        B = next(b for b in BUCKETS if b >= S)
+        entry = self.graphs.get(B)
+        if entry is None:
+            entry = self.graphs[B] = self._capture(B, ids, pos, tab)
+        g, ids_b, pos_b, tab_b, logits = entry
+        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+        g.replay()
+        return logits[:S].clone()
+
+    def _forward(self, ids, pos, tab):
+        eng, S = self.eng, ids.numel()
+        batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
+                             seq_lens=(pos + 1).to(torch.int32), positions=pos)
+        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos), eng.model)
+
+    def _fill(self, ids_b, pos_b, tab_b, ids, pos, tab) -> None:
+        S = ids.numel()
+        ids_b[:S].copy_(ids)
+        pos_b[:S].copy_(pos)
+        tab_b[:S].copy_(tab)
+        ids_b[S:] = 0
+        pos_b[S:] = 0
+        tab_b[S:] = self.pad_block
+
+    def _capture(self, B: int, ids, pos, tab):
+        dev = self.eng.device
+        ids_b = torch.zeros(B, dtype=torch.long, device=dev)
+        pos_b = torch.zeros(B, dtype=torch.long, device=dev)
+        tab_b = torch.zeros(B, self.width, dtype=torch.int32, device=dev)
+        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):  # compile the kernels, settle allocations (the rows' K/V written: the same bits)
+                self._forward(ids_b, pos_b, tab_b)
+        torch.cuda.current_stream().wait_stream(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._pool):
+            logits = self._forward(ids_b, pos_b, tab_b)
+        return g, ids_b, pos_b, tab_b, logits
+
+    def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
+        n = len(tokens)
+        self.decode([table] * n, list(tokens), list(range(start, start + n)))
