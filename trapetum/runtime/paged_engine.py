@@ -53,6 +53,9 @@ class PagedEngineOps(EngineOps):
         self.blk = tables.gather(1, (positions // bs).view(-1, 1)).view(-1).long()
         self.off = positions % bs
 
+    def _frag_bits(self, feeds, m):
+        return None  # rows reach the GEMVs in groups of at most 16 (row-major slices), never in fragment order
+
     def project(self, w, x, residual=None):
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
         for a, b in _groups(x.shape[0]):
@@ -66,7 +69,7 @@ class PagedEngineOps(EngineOps):
             out[a:b] = o
         return out
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         out = torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device)
         for a, b in _groups(x.shape[0]):
             out[a:b] = w.gemv(x[a:b].contiguous(), torch.empty(b - a, w.f, dtype=torch.float16, device=x.device))
@@ -93,7 +96,7 @@ class PagedEngineOps(EngineOps):
         out[..., half:2 * half] = x2 * c + x1 * s
         return out.to(torch.float16)
 
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         cfg = self.cfg
         q, k = self._rope(q, p.sliding), self._rope(k, p.sliding)
         kb, vb = self.kv.k[p.layer], self.kv.v[p.layer]  # [NB, Hkv, BS, hd]

@@ -82,7 +82,7 @@ class PagedTorchOps(TorchOps):
         super().__init__(cfg, rotaries, positions, None, Mode.VERIFY)  # VERIFY: every op row by row
         self.kv, self.groups = kv, groups
 
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, H, N, hd]
         q, k = self._rotate(q, p.sliding), self._rotate(k, p.sliding)
         outs = []
@@ -100,7 +100,7 @@ class PagedTorchOps(TorchOps):
             return super().project(w, x, residual)  # row by row
         return y[None] if residual is None else residual + y[None]
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         gate, up, act = w
         g, u = _dense_rows(gate, x[0]), _dense_rows(up, x[0])
         if g is None or u is None:
@@ -156,14 +156,14 @@ class PagedCpuOps(CpuOps):
         mods = tuple(w) if isinstance(w, (tuple, list)) else (w,)
         return torch.cat([m(x) for m in mods], -1) if len(mods) > 1 else mods[0](x)
 
-    def gate_up(self, w, x):
+    def gate_up(self, w, x, feeds=None):
         f = self.step.fused(w, self.cfg.hidden_act)
         if not f or x.dtype != torch.float32:
             gate, up, act = w
             return torch.cat([act(gate(r)) * up(r) for r in (x[i:i + 1].clone() for i in range(x.shape[0]))])
         return super().gate_up(w, x)
 
-    def attend(self, q, k, v, batch: ForwardBatch, p):
+    def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         cfg = self.cfg
         cos, sin, inter = self._rope(p.sliding)
         q, k, v = q.float(), k.float(), v.float()
