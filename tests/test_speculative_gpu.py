@@ -1,10 +1,10 @@
 """Exact speculative decoding on the GPU engine (CUDA graphs): greedy speculative output equals plain greedy output
 token for token, for every drafter kind and adversarial drafters, on random-weight models at real per-layer shapes
 (2 layers; real-size heads: Llama-2 32k MHA, Llama-3 128k GQA, Qwen2.5 152k with qkv bias and a tied head; fp16,
-4-bit codebooks and AQLM 2x8 targets) and on the real SmolLM2-135M. On CUDA the runner picks the pipelined loop
-for every drafter but n-gram lookup (runtime/speculative/pipeline.py), so the matrix runs both loops; the tests
-at the end compare them round for round and check that the pipelined rounds never synchronize. Skipped without
-CUDA.
+4-bit codebooks and AQLM 2x8 targets) and on the real SmolLM2-135M. The matrix runs the pipelined loop
+(runtime/speculative/pipeline.py) wherever it can run (every drafter but n-gram lookup; the default loop is the
+synchronous one, which session 8 ran through the same matrix); the tests at the end compare the two loops round for
+round and check that the pipelined rounds never synchronize. Skipped without CUDA.
 
     python -m pytest -q -m gpu tests/test_speculative_gpu.py
 """
@@ -56,7 +56,7 @@ def test_greedy_matrix_engine(pair):
                       ScriptedDrafter.modeled(truth, 0.5, V, seed=pi, device="cuda"),
                       RandomDrafter(V, seed=k), ConstantDrafter(plain[NEW // 2]),
                       OverlongDrafter(ScriptedDrafter.modeled(truth, 1.0, V, device="cuda"), 9)):
-                r = SpeculativeRunner(EngineRows(te), d, k)
+                r = SpeculativeRunner(EngineRows(te), d, k, pipelined=SpeculativeRunner.can_pipeline(EngineRows(te), d))
                 got = list(r.tokens(prompt, s, n + NEW))
                 assert got == plain, (pair, d.name, k, pi)
                 if d.name in ("scripted", "overlong") and r.stats.accepted == r.stats.drafted:
@@ -72,9 +72,10 @@ def test_draft_model_of_the_same_weights_accepts_everything():
     s = GenerationSettings(max_new_tokens=64)
     plain = list(te.tokens(prompt, s, len(prompt) + 64))
     for k in (3, 7, 15):
-        r = SpeculativeRunner(EngineRows(te), DraftModelDrafter(EngineRows(de)), k)
-        assert list(r.tokens(prompt, s, len(prompt) + 64)) == plain
-        assert r.stats.acceptance == 1.0, r.stats
+        for pipe in (True, False):
+            r = SpeculativeRunner(EngineRows(te), DraftModelDrafter(EngineRows(de)), k, pipelined=pipe)
+            assert list(r.tokens(prompt, s, len(prompt) + 64)) == plain
+            assert r.stats.acceptance == 1.0, r.stats
 
 
 def test_sampling_on_the_gpu_is_seeded():
@@ -141,10 +142,10 @@ def test_pipelined_equals_synchronous_on_the_engine():
                                                        inner=PardDrafter(EngineRows(de), V - 1)),
                        lambda: ScriptedDrafter.modeled(truth, 0.5, V, seed=k, device="cuda",
                                                        inner=DraftModelDrafter(EngineRows(de)))):
-                auto = SpeculativeRunner(EngineRows(te), mk(), k)
-                assert auto.pipelined
+                auto = SpeculativeRunner(EngineRows(te), mk(), k, pipelined=True)
+                assert SpeculativeRunner.can_pipeline(EngineRows(te), mk())
                 got = list(auto.tokens(prompt, s, n + NEW))
-                a = _first(SpeculativeRunner(EngineRows(te), mk(), k), prompt, s, far)
+                a = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=True), prompt, s, far)
                 b = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=False), prompt, s, far)
                 assert got == plain and a == b and a[0] == plain, (k, pi, a[1], b[1])
                 cases += 1
@@ -157,7 +158,7 @@ def test_pipelined_equals_synchronous_on_the_engine():
                 s = GenerationSettings(max_new_tokens=40, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01,
                                        repetition_penalty=1.1, seed=seed)
                 far = len(prompt) + 40 + 2 * k + 2
-                a = _first(SpeculativeRunner(EngineRows(te), mk(), k), prompt, s, far)
+                a = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=True), prompt, s, far)
                 b = _first(SpeculativeRunner(EngineRows(te), mk(), k, pipelined=False), prompt, s, far)
                 assert a == b and len(a[0]) == 40, (k, seed)
 
@@ -208,7 +209,7 @@ def test_pipelined_rounds_never_synchronize(monkeypatch):
         for d in (PardDrafter(EngineRows(de), V - 1), DraftModelDrafter(EngineRows(de)),
                   ScriptedDrafter.modeled(prompt + list(range(50)), 0.8, V, device="cuda",
                                           inner=PardDrafter(EngineRows(de), V - 1))):
-            r = SpeculativeRunner(EngineRows(te), strict(d), 7)
+            r = SpeculativeRunner(EngineRows(te), strict(d), 7, pipelined=True)
             assert r.pipelined
             try:
                 out = list(r.tokens(prompt, s, len(prompt) + 40))

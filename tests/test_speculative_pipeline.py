@@ -206,8 +206,9 @@ def test_pipelined_adaptive_k(tiny):
 
 
 def test_the_switch(tiny):
-    """Automatic: pipelined when the target's rows read device positions on CUDA and the drafter proposes from
-    device tensors alone; never for n-gram lookup (forcing it is an error) or the CPU reference rows."""
+    """The default is the synchronous loop; ``can_pipeline``: when the target's rows read device positions on CUDA and
+    the drafter proposes from device tensors alone; never for n-gram lookup (forcing it is an error) or the CPU
+    reference rows."""
     target, other, _ = tiny["llama3"]
     ref = ReferenceRows(target.decoder)
     eng = EngineRows(GpuEngine(other.checkpoint, 64, device="cpu", options=Options()))
@@ -222,12 +223,15 @@ def test_the_switch(tiny):
         device = torch.device("cuda")
 
     t = CudaRows()
-    assert SpeculativeRunner(t, PardDrafter(eng, MASK), 3).pipelined
-    assert SpeculativeRunner(t, DraftModelDrafter(eng), 3).pipelined
-    assert SpeculativeRunner(t, ScriptedDrafter(torch.zeros(4, dtype=torch.long)), 3).pipelined
-    assert not SpeculativeRunner(t, NgramDrafter(), 3).pipelined
-    assert not SpeculativeRunner(t, PardDrafter(ref, MASK), 3).pipelined  # a reference drafter reads back
-    assert not SpeculativeRunner(t, ScriptedDrafter(torch.zeros(4, dtype=torch.long), inner=NgramDrafter()), 3).pipelined
+    can = SpeculativeRunner.can_pipeline
+    assert not SpeculativeRunner(t, PardDrafter(eng, MASK), 3).pipelined  # the default: synchronous
+    assert can(t, PardDrafter(eng, MASK))
+    assert can(t, DraftModelDrafter(eng))
+    assert can(t, ScriptedDrafter(torch.zeros(4, dtype=torch.long)))
+    assert not can(t, NgramDrafter())
+    assert not can(t, PardDrafter(ref, MASK))  # a reference drafter reads back
+    assert not can(t, ScriptedDrafter(torch.zeros(4, dtype=torch.long), inner=NgramDrafter()))
+    assert not can(ref, PardDrafter(ref, MASK)) and not can(eng, PardDrafter(eng, MASK))  # CPU rows
 
 
 @pytest.mark.parametrize("kind", ["reference", "engine"])

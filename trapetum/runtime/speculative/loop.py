@@ -6,11 +6,14 @@
         k        drafts per round, 1 .. 15 (the verify pass holds k + 1 <= 16 rows); ``adaptive``: k moves in
                  1 .. ``k_max`` (+2 after a round that accepted every draft, -1 after one that rejected one)
         pipelined  the loop of pipeline.py (round r + 1 queued before round r's verdict is read back) or this
-                 module's synchronous one; None chooses: pipelined when the target's rows read positions on a
-                 CUDA device and the drafter proposes from device tensors alone (``host_free``: PARD and draft
-                 models over the GPU engine, scripted drafters), synchronous otherwise (n-gram lookup, which
-                 needs the sequence on the host; the CPU reference rows). True forces it wherever the drafter
-                 has ``propose_at`` (on the CPU too: how the tests run it).
+                 module's synchronous one. None (the default) is the synchronous loop for now: on the H200 the
+                 synchronous rounds already ran within 3% of their two forwards' device time, and the one
+                 comparison so far did not settle which loop is faster (BENCHMARKS.md, issue 16, session 9).
+                 ``can_pipeline(target, drafter)`` says where the pipelined loop would pay (the target's rows
+                 read positions on a CUDA device and the drafter proposes from device tensors alone: PARD and
+                 draft models over the GPU engine, scripted drafters; not n-gram lookup, which needs the
+                 sequence on the host, nor the CPU reference rows). True forces it wherever the drafter has
+                 ``propose_at`` (on the CPU too: how the tests run it).
 
 ``tokens(prompt, settings, max_len)`` (the Runner protocol) yields, in either loop, exactly the tokens plain decoding of the target
 yields (greedy: the same tokens; sampling: the same distribution, the accept rule of accept.py): the prompt goes
@@ -102,11 +105,14 @@ class SpeculativeRunner:
         self.adaptive = adaptive
         if pipelined and not drafter.device_side:
             raise ValueError(f"pipelined: the {drafter.name} drafter proposes from the host sequence only")
-        if pipelined is None:
-            pipelined = (target.device_positions and target.device.type == "cuda" and drafter.device_side
-                         and drafter.host_free)
         self.pipelined = bool(pipelined)
         self.stats = SpecStats(drafter.name, k)
+
+    @staticmethod
+    def can_pipeline(target: Rows, drafter: Drafter) -> bool:
+        """Whether the pipelined loop would run without a read-back per round (the docstring's rule)."""
+        return bool(target.device_positions and target.device.type == "cuda" and drafter.device_side
+                    and drafter.host_free)
 
     @torch.inference_mode()
     def tokens(self, prompt: list[int], s: GenerationSettings, max_len: int) -> Iterator[int]:
