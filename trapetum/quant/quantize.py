@@ -35,12 +35,11 @@ slow; ``--calib FILE`` is faster) and then collects layer by layer; ``calib="non
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -54,9 +53,10 @@ from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
 from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
-from .kmeans import kmeans_rows
+from .codebook_fit import fit_rows, stored_specs
+from .recipe import Recipe, bits_choices, parse_bits_overrides  # noqa: F401  (re-exported: the recipe's home was here)
 from .source_bits import already_quantized
-from ..kernels.pack import SUPPORTED_BITS, pack_codes, packed_width
+from ..kernels.pack import pack_codes, packed_width
 from ..schemes import registry
 from ..schemes.record import QuantRecord
 
@@ -66,71 +66,6 @@ __all__ = ["Recipe", "QuantizedModel", "QuantPlan", "plan_quantization", "iter_q
 
 PROJ_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-@dataclass
-class Recipe:
-    bits: int = 4
-    head_bits: int | None = 8  # None: keep the LM head fp16
-    embed_bits: int | None | str = "auto"  # None: fp16; "auto": tied -> share the head's table, else fp16
-    weighted: bool = True  # E[x^2]-weighted k-means (False: plain k-means, no calibration)
-    calib: str | None = None  # text file; None: sampled from the model itself; "none": no calibration
-    calib_seqs: int = 32
-    calib_len: int = 512  # file windows; sampled sequences use calib_sample_len
-    calib_sample_len: int = 256
-    seed: int = 0
-    iters: int = 60
-    starts: tuple[str, ...] = ("cuberoot", "grid")
-    keep_fp16: list[str] = field(default_factory=list)
-    bits_overrides: list[tuple[str, int]] = field(default_factory=list)
-
-    def validate(self) -> "Recipe":
-        for what, b in [("--bits", self.bits), ("--head-bits", self.head_bits), ("--embed-bits", self.embed_bits)]:
-            if b is not None and b != "auto" and b not in SUPPORTED_BITS:
-                raise ConfigError(f"{what} must be {bits_choices()}, got {b}")
-        for pat, b in self.bits_overrides:
-            if b not in SUPPORTED_BITS:
-                raise ConfigError(f"--layer-bits {pat}={b}: bits must be {bits_choices()}")
-        if self.iters < 0:
-            raise ConfigError(f"--iters must be >= 0, got {self.iters}")
-        return self
-
-    def bits_for(self, name: str) -> int | None:
-        """Bits for a projection (canonical name without .weight); None = keep fp16."""
-        if any(fnmatch.fnmatchcase(name, p) for p in self.keep_fp16):
-            return None
-        for pat, b in self.bits_overrides:
-            if fnmatch.fnmatchcase(name, pat):
-                return b
-        return self.head_bits if name == "lm_head" else self.bits
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["starts"] = list(self.starts)
-        d["bits_overrides"] = [list(x) for x in self.bits_overrides]
-        d["method"] = ("per-row scalar codebook, " + ("E[x^2]-weighted" if self.weighted else "unweighted")
-                       + " k-means, best of starts " + "/".join(self.starts) + f", up to {self.iters} Lloyd iterations")
-        return d
-
-
-def bits_choices() -> str:
-    """'1, 2, 3, 4 or 8': the bit widths of the scalar codebooks, as the help and the errors say them."""
-    *head, last = (str(b) for b in SUPPORTED_BITS)
-    return f"{', '.join(head)} or {last}"
-
-
-def parse_bits_overrides(items: list[str]) -> list[tuple[str, int]]:
-    """['model.layers.0.*=8', '*down_proj=8'] -> [(pattern, bits)]."""
-    out = []
-    for it in items:
-        pat, sep, b = it.rpartition("=")
-        if not sep or not pat:
-            raise ConfigError(f"--layer-bits expects PATTERN=BITS, got {it!r}")
-        try:
-            out.append((pat, int(b)))
-        except ValueError:
-            raise ConfigError(f"--layer-bits {it!r}: bits must be an integer") from None
-    return out
 
 
 @dataclass
@@ -234,13 +169,14 @@ _POST_CHUNK = 1 << 21  # elements per step of packing and error measurement (~70
 
 
 def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
-                     bias: torch.Tensor | None) -> tuple[QuantRecord, dict[str, float]]:
-    """k-means, then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)|| row chunk by
-    row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
+                     bias: torch.Tensor | None, storage: str = "f16") -> tuple[QuantRecord, dict[str, float]]:
+    """k-means (``codebook_fit.fit_rows``: the codebook in ``storage``, shared tables of
+    ``recipe.head_group_rows`` rows), then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)||
+    row chunk by row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
     its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take."""
-    res = kmeans_rows(W, 1 << bits, imp, iters=recipe.iters, starts=recipe.starts, device=device)
-    R, C = W.shape
-    codes, book = res.codes, res.codebook  # uint8 [R, C], fp16 [R, K] (CPU)
+    book, codes, stored, params = fit_rows(W, bits, imp, storage=storage, group_rows=recipe.head_group_rows,
+                                           iters=recipe.iters, starts=recipe.starts, device=device)
+    R, C = W.shape  # codes uint8 [R, C], book: the decoded fp16 [R, K] (CPU)
     packed = torch.empty(R, packed_width(C, bits), dtype=torch.uint8)
     w = None if imp is None else imp.to(W.device, torch.float64)
     num = den = num_w = den_w = 0.0
@@ -259,20 +195,22 @@ def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe
             num_w += float((d2 * wc).sum())
             den_w += float((w2 * wc).sum())
         del Wc, Wq, d2, w2
-    rec = QuantRecord("codebook", (R, C), {"bits": bits}, {"codes": packed, "codebook": book},
+    rec = QuantRecord("codebook", (R, C), params, {"codes": packed, **stored},
                       None if bias is None else bias.detach().to(torch.float16).cpu())
     err = {"rel_err": math.sqrt(num / max(den, 1e-300)),
            "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan")}
     return rec, err
 
 
-def codebook_spec(shape: tuple[int, int], bits: int, bias: bool) -> QuantSpec:
+def codebook_spec(shape: tuple[int, int], bits: int, bias: bool, storage: str = "f16",
+                  group_rows: int | None = None) -> QuantSpec:
     """The spec ``quantize_matrix`` produces for a [out, in] weight (kept in step with it; the
     writer refuses a record that differs from its declaration)."""
     out, inp = shape
-    return QuantSpec("codebook", (out, inp), {"bits": bits},
+    params, books = stored_specs(out, bits, storage, group_rows)
+    return QuantSpec("codebook", (out, inp), params,
                      {"codes": TensorSpec("U8", (out, packed_width(inp, bits))),
-                      "codebook": TensorSpec("F16", (out, 1 << bits))},
+                      **{role: TensorSpec(dt, sh) for role, (dt, sh) in books.items()}},
                      TensorSpec("F16", (out,)) if bias else None)
 
 
@@ -292,6 +230,7 @@ class _Job:
     imp: str | None = None
     layer: int | None = None  # model layer (progress and the per-layer log line)
     label: str | None = None  # log line for the embedding / head
+    storage: str = "f16"  # codebook storage (schemes/codebook_store.py)
 
 
 @dataclass
@@ -349,7 +288,9 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
         if bias and bias_src is None and may_be_record(src):
             rec = T[src]
             record_bias = isinstance(rec, QuantRecord) and rec.bias is not None
-        jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw))
+        storage = recipe.codebook if kw.get("layer") is not None else recipe.head_codebook
+        jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw,
+                         storage=storage))
 
     by_layer: dict[int, list[str]] = {}
     for key in keys:
@@ -399,7 +340,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
             if has_bias:
                 dense[j.out + ".bias"] = TensorSpec("F16", (j.shape[0],))
         else:
-            quantized[j.out + ".weight"] = codebook_spec(j.shape, j.bits, has_bias)
+            quantized[j.out + ".weight"] = codebook_spec(j.shape, j.bits, has_bias, j.storage, recipe.head_group_rows)
     return QuantPlan(cfg, dense, quantized, jobs)
 
 
@@ -457,7 +398,7 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     shape, Wf = list(W.shape), W.float()
                     if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
                         W = src = None
-                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b)
+                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b, j.storage)
                     del Wf
                     row = {"name": j.out, "bits": j.bits, "shape": shape, **err,
                            "seconds": time.perf_counter() - t0}
