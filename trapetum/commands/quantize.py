@@ -41,6 +41,17 @@ def register(sub) -> None:
                         "--head-group-rows rows, scaled per row; f16: 256 fp16 centroids per row at 8 bits)")
     p.add_argument("--head-group-rows", type=int, default=512, metavar="N",
                    help="rows per shared table (default 512)")
+    p.add_argument("--gptq", action="store_true",
+                   help="error-compensated codes (GPTQ with the per-row codebooks: input Hessians from calibration, "
+                        "each column's error fed to the next) and Hessian-weighted codebook refits; needs calibration")
+    p.add_argument("--gptq-rounds", type=int, default=2, metavar="N",
+                   help="rounds of GPTQ assignments and codebook refits (default 2)")
+    p.add_argument("--target-bpw", type=float, default=None, metavar="B",
+                   help="mixed precision: choose 2, 3, 4 or 8 bits per layer projection from its measured "
+                        "sensitivity so that the layer projections average B bits per weight, codebooks included "
+                        "(--layer-bits / --keep-fp16 matches stay as given)")
+    p.add_argument("--target-size", type=float, default=None, metavar="MB",
+                   help="mixed precision as --target-bpw, with the whole file's size (MB, 10^6 bytes) as the budget")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--scheme", default="scalar", choices=["scalar", "aqlm-2x8", "aqlm-1x16"],
@@ -78,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     recipe = Recipe(bits=args.bits, head_bits=bits_or_none(args.head_bits, "--head-bits"),
                     embed_bits=_embed_bits(args), weighted=calib != "none", calib=calib, calib_seqs=args.calib_seqs,
                     iters=args.iters, keep_fp16=list(args.keep_fp16), codebook=args.codebook,
-                    head_codebook=args.head_codebook, head_group_rows=args.head_group_rows,
+                    head_codebook=args.head_codebook, head_group_rows=args.head_group_rows, gptq=args.gptq,
+                    gptq_rounds=args.gptq_rounds, target_bpw=args.target_bpw, target_mb=args.target_size,
                     bits_overrides=parse_bits_overrides(args.layer_bits)).validate()
     path, qm = quantize_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
                                mem_budget_gb=budget)

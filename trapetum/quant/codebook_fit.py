@@ -22,7 +22,7 @@ import torch
 from ..schemes.codebook_store import decode_shared, decode_u8
 from .kmeans import assign_sorted, kmeans_rows
 
-__all__ = ["to_u8", "fit_shared", "fit_rows", "stored_specs"]
+__all__ = ["to_u8", "fit_shared", "fit_rows", "stored_specs", "project_centroids"]
 
 _FP16_TINY = 2.0 ** -14  # smallest normal fp16: row scales stay at or above it
 
@@ -139,3 +139,15 @@ def fit_rows(W: torch.Tensor, bits: int, imp: torch.Tensor | None, *, storage: s
     for r0 in range(0, W.shape[0], step):  # the nearest decoded centroid (the k-means codes were for fp16 ones)
         codes[r0:r0 + step] = assign_sorted(W[r0:r0 + step].float().cpu(), book[r0:r0 + step]).to(torch.uint8)
     return book, codes, {"codebook_u8": q, "codebook_range": rng}, params
+
+
+def project_centroids(c: torch.Tensor, storage: str) -> tuple[torch.Tensor, dict]:
+    """Ascending centroids c [R, K] (any float) onto the grid of ``storage`` ("f16" or "u8"): (decoded fp16
+    [R, K], ascending, the stored tensors)."""
+    if storage == "u8":
+        q, rng, book = to_u8(c.float())
+        return book, {"codebook_u8": q, "codebook_range": rng}
+    if storage == "f16":
+        book = c.to(torch.float16)
+        return book, {"codebook": book}
+    raise ValueError(f"no centroid projection for the {storage!r} storage")

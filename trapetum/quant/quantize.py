@@ -53,7 +53,7 @@ from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
 from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
-from .codebook_fit import fit_rows, stored_specs
+from .codebook_fit import fit_rows, project_centroids, stored_specs
 from .recipe import Recipe, bits_choices, parse_bits_overrides  # noqa: F401  (re-exported: the recipe's home was here)
 from .source_bits import already_quantized
 from ..kernels.pack import pack_codes, packed_width
@@ -153,9 +153,10 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
         toks = calibrate.sampled_calibration_tokens(dec, bos, recipe.calib_seqs, recipe.calib_sample_len,
                                                     seed=recipe.seed, progress=progress)
         what = f"{toks.shape[0]} sequences x {toks.shape[1]} tokens sampled from the model (seed {recipe.seed})"
-    if bounded:  # one block of the source at a time
-        dec = None
-        stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
+    if bounded or recipe.gptq:  # one block of the source at a time (GPTQ's Hessians: always so)
+        dec, bounded = None, True
+        stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress,
+                                                        hessians=recipe.gptq)
     else:
         stats = calibrate.collect_input_stats(dec, toks, progress=progress)
     note = calibrate.expert_fallback(stats, ckpt.config)
@@ -169,14 +170,23 @@ _POST_CHUNK = 1 << 21  # elements per step of packing and error measurement (~70
 
 
 def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
-                     bias: torch.Tensor | None, storage: str = "f16") -> tuple[QuantRecord, dict[str, float]]:
+                     bias: torch.Tensor | None, storage: str = "f16",
+                     hess: torch.Tensor | None = None) -> tuple[QuantRecord, dict[str, float]]:
     """k-means (``codebook_fit.fit_rows``: the codebook in ``storage``, shared tables of
-    ``recipe.head_group_rows`` rows), then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)||
+    ``recipe.head_group_rows`` rows), with ``hess`` (E[x x^T] of the input) and ``recipe.gptq`` refined by
+    ``gptq.gptq_refine`` (error-compensated codes, Hessian-weighted codebooks), then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)||
     row chunk by row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
     its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take."""
     book, codes, stored, params = fit_rows(W, bits, imp, storage=storage, group_rows=recipe.head_group_rows,
                                            iters=recipe.iters, starts=recipe.starts, device=device)
     R, C = W.shape  # codes uint8 [R, C], book: the decoded fp16 [R, K] (CPU)
+    err_h = {}
+    if hess is not None and recipe.gptq and storage != "shared":
+        from .gptq import gptq_refine
+        book, codes, stored, info = gptq_refine(
+            W.to(device), hess.to(device), book, codes, lambda c: project_centroids(c, storage), stored,
+            rounds=recipe.gptq_rounds, block=recipe.gptq_block, damp=recipe.gptq_damp)
+        err_h = {"hessian_gain": info["objective"] / max(info["objective_start"], 1e-300)}
     packed = torch.empty(R, packed_width(C, bits), dtype=torch.uint8)
     w = None if imp is None else imp.to(W.device, torch.float64)
     num = den = num_w = den_w = 0.0
@@ -198,7 +208,7 @@ def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe
     rec = QuantRecord("codebook", (R, C), params, {"codes": packed, **stored},
                       None if bias is None else bias.detach().to(torch.float16).cpu())
     err = {"rel_err": math.sqrt(num / max(den, 1e-300)),
-           "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan")}
+           "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan"), **err_h}
     return rec, err
 
 
@@ -288,7 +298,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
         if bias and bias_src is None and may_be_record(src):
             rec = T[src]
             record_bias = isinstance(rec, QuantRecord) and rec.bias is not None
-        storage = recipe.codebook if kw.get("layer") is not None else recipe.head_codebook
+        storage = recipe.storage_for(bits) if kw.get("layer") is not None else recipe.head_codebook
         jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw,
                          storage=storage))
 
@@ -398,7 +408,9 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     shape, Wf = list(W.shape), W.float()
                     if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
                         W = src = None
-                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b, j.storage)
+                    hess = (stats.hessians or {}).get(j.imp) if recipe.gptq and getattr(stats, "hessians", None) \
+                        and j.layer is not None else None
+                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b, j.storage, hess)
                     del Wf
                     row = {"name": j.out, "bits": j.bits, "shape": shape, **err,
                            "seconds": time.perf_counter() - t0}
@@ -415,7 +427,8 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     src = None
             if j.layer is not None and (nxt is None or nxt.layer != j.layer):  # end of a layer
                 if rows:
-                    msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}" for r in rows)
+                    msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}"  # GPTQ: output error ratio
+                                    + (f"(H x{r['hessian_gain']:.2f})" if "hessian_gain" in r else "") for r in rows)
                     bar.set_postfix_str(f"max rel err {max(r['rel_err'] for r in rows):.4f}")
                     (tqdm.write if progress else log)(f"layer {j.layer:3d}  rel. weight error  {msg}")
                 rows = []
@@ -506,6 +519,10 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
     if stats is None and recipe.weighted and recipe.calib != "none":
         stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
                                   mem_budget_gb=mem_budget_gb)
+    if recipe.target_bpw is not None or recipe.target_mb is not None:  # mixed precision: bits per projection
+        from .allocate import plan_bits
+        recipe = plan_bits(ckpt, recipe, plan, stats, device, log).validate()
+        plan = plan_quantization(ckpt, recipe)
     report: list[dict[str, Any]] = []
     prov0 = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format}
     writer = CbkWriter(out, config=plan.config, tokenizer=ckpt.tokenizer, recipe=recipe.to_dict(), provenance=prov0,
