@@ -205,3 +205,19 @@ def test_hostile_compact_records(case):
     rec = QuantRecord("codebook", (R, 4), params, tensors)
     with pytest.raises(FormatError, match=want):
         check_compact(rec, "x", R, K)
+
+
+def test_cbk_sizes_script_accounts_for_every_byte(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("cbk_sizes", Path(__file__).parents[1] / "scripts" / "cbk_sizes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg, dense, quantized = _compact_model("u8")
+    path = write_cbk(tmp_path / "c.cbk", config=cfg, dense=dense, quantized=quantized, tokenizer=tiny_tokenizer())
+    d = mod.breakdown(str(path))
+    assert sum(b for _, _, b, _ in d["rows"]) + d["header"]["bytes"] == path.stat().st_size
+    roles = {r for _, r, _, _ in d["rows"]}
+    assert {"codes", "codebook_u8", "codebook_range", "codebook_shared", "row_scale", "dense"} <= roles
+    assert mod.main([str(path)]) == 0 and "codebook_shared" in capsys.readouterr().out
