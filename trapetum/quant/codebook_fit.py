@@ -49,8 +49,10 @@ def _objective(W: torch.Tensor, book: torch.Tensor, codes: torch.Tensor, w: torc
 
 
 def _fit_groups(W: torch.Tensor, K: int, w: torch.Tensor, G: int, iters: int, starts, rounds: int):
-    """One chunk: W [n * G' , C] float32 (G' = G, or fewer rows for a last, short group), w [C] float64 > 0."""
+    """One chunk: W [n * G' , C] float32 (G' = G, or fewer rows for a last, short group), w [C] float64 > 0, both on
+    the device of the work."""
     R, C = W.shape
+    dev = W.device
     n = -(-R // G)
     Wd = W.double()
     s = ((Wd * Wd * w).sum(1) / w.sum()).sqrt().clamp_min(_FP16_TINY)  # [R]
@@ -60,9 +62,9 @@ def _fit_groups(W: torch.Tensor, K: int, w: torch.Tensor, G: int, iters: int, st
     for g0 in range(n):  # rows of one group pooled into one k-means row
         z = Z[g0 * G:(g0 + 1) * G].reshape(1, -1)
         wg = w.float().repeat(z.shape[1] // C)
-        tables.append(kmeans_rows(z, K, wg, iters=iters, starts=starts).codebook)
+        tables.append(kmeans_rows(z, K, wg, iters=iters, starts=starts).codebook.to(dev))
     T16 = torch.cat(tables)  # [n, K] fp16 ascending
-    grp = torch.arange(R) // G
+    grp = torch.arange(R, device=dev) // G
     best = None
     for t in range(rounds + 1):
         book = decode_shared(T16, s16, G)
@@ -78,30 +80,35 @@ def _fit_groups(W: torch.Tensor, K: int, w: torch.Tensor, G: int, iters: int, st
         s16 = s_new.clamp_min(_FP16_TINY).to(torch.float16)
         sd = s16.double().unsqueeze(1)
         idx = (grp.unsqueeze(1) * K + codes).reshape(-1)
-        num = torch.zeros(n * K, dtype=torch.float64).index_add_(0, idx, (sd * Wd * w).reshape(-1))
-        dd = torch.zeros(n * K, dtype=torch.float64).index_add_(0, idx, (sd * sd * w).expand(R, C).reshape(-1))
+        num = torch.zeros(n * K, dtype=torch.float64, device=dev).index_add_(0, idx, (sd * Wd * w).reshape(-1))
+        dd = torch.zeros(n * K, dtype=torch.float64, device=dev).index_add_(0, idx,
+                                                                            (sd * sd * w).expand(R, C).reshape(-1))
         T = torch.where(dd > 0, num / dd.clamp_min(1e-300), T16.double().reshape(-1)).view(n, K)
         T16 = T.sort(1).values.to(torch.float16)
     return best
 
 
 def fit_shared(W: torch.Tensor, K: int, imp: torch.Tensor | None, group_rows: int, *, iters: int = 60,
-               starts: tuple[str, ...] = ("cuberoot", "grid"), rounds: int = 3,
-               chunk_elems: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shared, row-scaled codebooks for W [R, C] (CPU): (table fp16 [ceil(R / G), K], row_scale fp16 [R],
-    decoded codebook fp16 [R, K], codes uint8 [R, C]). ``imp``: E[x^2] [C] (None: uniform)."""
+               starts: tuple[str, ...] = ("cuberoot", "grid"), rounds: int = 3, chunk_elems: int | None = None,
+               device: str | torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared, row-scaled codebooks for W [R, C], computed on ``device`` (default: W's): (table fp16
+    [ceil(R / G), K], row_scale fp16 [R], decoded codebook fp16 [R, K], codes uint8 [R, C]), all on the CPU.
+    ``imp``: E[x^2] [C] (None: uniform)."""
     R, C = W.shape
     G = int(group_rows)
-    w = (torch.ones(C, dtype=torch.float64) if imp is None else imp.double().cpu())
+    dev = torch.device(device) if device is not None else W.device
+    if chunk_elems is None:  # as kmeans_rows: ~100 bytes of work per element
+        chunk_elems = 1 << (25 if dev.type == "cuda" else 22)
+    w = (torch.ones(C, dtype=torch.float64) if imp is None else imp.double()).to(dev)
     w = w + 1e-6 * w.mean().clamp_min(1e-30)  # as kmeans_rows damps zero weights
     step = G * max(1, chunk_elems // max(1, G * C))  # whole groups per chunk
     tables, scales, books, codes = [], [], [], []
     for r0 in range(0, R, step):
-        _, T16, s16, book, a = _fit_groups(W[r0:r0 + step].float().cpu(), K, w, G, iters, starts, rounds)
-        tables.append(T16)
-        scales.append(s16)
-        books.append(book)
-        codes.append(a.to(torch.uint8))
+        _, T16, s16, book, a = _fit_groups(W[r0:r0 + step].to(dev, torch.float32), K, w, G, iters, starts, rounds)
+        tables.append(T16.cpu())
+        scales.append(s16.cpu())
+        books.append(book.cpu())
+        codes.append(a.to(torch.uint8).cpu())
     return torch.cat(tables), torch.cat(scales), torch.cat(books), torch.cat(codes)
 
 
@@ -128,7 +135,7 @@ def fit_rows(W: torch.Tensor, bits: int, imp: torch.Tensor | None, *, storage: s
     if storage == "shared":
         if imp is not None and imp.dim() != 1:
             raise ValueError("shared codebooks take per-channel weights [C] only")
-        T16, s16, book, codes = fit_shared(W.cpu(), K, imp, int(group_rows), iters=iters, starts=starts)
+        T16, s16, book, codes = fit_shared(W, K, imp, int(group_rows), iters=iters, starts=starts, device=device)
         return book, codes, {"codebook_shared": T16, "row_scale": s16}, params
     res = kmeans_rows(W, K, imp, iters=iters, starts=starts, device=device)
     if storage == "f16":
@@ -136,8 +143,10 @@ def fit_rows(W: torch.Tensor, bits: int, imp: torch.Tensor | None, *, storage: s
     q, rng, book = to_u8(res.codebook)
     codes = torch.empty_like(res.codes)
     step = max(1, (1 << 21) // max(1, W.shape[1]))
+    dev = torch.device(device) if device is not None else W.device
     for r0 in range(0, W.shape[0], step):  # the nearest decoded centroid (the k-means codes were for fp16 ones)
-        codes[r0:r0 + step] = assign_sorted(W[r0:r0 + step].float().cpu(), book[r0:r0 + step]).to(torch.uint8)
+        a = assign_sorted(W[r0:r0 + step].to(dev, torch.float32), book[r0:r0 + step].to(dev))
+        codes[r0:r0 + step] = a.to(torch.uint8).cpu()
     return book, codes, {"codebook_u8": q, "codebook_range": rng}, params
 
 
