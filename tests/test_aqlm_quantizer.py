@@ -96,7 +96,7 @@ def test_resume_gives_same_file(tmp_path):
     assert not (tmp_path / "b.cbk.parts").exists()
     f = open_cbk(b)
     assert f.layers["model.layers.0.mlp.up_proj.weight"].scheme == "aqlm"
-    assert f.layers["lm_head.weight"].params == {"bits": 8}
+    assert f.layers["lm_head.weight"].params == {"bits": 8, "codebook": "shared", "group_rows": 512}  # the scalar head
 
 
 @pytest.mark.parametrize("scheme", ["aqlm-2x8", pytest.param("aqlm-1x16", marks=pytest.mark.slow)])
@@ -170,13 +170,16 @@ def test_tied_model_shares_one_8bit_table(tmp_path):
     f, g = open_cbk(shared), open_cbk(apart)
     assert f.config.tie_word_embeddings and not g.config.tie_word_embeddings
     assert _head_tensors(shared) == {"model.embed_tokens.codes": ("U8", (300, 64)),
-                                     "model.embed_tokens.codebook": ("F16", (300, 256))}
+                                     "model.embed_tokens.codebook_shared": ("F16", (1, 256)),
+                                     "model.embed_tokens.row_scale": ("F16", (300,))}
     assert _head_tensors(apart) == {"model.embed_tokens.weight": ("F16", (300, 64)),
                                     "lm_head.codes": ("U8", (300, 64)),
-                                    "lm_head.codebook": ("F16", (300, 256))}
-    assert f.layers["model.embed_tokens.weight"].params == {"bits": 8} and "lm_head.weight" not in f.layers
+                                    "lm_head.codebook_shared": ("F16", (1, 256)),
+                                    "lm_head.row_scale": ("F16", (300,))}
+    assert f.layers["model.embed_tokens.weight"].params == {"bits": 8, "codebook": "shared", "group_rows": 512}
+    assert "lm_head.weight" not in f.layers
     # the shared table is the head's table (same k-means, same final-norm weighting), stored once
-    for role in ("codes", "codebook"):
+    for role in ("codes", "codebook_shared", "row_scale"):
         assert torch.equal(f.record("model.embed_tokens.weight").tensors[role],
                            g.record("lm_head.weight").tensors[role])
     saved = g.file_bytes - f.file_bytes
@@ -231,7 +234,8 @@ def test_untied_model_keeps_fp16_embedding_and_8bit_head(tmp_path):
     assert not f.config.tie_word_embeddings and not qm.config.tie_word_embeddings
     assert _head_tensors(cbk) == {"model.embed_tokens.weight": ("F16", (300, 64)),
                                   "lm_head.codes": ("U8", (300, 64)),
-                                  "lm_head.codebook": ("F16", (300, 256))}
+                                  "lm_head.codebook_shared": ("F16", (1, 256)),
+                                  "lm_head.row_scale": ("F16", (300,))}
     assert torch.equal(f.tensor("model.embed_tokens.weight"),
                        load_file(str(src / "model.safetensors"))["model.embed_tokens.weight"].half())
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 12, 5]])

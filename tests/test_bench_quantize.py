@@ -13,6 +13,8 @@ def test_bench_quantize_tiny_shape(monkeypatch, capsys):
         num_kv_heads=2, head_dim=16, max_position_embeddings=256))
     r = run("tiny-test", "cpu", None, layers=2)
     assert r["layers"] == 2 and r["seconds"] > 0 and r["file_bytes"] > 0
+    g = run("tiny-test", "cpu", None, layers=2, gptq=True)  # the --gptq recipe, random Hessians
+    assert g["layers"] == 2 and "GPTQ" in g["recipe"] and abs(g["file_bytes"] - r["file_bytes"]) < 4096  # recipe text
     assert main(["bench", "quantize", "--shape", "nope"]) == 1
     assert "unknown shape" in capsys.readouterr().err
 

@@ -202,7 +202,7 @@ def test_tampered_tensor_fails_verify(tmp_path, capsys):
     assert not out and len(err.splitlines()) == 1 and err.startswith("trapetum: error: ") and str(path) in err
 
 
-@pytest.mark.parametrize("version", [2, 0, 99])
+@pytest.mark.parametrize("version", [3, 0, 99])
 def test_other_version_refused(tmp_path, version):
     path = tmp_path / "m.cbk"
     write_tiny(path)
@@ -213,7 +213,7 @@ def test_other_version_refused(tmp_path, version):
     path.write_bytes(join_file(header, body))
     with pytest.raises(FormatError) as e:
         open_cbk(path)
-    assert str(e.value) == f"{path} has .cbk version {version}; this build reads version 1"
+    assert str(e.value) == f"{path} has .cbk version {version}; this build reads versions 1 and 2"
     _, problems = verify_cbk(path)
     assert problems == [str(e.value)]
 

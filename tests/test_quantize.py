@@ -9,6 +9,7 @@ import torch
 import trapetum
 from trapetum.schemes.codebook import CodebookLinear
 from trapetum.quant.quantize import Recipe, quantize_checkpoint, quantize_to_cbk
+from trapetum.schemes.codebook_store import expand
 
 
 def _tiny_llama(path, tie: bool, bias: bool = False):
@@ -71,7 +72,7 @@ def test_quantize_tiny_end_to_end(tiny_dir, calib_file, tmp_path, calib):
     # read back: the decoder's projections are CodebookLinear and equal what we wrote
     mod = q.decoder.get_submodule("model.layers.1.mlp.down_proj")
     assert isinstance(mod, CodebookLinear) and mod.bits == 4
-    rec = qm.quantized["model.layers.1.mlp.down_proj.weight"]
+    rec = expand(qm.quantized["model.layers.1.mlp.down_proj.weight"])  # stored "u8": the decoded fp16 book
     assert torch.equal(mod.codes.cpu(), rec.tensors["codes"]) and torch.equal(mod.codebook.cpu(), rec.tensors["codebook"])
     head = q.decoder.get_submodule("lm_head")
     assert isinstance(head, CodebookLinear) and head.bits == 8
@@ -110,7 +111,7 @@ def test_tied_8bit_embedding_shares_one_table(tiny_dir, tmp_path, embed_bits):
     m = trapetum.load(str(path))
     ids = torch.tensor([[5, 7, 9]])
     emb = m.decoder.model.embed_tokens(ids)
-    W = torch.gather(qm.quantized["model.embed_tokens.weight"].tensors["codebook"].float(), 1,
+    W = torch.gather(expand(qm.quantized["model.embed_tokens.weight"]).tensors["codebook"].float(), 1,
                      __import__("trapetum.kernels.pack", fromlist=["x"]).unpack_codes(
                          qm.quantized["model.embed_tokens.weight"].tensors["codes"], 8, 64).long())
     assert torch.equal(emb[0], W[[5, 7, 9]])

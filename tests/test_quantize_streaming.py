@@ -266,9 +266,12 @@ def _measure(out_dir: str) -> None:
     from trapetum.models.config import ModelConfig
     from trapetum.quant import quantize as Q
 
+    from trapetum.quant import codebook_fit
+
     torch.set_num_threads(1)
-    Q.kmeans_rows = _fast_kmeans
-    recipe = Q.Recipe(bits=8, head_bits=8, embed_bits=None, weighted=False, calib="none", iters=0)
+    codebook_fit.kmeans_rows = _fast_kmeans  # quantize_matrix's k-means (codebook_fit.fit_rows)
+    recipe = Q.Recipe(bits=8, head_bits=8, embed_bits=None, weighted=False, calib="none", iters=0,
+                      codebook="f16", codebook8="f16", head_codebook="f16")  # the byte arithmetic: fp16 codebooks
     Q.quantize_matrix(torch.randn(8, 16), 8, None, recipe, "cpu", None)  # warm up (lazy imports)
     results = []
     for k, (mode, layers) in enumerate(RUNS):

@@ -60,6 +60,7 @@ def register(subparsers) -> None:
                         "aqlm-1x16: the additive quantizer (the names of `trapetum quantize --scheme`)")
     q.add_argument("--work", default=None,
                    help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
+    q.add_argument("--gptq", action="store_true", help="scalar: the recipe of `trapetum quantize --gptq` (random Hessians)")
     q.set_defaults(func=_quantize)
     c = sub.add_parser("cli", populate=_cli_arguments,
                        help="CLI start-up times (--help, info) and the default thread count against fixed "
@@ -168,5 +169,5 @@ def _quantize(args) -> int:
     if scheme not in ("cb4", "aqlm-2x8", "aqlm-1x16"):
         raise TrapetumError(f"--scheme: unknown scheme {args.scheme!r} (known: {', '.join(QUANT_SCHEMES)})")
     run(args.shape, args.device or ("cuda" if torch.cuda.is_available() else "cpu"), None, args.layers,
-        scheme=scheme, keep=work_cbk(getattr(args, "work", None), scheme))
+        scheme=scheme, keep=work_cbk(getattr(args, "work", None), scheme), gptq=getattr(args, "gptq", False))
     return 0

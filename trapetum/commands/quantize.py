@@ -32,6 +32,26 @@ def register(sub) -> None:
     p.add_argument("--layer-bits", action="append", default=[], metavar="PATTERN=BITS",
                    help="bits for matching projections, e.g. '*.mlp.down_proj=8' (repeatable, first match wins)")
     p.add_argument("--iters", type=int, default=60, help="Lloyd iterations per start (default 60)")
+    p.add_argument("--codebook", default="u8", choices=["f16", "u8", "shared"],
+                   help="how the layers' per-row codebooks are stored: u8 (default: 8-bit centroids on a per-row "
+                        "range, .cbk version 2), f16 (as version 1 wrote them) or shared (tables shared by groups "
+                        "of rows, scaled per row)")
+    p.add_argument("--head-codebook", default="shared", choices=["f16", "u8", "shared"],
+                   help="the same for the embedding and LM head (default shared: one table per "
+                        "--head-group-rows rows, scaled per row; f16: 256 fp16 centroids per row at 8 bits)")
+    p.add_argument("--head-group-rows", type=int, default=512, metavar="N",
+                   help="rows per shared table (default 512)")
+    p.add_argument("--gptq", action="store_true",
+                   help="error-compensated codes (GPTQ with the per-row codebooks: input Hessians from calibration, "
+                        "each column's error fed to the next) and Hessian-weighted codebook refits; needs calibration")
+    p.add_argument("--gptq-rounds", type=int, default=2, metavar="N",
+                   help="rounds of GPTQ assignments and codebook refits (default 2)")
+    p.add_argument("--target-bpw", type=float, default=None, metavar="B",
+                   help="mixed precision: choose 2, 3, 4 or 8 bits per layer projection from its measured "
+                        "sensitivity so that the layer projections average B bits per weight, codebooks included "
+                        "(--layer-bits / --keep-fp16 matches stay as given)")
+    p.add_argument("--target-size", type=float, default=None, metavar="MB",
+                   help="mixed precision as --target-bpw, with the whole file's size (MB, 10^6 bytes) as the budget")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--scheme", default="scalar", choices=["scalar", "aqlm-2x8", "aqlm-1x16"],
@@ -68,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     calib = args.calib
     recipe = Recipe(bits=args.bits, head_bits=bits_or_none(args.head_bits, "--head-bits"),
                     embed_bits=_embed_bits(args), weighted=calib != "none", calib=calib, calib_seqs=args.calib_seqs,
-                    iters=args.iters, keep_fp16=list(args.keep_fp16),
+                    iters=args.iters, keep_fp16=list(args.keep_fp16), codebook=args.codebook,
+                    head_codebook=args.head_codebook, head_group_rows=args.head_group_rows, gptq=args.gptq,
+                    gptq_rounds=args.gptq_rounds, target_bpw=args.target_bpw, target_mb=args.target_size,
                     bits_overrides=parse_bits_overrides(args.layer_bits)).validate()
     path, qm = quantize_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
                                mem_budget_gb=budget)
@@ -78,12 +100,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_additive(args: argparse.Namespace, device: str, budget: float | None) -> int:
     """``--scheme aqlm-2x8|aqlm-1x16`` (trapetum/quant/additive_driver.py): uses --head-bits, --embed-bits,
-    --calib, --calib-seqs, --device, --quiet; the scalar-only options do not apply."""
+    --head-codebook, --head-group-rows, --calib, --calib-seqs, --device, --quiet; the scalar-only options do not
+    apply."""
     from ..quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
 
     recipe = AdditiveRecipe(scheme=args.scheme, head_bits=bits_or_none(args.head_bits, "--head-bits"),
                             embed_bits=_embed_bits(args), weighted=args.calib != "none", calib=args.calib,
-                            calib_seqs=args.calib_seqs).validate()
+                            calib_seqs=args.calib_seqs, head_codebook=args.head_codebook,
+                            head_group_rows=args.head_group_rows).validate()
     path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
                                         mem_budget_gb=budget)
     _report(path, qm, "codebooks and scales included")

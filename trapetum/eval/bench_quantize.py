@@ -73,6 +73,26 @@ def random_stats(cfg: ModelConfig, device: str) -> dict[str, torch.Tensor]:
     return stats
 
 
+class RandomHessians:
+    """``Stats.hessians`` for ``--gptq``: E[x x^T] of each projection's input, made on access (seeded by the
+    input's name, on the device): diag(E[x^2]) plus a rank-C/8 positive part, the shape of a real layer's
+    second moment. q/k/v and gate/up share an input (its name), as calibration gives them one matrix; each access
+    computes it again (a [C, C/8] x [C/8, C] product: milliseconds on a GPU, inside the timed region)."""
+
+    def __init__(self, stats: dict[str, torch.Tensor], device: str):
+        self.stats, self.device = stats, device
+
+    def get(self, name: str, default=None):
+        d = self.stats.get(name)
+        if d is None or name == "lm_head":
+            return default
+        shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        g = torch.Generator(device=self.device).manual_seed(zlib.crc32(shared.encode()))
+        C = d.shape[0]
+        A = torch.randn(C, max(1, C // 8), device=self.device, generator=g) / C ** 0.5
+        return torch.diag(d) + A @ A.T
+
+
 SCHEMES = ("cb4", "aqlm-2x8", "aqlm-1x16")
 
 
@@ -88,12 +108,14 @@ def work_cbk(work: str | None, scheme: str) -> Path | None:
 
 
 def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None, scheme: str = "cb4",
-        keep: Path | None = None, additive_settings: dict | None = None, stop_after: int | None = None) -> dict:
+        keep: Path | None = None, additive_settings: dict | None = None, stop_after: int | None = None,
+        gptq: bool = False) -> dict:
     """Time one quantizer run and print one JSON line. ``keep``: write the .cbk there (kept) instead of
     a temporary directory (additive schemes), its ``.parts`` work folder next to it: a run killed before
     the end leaves its finished layers there and the next run with the same ``keep`` resumes from them
     (``--work``). ``additive_settings``: AdditiveRecipe field overrides (tests; the benchmark uses the
-    defaults). ``stop_after``: the driver stops after that many computed layers (tests of resuming)."""
+    defaults). ``stop_after``: the driver stops after that many computed layers (tests of resuming). ``gptq``:
+    the scalar recipe with ``--gptq`` (``RandomHessians`` in place of calibration's)."""
     spec = dict(SHAPES[shape])
     full_layers = spec["num_layers"]
     if layers:
@@ -104,7 +126,10 @@ def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None
     if scheme != "cb4":
         return _run_additive(shape, scheme, cfg, full_layers, ckpt, stats, device, out_dir, keep,
                              additive_settings or {}, stop_after)
-    recipe = Recipe(bits=4, head_bits=8, embed_bits=None).validate()
+    recipe = Recipe(bits=4, head_bits=8, embed_bits=None, gptq=gptq).validate()
+    if gptq:
+        from ..quant.calibrate import Stats
+        stats = Stats(stats, {}, RandomHessians(stats, device))
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         if device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -116,7 +141,8 @@ def run(shape: str, device: str, out_dir: Path | None, layers: int | None = None
     res = {"shape": shape, "scheme": "cb4", "layers": cfg.num_layers, "device": device,
            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
            "seconds": round(seconds, 2), "file_bytes": size, "date": time.strftime("%Y-%m-%d"),
-           "recipe": "4-bit projections (E[x^2]-weighted k-means, random statistics), 8-bit head, fp16 embedding"}
+           "recipe": "4-bit projections (E[x^2]-weighted k-means, random statistics" + (
+               ", then GPTQ with random Hessians" if gptq else "") + "), 8-bit head, fp16 embedding"}
     print(json.dumps(res))
     return res
 
@@ -219,8 +245,10 @@ def main(argv=None) -> int:
                    help="cb4: 4-bit scalar codebooks (default); aqlm-2x8 / aqlm-1x16: the additive driver")
     p.add_argument("--work", default=None,
                    help="additive schemes: keep DIR/model.cbk and its .parts folder; a killed run resumes from there")
+    p.add_argument("--gptq", action="store_true", help="cb4 with quantize --gptq (random Hessians)")
     a = p.parse_args(argv)
-    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers, scheme=a.scheme, keep=work_cbk(a.work, a.scheme))
+    run(a.shape, a.device, Path(a.out) if a.out else None, a.layers, scheme=a.scheme, keep=work_cbk(a.work, a.scheme),
+        gptq=a.gptq)
     return 0
 
 

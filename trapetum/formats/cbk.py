@@ -1,7 +1,7 @@
 """The ``.cbk`` file: specification, writer and reader (see also docs/CBK.md).
 
-Specification, version 1
-------------------------
+Specification, versions 1 and 2
+-------------------------------
 A ``.cbk`` file is a valid safetensors file (any safetensors reader can list and load its tensors)::
 
     [8 bytes]  N: little-endian unsigned 64-bit length of the header
@@ -38,7 +38,11 @@ The writer stores a quantized projection ``P.weight`` as ``P.<role>`` (``P.codes
 Tensors are laid out by descending element size so every tensor is aligned to its element size
 (a reader copies a misaligned tensor instead of mapping it).
 
-Readers refuse another ``version`` with "<file> has .cbk version X; this build reads version 1",
+Version 2 differs in one point: a codebook layer may store its centroids compactly (``params["codebook"]``
+"u8" or "shared", schemes/codebook_store.py; decoded to the fp16 [out, K] codebook at load). Writers write
+version 1 unless a layer needs 2, and a version-1 file with a compact codebook is refused.
+
+Readers refuse another ``version`` with "<file> has .cbk version X; this build reads versions 1 and 2",
 ignore unknown top-level metadata keys (a change an older reader must not ignore bumps the version),
 and validate everything before use: header size against the file size, JSON (no duplicate keys,
 no NaN), dtypes, shapes, offsets (in range, contiguous, covering the data exactly), the metadata
@@ -67,8 +71,8 @@ from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
 from ..models.checkpoint import Checkpoint, LazyTensors
 from .cbk_spec import (
-    DTYPES, FORMAT_NAME, HEX64, IO_CHUNK, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, VERSION, LayerEntry, StoredTensor,
-    TensorSpec, check_model, format_label, header_digest, itemsize, one_line)
+    DTYPES, FORMAT_NAME, HEX64, IO_CHUNK, MAX_DIMS, MAX_ELEMENTS, MAX_HEADER_BYTES, READ_VERSIONS, VERSION, LayerEntry,
+    StoredTensor, TensorSpec, check_model, file_version, format_label, header_digest, itemsize, one_line, versions_text)
 from .cbk_meta import check_generation, check_provenance, check_recipe, check_sparsity, check_tokenizer
 from .cbk_spec import DTYPE_NAMES, FLOAT_DTYPES, QuantSpec  # noqa: F401  (re-exported: the format's public names)
 from .cbk_write import CbkWriter, write_cbk  # noqa: F401  (the writer is part of this module's API)
@@ -234,8 +238,8 @@ class CbkFile:
         version = meta.get("version")
         if not _is_int(version):
             fail(f"version is {one_line(repr(version), 40)}, expected an integer")
-        if version != VERSION:
-            raise FormatError(f"{self.path} has .cbk version {version}; this build reads version {VERSION}")
+        if version not in READ_VERSIONS:
+            raise FormatError(f"{self.path} has .cbk version {version}; this build reads {versions_text()}")
         table = {n: (t.dtype, t.shape, t.begin - self.header_bytes, t.end - self.header_bytes)
                  for n, t in self.tensors_table.items()}
         if md.get("trapetum_sha256") not in (header_digest(md["trapetum"], table),
@@ -286,6 +290,8 @@ class CbkFile:
         dense = meta["dense"]
         if not isinstance(dense, list) or not all(isinstance(n, str) for n in dense):
             fail("dense is not a list of tensor names")
+        if version < file_version(meta["layers"]):
+            fail(f"version is {version}, but a layer stores its codebook compactly (needs version {VERSION})")
         specs = {n: TensorSpec(t.dtype, t.shape) for n, t in self.tensors_table.items()}
         check_model(self.config, layers, dense, specs, fail)
         self.layers, self.dense = layers, list(dense)

@@ -16,7 +16,11 @@ from ..schemes.record import QuantRecord
 from ..models.schema import expected_names, expected_shapes
 
 FORMAT_NAME = "trapetum-cbk"
-VERSION = 1
+# Version 2 (2026-12-01): codebook layers may store their centroids compactly (params "codebook": "u8" or
+# "shared", schemes/codebook_store.py). The writer writes version 1 unless a layer needs version 2, so plain files
+# stay readable by older builds; a version-1 file that holds a compact codebook is refused.
+VERSION = 2
+READ_VERSIONS = (1, 2)
 MAX_HEADER_BYTES = 100 * 2**20  # the safetensors library's own limit
 MAX_DIMS = 8
 MAX_ELEMENTS = 2**62
@@ -102,6 +106,19 @@ class LayerEntry:
     params: dict[str, Any]
     tensors: dict[str, str]  # role -> stored name
     bias: str | None = None
+
+
+def versions_text() -> str:
+    """"versions 1 and 2": what this build reads, as the error messages say it."""
+    *head, last = (str(v) for v in READ_VERSIONS)
+    return f"versions {', '.join(head)} and {last}" if head else f"version {last}"
+
+
+def file_version(layers: Mapping[str, Any]) -> int:
+    """The version a file with these layers (canonical name -> meta dict with "scheme" and "params") is written
+    as: 1 unless a layer uses a version-2 feature (``needs_v2``)."""
+    from ..schemes.codebook_store import needs_v2
+    return VERSION if any(needs_v2(d.get("scheme"), d.get("params")) for d in layers.values()) else 1
 
 
 def format_label(scheme: str, params: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ from ..models.config import ModelConfig
 from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
 from .cbk_spec import (
-    IO_CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, VERSION, LayerEntry, QuantSpec, TensorSpec, check_model,
+    IO_CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, LayerEntry, QuantSpec, TensorSpec, check_model, file_version,
     header_digest, itemsize, one_line)
 
 _MOVE_CHUNK = 16 * 2**20  # bytes per step when commit moves the data to grow the header
@@ -94,7 +94,7 @@ class CbkWriter:
         self._created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         prov = {"tool_version": __version__, "created": self._created, **(provenance or {})}
         self.meta: dict[str, Any] = {  # JSON copies: later changes to the arguments cannot reach the file
-            "format": FORMAT_NAME, "version": VERSION, "config": self._plain(config.to_dict(), "config"),
+            "format": FORMAT_NAME, "version": 1, "config": self._plain(config.to_dict(), "config"),
             "tokenizer": self._plain(tokenizer.to_dict(), "tokenizer") if tokenizer is not None else None,
             "generation": self._plain(generation, "generation") if generation else None,
             "layers": {}, "dense": [], "recipe": self._plain(recipe, "recipe") if recipe is not None else None,
@@ -170,6 +170,7 @@ class CbkWriter:
         self._layers[name] = LayerEntry(name, spec.scheme, shape, params, roles, bias)
         self.meta["layers"][name] = {"scheme": spec.scheme, "shape": list(shape), "params": params,
                                      "tensors": roles, "bias": bias}
+        self.meta["version"] = file_version(self.meta["layers"])
 
     # -- writing -------------------------------------------------------------------------------
     def _header(self, length: int | None = None) -> bytes:

@@ -68,6 +68,8 @@ class AdditiveRecipe:
     iters: int = 6  # beam-search / least-squares rounds
     beam_steps: int = 2
     kmeans_iters: int = 10
+    head_codebook: str = "shared"  # the scalar head's codebook storage, as quantize.Recipe.head_codebook
+    head_group_rows: int = 512
 
     def validate(self) -> "AdditiveRecipe":
         if self.scheme not in SCHEMES:
@@ -84,7 +86,8 @@ class AdditiveRecipe:
         """The scalar recipe whose calibration (and LM head / embedding) this run shares."""
         return Recipe(bits=4, head_bits=self.head_bits, embed_bits=self.embed_bits, weighted=self.weighted,
                       calib=self.calib, calib_seqs=self.calib_seqs, calib_len=self.calib_len,
-                      calib_sample_len=self.calib_sample_len, seed=self.seed)
+                      calib_sample_len=self.calib_sample_len, seed=self.seed, head_codebook=self.head_codebook,
+                      head_group_rows=self.head_group_rows)
 
     def to_dict(self) -> dict[str, Any]:
         M, nb = SCHEMES[self.scheme]
@@ -194,9 +197,9 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     t0 = time.perf_counter()
     fp = model_fingerprint(ckpt)
     stats = _stats(ckpt, recipe, work, fp, device, progress, log, mem_budget_gb)
-    # what a layer part depends on: not the head layout (head_bits, embed_bits), computed at every run
-    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k not in ("head_bits", "embed_bits")},
-                          sort_keys=True)
+    # what a layer part depends on: not the head layout (head_bits, embed_bits, its storage), computed at every run
+    head_layout = ("head_bits", "embed_bits", "head_codebook", "head_group_rows")
+    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k not in head_layout}, sort_keys=True)
     cfg = ckpt.config
     T = ckpt.tensors
     dense: dict[str, torch.Tensor] = {}

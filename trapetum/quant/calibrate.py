@@ -149,13 +149,18 @@ def collect_input_stats(decoder, tokens: torch.Tensor, batch: int = 4, names: li
 
 @torch.inference_mode()
 def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torch.device = "cpu", batch: int = 4,
-                                  progress: bool = True) -> dict[str, torch.Tensor]:
+                                  progress: bool = True, hessians: bool = False) -> dict[str, torch.Tensor]:
     """Same statistics as ``collect_input_stats`` with bounded memory: one block at a time.
 
     The calibration hidden states ([N, L, hidden], fp32) are pushed through the source model one
     block at a time; each block is built alone from the (lazy) checkpoint, run, and dropped, so
     peak memory is one block's weights plus the hidden states, never the whole model. The LM
-    head's input statistics are those of the final norm's output (the head is never built)."""
+    head's input statistics are those of the final norm's output (the head is never built).
+
+    ``hessians``: the result's ``.hessians`` also maps every dense-layer projection (not the experts, not the
+    head) to its input's second moment E[x x^T], float32 [in, in] on the CPU (float64 sums; projections fed one
+    tensor, q/k/v and gate/up, share one matrix object). Its diagonal is the E[x^2] above. Memory: one
+    [in, in] matrix per distinct input, kept for every layer (SmolLM2-135M: 0.4 GB; a 7B model: 22 GB)."""
     import torch.nn.functional as F
 
     from ..models.layers import RMSNorm
@@ -181,12 +186,23 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
     count = tokens.numel()
 
     square_sums = _SquareSums()
+    grams = _Grams()
+    gram_sums: dict[str, torch.Tensor] = {}  # the first projection fed an input -> sum of x x^T
+    alias: dict[str, str] = {}  # projection -> the projection whose sum holds its input's
+    hess: dict[str, torch.Tensor] = {}
 
     def make_hook(name):
+        want_gram = hessians and ".experts." not in name and name.endswith("_proj")
+
         def hook(mod, args):
             s, n = square_sums(args[0])
             sums[name] = sums[name] + s if name in sums else s
             counts[name] = counts.get(name, 0) + n  # an expert sees only the rows routed to it
+            if want_gram:
+                g, owner = grams(args[0], name)
+                alias[name] = owner
+                if owner == name:
+                    gram_sums[name] = gram_sums[name] + g if name in gram_sums else g
         return hook
 
     layers = range(cfg.num_layers)
@@ -205,12 +221,18 @@ def collect_input_stats_layerwise(ckpt, tokens: torch.Tensor, device: str | torc
             for h in hooks:
                 h.remove()
         del dec, block
+        shared: dict[str, torch.Tensor] = {}
+        for name, owner in alias.items():  # this layer's: mean, float32, one object per input
+            if owner not in shared:
+                shared[owner] = (gram_sums.pop(owner) / counts[owner]).float().cpu()
+            hess[name] = shared[owner]
+        alias.clear()
     norm = RMSNorm(T["model.norm.weight"].float().to(device), cfg.rms_norm_eps, cfg.norm_offset)
     for x in xs:
         h = norm(x).double().pow(2).reshape(-1, D).sum(0)
         sums["lm_head"] = sums["lm_head"] + h if "lm_head" in sums else h
     counts["lm_head"] = count
-    return Stats({n: (s / counts[n]).float().cpu() for n, s in sums.items()}, counts)
+    return Stats({n: (s / counts[n]).float().cpu() for n, s in sums.items()}, counts, hess if hessians else None)
 
 
 class _SquareSums:
@@ -246,11 +268,29 @@ EXPERT_MIN_ROWS = 64
 
 
 class Stats(dict):
-    """Projection name -> E[x^2] fp32 [in_features]; ``counts``: how many rows each saw."""
+    """Projection name -> E[x^2] fp32 [in_features]; ``counts``: how many rows each saw; ``hessians``: None, or
+    projection name -> E[x x^T] fp32 [in, in] (``collect_input_stats_layerwise(hessians=True)``)."""
 
-    def __init__(self, stats: dict, counts: dict[str, int]):
+    def __init__(self, stats: dict, counts: dict[str, int], hessians: dict[str, torch.Tensor] | None = None):
         super().__init__(stats)
         self.counts = dict(counts)
+        self.hessians = hessians
+
+
+class _Grams:
+    """(sum over rows of x x^T in float64 [in, in], owner) of a projection's input x [..., in]: computed once per
+    input tensor (identity and version, as ``_SquareSums``); ``owner`` is the first projection that was fed it,
+    the others get the same sums and need not keep their own."""
+
+    def __init__(self):
+        self._x = self._version = self._out = None
+
+    def __call__(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, str]:
+        version = _SquareSums._version_of(x)
+        if self._x is not x or self._version != version:
+            x2 = x.detach().double().reshape(-1, x.shape[-1])
+            self._x, self._version, self._out = x, version, (x2.T @ x2, name)
+        return self._out
 
 
 def expert_fallback(stats: dict, cfg) -> str | None:

@@ -35,12 +35,11 @@ slow; ``--calib FILE`` is faster) and then collects layer by layer; ``calib="non
 """
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -54,9 +53,10 @@ from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
 from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
-from .kmeans import kmeans_rows
+from .codebook_fit import fit_rows, project_centroids, stored_specs
+from .recipe import Recipe, bits_choices, parse_bits_overrides  # noqa: F401  (re-exported: the recipe's home was here)
 from .source_bits import already_quantized
-from ..kernels.pack import SUPPORTED_BITS, pack_codes, packed_width
+from ..kernels.pack import pack_codes, packed_width
 from ..schemes import registry
 from ..schemes.record import QuantRecord
 
@@ -66,71 +66,6 @@ __all__ = ["Recipe", "QuantizedModel", "QuantPlan", "plan_quantization", "iter_q
 
 PROJ_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-@dataclass
-class Recipe:
-    bits: int = 4
-    head_bits: int | None = 8  # None: keep the LM head fp16
-    embed_bits: int | None | str = "auto"  # None: fp16; "auto": tied -> share the head's table, else fp16
-    weighted: bool = True  # E[x^2]-weighted k-means (False: plain k-means, no calibration)
-    calib: str | None = None  # text file; None: sampled from the model itself; "none": no calibration
-    calib_seqs: int = 32
-    calib_len: int = 512  # file windows; sampled sequences use calib_sample_len
-    calib_sample_len: int = 256
-    seed: int = 0
-    iters: int = 60
-    starts: tuple[str, ...] = ("cuberoot", "grid")
-    keep_fp16: list[str] = field(default_factory=list)
-    bits_overrides: list[tuple[str, int]] = field(default_factory=list)
-
-    def validate(self) -> "Recipe":
-        for what, b in [("--bits", self.bits), ("--head-bits", self.head_bits), ("--embed-bits", self.embed_bits)]:
-            if b is not None and b != "auto" and b not in SUPPORTED_BITS:
-                raise ConfigError(f"{what} must be {bits_choices()}, got {b}")
-        for pat, b in self.bits_overrides:
-            if b not in SUPPORTED_BITS:
-                raise ConfigError(f"--layer-bits {pat}={b}: bits must be {bits_choices()}")
-        if self.iters < 0:
-            raise ConfigError(f"--iters must be >= 0, got {self.iters}")
-        return self
-
-    def bits_for(self, name: str) -> int | None:
-        """Bits for a projection (canonical name without .weight); None = keep fp16."""
-        if any(fnmatch.fnmatchcase(name, p) for p in self.keep_fp16):
-            return None
-        for pat, b in self.bits_overrides:
-            if fnmatch.fnmatchcase(name, pat):
-                return b
-        return self.head_bits if name == "lm_head" else self.bits
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["starts"] = list(self.starts)
-        d["bits_overrides"] = [list(x) for x in self.bits_overrides]
-        d["method"] = ("per-row scalar codebook, " + ("E[x^2]-weighted" if self.weighted else "unweighted")
-                       + " k-means, best of starts " + "/".join(self.starts) + f", up to {self.iters} Lloyd iterations")
-        return d
-
-
-def bits_choices() -> str:
-    """'1, 2, 3, 4 or 8': the bit widths of the scalar codebooks, as the help and the errors say them."""
-    *head, last = (str(b) for b in SUPPORTED_BITS)
-    return f"{', '.join(head)} or {last}"
-
-
-def parse_bits_overrides(items: list[str]) -> list[tuple[str, int]]:
-    """['model.layers.0.*=8', '*down_proj=8'] -> [(pattern, bits)]."""
-    out = []
-    for it in items:
-        pat, sep, b = it.rpartition("=")
-        if not sep or not pat:
-            raise ConfigError(f"--layer-bits expects PATTERN=BITS, got {it!r}")
-        try:
-            out.append((pat, int(b)))
-        except ValueError:
-            raise ConfigError(f"--layer-bits {it!r}: bits must be an integer") from None
-    return out
 
 
 @dataclass
@@ -218,9 +153,10 @@ def calibration_stats(ckpt: Checkpoint, recipe: Recipe, device: str = "cpu", dec
         toks = calibrate.sampled_calibration_tokens(dec, bos, recipe.calib_seqs, recipe.calib_sample_len,
                                                     seed=recipe.seed, progress=progress)
         what = f"{toks.shape[0]} sequences x {toks.shape[1]} tokens sampled from the model (seed {recipe.seed})"
-    if bounded:  # one block of the source at a time
-        dec = None
-        stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress)
+    if bounded or recipe.gptq:  # one block of the source at a time (GPTQ's Hessians: always so)
+        dec, bounded = None, True
+        stats = calibrate.collect_input_stats_layerwise(ckpt, toks, device=device, progress=progress,
+                                                        hessians=recipe.gptq)
     else:
         stats = calibrate.collect_input_stats(dec, toks, progress=progress)
     note = calibrate.expert_fallback(stats, ckpt.config)
@@ -234,13 +170,23 @@ _POST_CHUNK = 1 << 21  # elements per step of packing and error measurement (~70
 
 
 def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe: Recipe, device: str,
-                     bias: torch.Tensor | None) -> tuple[QuantRecord, dict[str, float]]:
-    """k-means, then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)|| row chunk by
-    row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
+                     bias: torch.Tensor | None, storage: str = "f16",
+                     hess: torch.Tensor | None = None) -> tuple[QuantRecord, dict[str, float]]:
+    """k-means (``codebook_fit.fit_rows``: the codebook in ``storage``, shared tables of
+    ``recipe.head_group_rows`` rows), with ``hess`` (E[x x^T] of the input) and ``recipe.gptq`` refined by
+    ``gptq.gptq_refine`` (error-compensated codes, Hessian-weighted codebooks), then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)||
+    row chunk by row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
     its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take."""
-    res = kmeans_rows(W, 1 << bits, imp, iters=recipe.iters, starts=recipe.starts, device=device)
-    R, C = W.shape
-    codes, book = res.codes, res.codebook  # uint8 [R, C], fp16 [R, K] (CPU)
+    book, codes, stored, params = fit_rows(W, bits, imp, storage=storage, group_rows=recipe.head_group_rows,
+                                           iters=recipe.iters, starts=recipe.starts, device=device)
+    R, C = W.shape  # codes uint8 [R, C], book: the decoded fp16 [R, K] (CPU)
+    err_h = {}
+    if hess is not None and recipe.gptq and storage != "shared":
+        from .gptq import gptq_refine
+        book, codes, stored, info = gptq_refine(
+            W.to(device), hess.to(device), book, codes, lambda c: project_centroids(c, storage), stored,
+            rounds=recipe.gptq_rounds, block=recipe.gptq_block, damp=recipe.gptq_damp)
+        err_h = {"hessian_gain": info["objective"] / max(info["objective_start"], 1e-300)}
     packed = torch.empty(R, packed_width(C, bits), dtype=torch.uint8)
     w = None if imp is None else imp.to(W.device, torch.float64)
     num = den = num_w = den_w = 0.0
@@ -259,20 +205,22 @@ def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe
             num_w += float((d2 * wc).sum())
             den_w += float((w2 * wc).sum())
         del Wc, Wq, d2, w2
-    rec = QuantRecord("codebook", (R, C), {"bits": bits}, {"codes": packed, "codebook": book},
+    rec = QuantRecord("codebook", (R, C), params, {"codes": packed, **stored},
                       None if bias is None else bias.detach().to(torch.float16).cpu())
     err = {"rel_err": math.sqrt(num / max(den, 1e-300)),
-           "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan")}
+           "rel_err_weighted": math.sqrt(num_w / max(den_w, 1e-300)) if w is not None else float("nan"), **err_h}
     return rec, err
 
 
-def codebook_spec(shape: tuple[int, int], bits: int, bias: bool) -> QuantSpec:
+def codebook_spec(shape: tuple[int, int], bits: int, bias: bool, storage: str = "f16",
+                  group_rows: int | None = None) -> QuantSpec:
     """The spec ``quantize_matrix`` produces for a [out, in] weight (kept in step with it; the
     writer refuses a record that differs from its declaration)."""
     out, inp = shape
-    return QuantSpec("codebook", (out, inp), {"bits": bits},
+    params, books = stored_specs(out, bits, storage, group_rows)
+    return QuantSpec("codebook", (out, inp), params,
                      {"codes": TensorSpec("U8", (out, packed_width(inp, bits))),
-                      "codebook": TensorSpec("F16", (out, 1 << bits))},
+                      **{role: TensorSpec(dt, sh) for role, (dt, sh) in books.items()}},
                      TensorSpec("F16", (out,)) if bias else None)
 
 
@@ -292,6 +240,7 @@ class _Job:
     imp: str | None = None
     layer: int | None = None  # model layer (progress and the per-layer log line)
     label: str | None = None  # log line for the embedding / head
+    storage: str = "f16"  # codebook storage (schemes/codebook_store.py)
 
 
 @dataclass
@@ -349,7 +298,9 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
         if bias and bias_src is None and may_be_record(src):
             rec = T[src]
             record_bias = isinstance(rec, QuantRecord) and rec.bias is not None
-        jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw))
+        storage = recipe.storage_for(bits) if kw.get("layer") is not None else recipe.head_codebook
+        jobs.append(_Job("proj", src, out, shape_of(out + ".weight"), bits, bias_src, record_bias, imp, **kw,
+                         storage=storage))
 
     by_layer: dict[int, list[str]] = {}
     for key in keys:
@@ -399,7 +350,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
             if has_bias:
                 dense[j.out + ".bias"] = TensorSpec("F16", (j.shape[0],))
         else:
-            quantized[j.out + ".weight"] = codebook_spec(j.shape, j.bits, has_bias)
+            quantized[j.out + ".weight"] = codebook_spec(j.shape, j.bits, has_bias, j.storage, recipe.head_group_rows)
     return QuantPlan(cfg, dense, quantized, jobs)
 
 
@@ -457,7 +408,9 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     shape, Wf = list(W.shape), W.float()
                     if cached is None:  # drop the source's own copy (fp16/bf16) while k-means runs
                         W = src = None
-                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b)
+                    hess = (stats.hessians or {}).get(j.imp) if recipe.gptq and getattr(stats, "hessians", None) \
+                        and j.layer is not None else None
+                    rec, err = quantize_matrix(Wf, j.bits, imp_for(j.imp), recipe, device, b, j.storage, hess)
                     del Wf
                     row = {"name": j.out, "bits": j.bits, "shape": shape, **err,
                            "seconds": time.perf_counter() - t0}
@@ -474,7 +427,8 @@ def iter_quantized(ckpt: Checkpoint, recipe: Recipe, plan: QuantPlan, *, device:
                     src = None
             if j.layer is not None and (nxt is None or nxt.layer != j.layer):  # end of a layer
                 if rows:
-                    msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}" for r in rows)
+                    msg = "  ".join(f"{r['name'].rsplit('.', 1)[-1]}:{r['rel_err']:.4f}"  # GPTQ: output error ratio
+                                    + (f"(H x{r['hessian_gain']:.2f})" if "hessian_gain" in r else "") for r in rows)
                     bar.set_postfix_str(f"max rel err {max(r['rel_err'] for r in rows):.4f}")
                     (tqdm.write if progress else log)(f"layer {j.layer:3d}  rel. weight error  {msg}")
                 rows = []
@@ -565,6 +519,10 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
     if stats is None and recipe.weighted and recipe.calib != "none":
         stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
                                   mem_budget_gb=mem_budget_gb)
+    if recipe.target_bpw is not None or recipe.target_mb is not None:  # mixed precision: bits per projection
+        from .allocate import plan_bits
+        recipe = plan_bits(ckpt, recipe, plan, stats, device, log).validate()
+        plan = plan_quantization(ckpt, recipe)
     report: list[dict[str, Any]] = []
     prov0 = {"source": Path(ckpt.source).name, "source_format": ckpt.source_format}
     writer = CbkWriter(out, config=plan.config, tokenizer=ckpt.tokenizer, recipe=recipe.to_dict(), provenance=prov0,

@@ -3,6 +3,9 @@
 Stored (``QuantRecord("codebook", (out, in), {"bits": b}, {"codes", "codebook"})``):
     codes     uint8 [out, packed_width(in, b)]   canonical packing (kernels/pack.py)
     codebook  fp16  [out, 2**b]                  W[o, i] = codebook[o, idx(o, i)]
+or with the codebook stored compactly (params "codebook", .cbk version 2; ``codebook_store.py``), expanded to the
+fp16 [out, 2**b] codebook above by ``expand`` before any module or engine projection is built (the kernels and
+the in-memory layout are the same for every storage).
 Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory;
 ``use_host()``: 4/8-bit fp32 inputs on the CPU through kernels/host_gemv.py, no dense copy: up to 16 rows the
 batch-invariant GEMV on the stored codes in place, more rows blocks dequantized into a temporary and a matmul) and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
@@ -27,6 +30,7 @@ from ..kernels.dequant import dequantize as dequantize16
 from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
+from .codebook_store import check_compact, expand
 from .record import QuantRecord
 
 
@@ -227,6 +231,7 @@ class CodebookScheme(Scheme):
         bits = record.params.get("bits") if isinstance(record.params, dict) else None
         _check(isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS, name,
                f"codebook bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        record = check_compact(record, name, out_f, 1 << bits)  # the fp16 form of a compact codebook
         extra = set(record.tensors) - {"codes", "codebook"}
         _check({"codes", "codebook"} <= set(record.tensors), name,
                f"codebook scheme needs tensors 'codes' and 'codebook', got {sorted(record.tensors)}")
@@ -246,6 +251,7 @@ class CodebookScheme(Scheme):
 
     def module(self, record: QuantRecord, name: str) -> CodebookLinear:
         self.check(record, name)
+        record = expand(record)
         return CodebookLinear(record.tensors["codes"], record.tensors["codebook"], record.shape[1],
                               record.params["bits"], record.bias)
 
@@ -268,7 +274,7 @@ class CodebookScheme(Scheme):
         for p in parts:
             self.check(p.weight, p.name)
         codes = torch.cat([p.weight.tensors["codes"].to(device) for p in parts])
-        cb = torch.cat([p.weight.tensors["codebook"].to(device) for p in parts])
+        cb = torch.cat([expand(p.weight).tensors["codebook"].to(device) for p in parts])
         bias, bias_exact = cat_bias(parts, device)
         return CodebookProjection(codes, cb, parts[0].weight.params["bits"], parts[0].in_features, bias, kopts,
                                   residual16(bias_exact, bias) if precise else None)
@@ -276,7 +282,7 @@ class CodebookScheme(Scheme):
     def gate_up(self, gate, up, act, device, kopts=DEFAULT_KERNELS, precise=False):
         for p in (gate, up):
             self.check(p.weight, p.name)
-        g, u = gate.weight, up.weight
+        g, u = expand(gate.weight), expand(up.weight)
         if g.params["bits"] != u.params["bits"] or gate.bias is not None or up.bias is not None \
                 or tuple(g.shape) != tuple(u.shape):
             return None
