@@ -384,7 +384,7 @@ def parse_args(argv=None):
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--ours", action="append", default=None, metavar="NAME=FLAGS",
                    help="a Trapetum scheme as `trapetum quantize` flags ({calib}: the calibration file; "
-                        "NAME@raw / NAME@fair: one source only); repeatable; default: "
+                        "NAME@raw / NAME@fair: one source only; '' for none); repeatable; default: "
                         f"{', '.join(repr(s) for s in DEFAULT_OURS)}")
     p.add_argument("--llama", default=DEFAULT_LLAMA, help=f"llama.cpp types (default {DEFAULT_LLAMA}); '' for none")
     p.add_argument("--imatrix", default="both", choices=["both", "on", "off"])
@@ -404,7 +404,7 @@ def parse_args(argv=None):
     a.sources = [s for s in a.sources.split(",") if s]
     if not a.sources or set(a.sources) - {"raw", "fair"}:
         raise BenchError(f"--sources must name raw and/or fair, got {','.join(a.sources)!r}")
-    a.ours = parse_named(a.ours if a.ours is not None else DEFAULT_OURS, "--ours")
+    a.ours = parse_named([o for o in (a.ours if a.ours is not None else DEFAULT_OURS) if o], "--ours")  # '': none
     a.llama = [t for t in a.llama.split(",") if t]
     a.cross_check = [t for t in a.cross_check.split(",") if t]
     if a.llama and a.llama_bin is None:

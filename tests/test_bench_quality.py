@@ -140,3 +140,13 @@ def test_whole_run_tiny(tmp_path):
     assert abs(a - b) < 5e-3
     assert np.isfinite(res["smol/fair/cb4"]["ppl"])
     assert "fair source" in (tmp_path / "o" / "quality.md").read_text()
+
+
+def test_loader_reads_every_type_llama_quantize_writes_here():
+    """The llama.cpp rows are read by our GGUF loader: every tensor type the benchmarked types produce (their
+    k-quant / i-quant blocks and the fallbacks for rows not divisible by 256) dequantizes through gguf."""
+    from trapetum.formats.gguf import _supported_type
+    Q = gguf.GGMLQuantizationType
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+              "IQ2_XS", "IQ2_XXS", "IQ2_S", "IQ3_XXS", "IQ3_S", "F16", "F32"):
+        assert _supported_type(Q[t]), t
