@@ -317,11 +317,16 @@ def run_source(model: str, src_kind: str, src: Path, args, results: dict, save) 
 
 
 def fmt_table(results: dict, model: str, src_kind: str, args) -> str:
-    rows = [r for k, r in results.items() if k.startswith(f"{model}/{src_kind}/")]
+    types = DEFAULT_LLAMA.split(",")
+    rows = sorted((r for k, r in results.items() if k.startswith(f"{model}/{src_kind}/")),
+                  key=lambda r: (("ref", "ours", "llama").index(r["kind"]),
+                                 types.index(r["qtype"]) if r.get("qtype") in types else len(types),
+                                 bool(r.get("imatrix"))))
     ref = next((r for r in rows if r["kind"] == "ref" and "ppl" in r), None)
     w = ref["windows"] if ref else args.windows
     cross = any("llama_ppl" in r for r in rows)
-    head = ("| file | size | bpw, layers | bpw, file | PPL, first " + f"{w} windows | PPL, all windows | "
+    head = ("| file | size | bpw, layers | bpw, file | PPL, first " + f"{w} window{'s' if w != 1 else ''} | "
+            "PPL, all windows | "
             "greedy agreement |" + (" llama-perplexity (ratio to its reference) |" if cross else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
