@@ -62,10 +62,7 @@ def paged_attention_reference(q, k_blocks, v_blocks, tables, lens, *, scale, win
 
 
 if HAVE_TRITON:
-    @triton.jit
-    def _tanh(x):
-        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
-        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    from .attention import _tanh  # the same softcap tanh as the contiguous-cache kernels
 
     @triton.jit
     def _paged_split(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, m_ptr, l_ptr, o_ptr, G, D, HQ, NCH,
