@@ -62,7 +62,10 @@ def paged_attention_reference(q, k_blocks, v_blocks, tables, lens, *, scale, win
 
 
 if HAVE_TRITON:
-    from .attention import _tanh  # the same softcap tanh as the contiguous-cache kernels
+    @triton.jit
+    def _tanh(x):  # as attention.py's (kept here: imported from there, the interpreter did not resolve it)
+        x = tl.minimum(tl.maximum(x, -15.0), 15.0)
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
     @triton.jit
     def _paged_split(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, m_ptr, l_ptr, o_ptr, G, D, HQ, NCH,
