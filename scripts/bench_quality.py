@@ -147,34 +147,10 @@ def proj_bytes(path: Path) -> int:
 
 
 # -- measurement ----------------------------------------------------------------------------------------
-def greedy(decoder, ids: list[int], n: int) -> list[int]:
-    import torch
-    dev = next(decoder.parameters()).device
-    with torch.inference_mode():
-        cache = decoder.new_cache(batch=1, max_len=len(ids) + n)
-        logits = decoder(torch.tensor([ids], device=dev), cache=cache, start_pos=0)[:, -1]
-        out = []
-        for i in range(n):
-            t = int(logits.argmax(-1))
-            out.append(t)
-            logits = decoder(torch.tensor([[t]], device=dev), cache=cache, start_pos=len(ids) + i)[:, -1]
-    return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> int:
-    same = 0
-    for x, y in zip(a, b):
-        for u, v in zip(x, y):
-            if u != v:
-                break
-            same += 1
-    return same
-
-
 def measure(path: Path, args, text: Path, ref_greedy: list[list[int]] | None) -> dict:
     import torch
 
-    from trapetum.eval.perplexity import perplexity, tokenize_file
+    from trapetum.eval.perplexity import agreement, greedy_tokens, perplexity, tokenize_file
     from trapetum.formats.detect import load_checkpoint
     from trapetum.models.decoder import Decoder
 
@@ -188,10 +164,10 @@ def measure(path: Path, args, text: Path, ref_greedy: list[list[int]] | None) ->
     if args.all_windows:
         ra = perplexity(dec, ids, args.ctx, None, progress=False)
         res.update(ppl_all=ra.ppl, windows_all=ra.windows, tokens_all=ra.tokens)
-    outs = [greedy(dec, ck.tokenizer.encode(p), args.greedy_tokens) for p in PROMPTS]
+    outs = [greedy_tokens(dec, ck.tokenizer.encode(p), args.greedy_tokens) for p in PROMPTS]
     res["greedy"] = outs
     if ref_greedy is not None:
-        res["agree"] = agreement(outs, ref_greedy)
+        res["agree"] = agreement(outs, ref_greedy)[0]
     res["measure_s"] = time.perf_counter() - t0
     res["file_bytes"] = path.stat().st_size
     res["proj_bpw"] = proj_bytes(path) * 8 / proj_weights(ck.config)

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trapetum.api import load_checkpoint  # noqa: E402
-from trapetum.eval.perplexity import perplexity, tokenize_file  # noqa: E402
+from trapetum.eval.perplexity import agreement, perplexity, tokenize_file  # noqa: E402
+from trapetum.eval.perplexity import greedy_tokens as greedy  # noqa: E402
 from trapetum.formats.cbk import write_cbk  # noqa: E402
 from trapetum.models.decoder import Decoder  # noqa: E402
 from trapetum.quant.quantize import PROJ_SUFFIXES, Recipe, calibration_stats, quantize_checkpoint  # noqa: E402
@@ -47,27 +48,6 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-@torch.inference_mode()
-def greedy(decoder, ids: list[int], n: int) -> list[int]:
-    dev = next(decoder.parameters()).device
-    cache = decoder.new_cache(batch=1, max_len=len(ids) + n)
-    logits = decoder(torch.tensor([ids], device=dev), cache=cache, start_pos=0)[:, -1]
-    out = []
-    for i in range(n):
-        t = int(logits.argmax(-1))
-        out.append(t)
-        logits = decoder(torch.tensor([[t]], device=dev), cache=cache, start_pos=len(ids) + i)[:, -1]
-    return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
-    same = 0
-    for x, y in zip(a, b):
-        for u, v in zip(x, y):
-            if u != v:
-                break
-            same += 1
-    return same, sum(len(x) for x in a)
 
 
 def layer_bpw_dense(cfg, nbits: float) -> float:

@@ -9,7 +9,7 @@ import torch
 
 import trapetum
 from trapetum.errors import TrapetumError
-from trapetum.eval.perplexity import make_windows, perplexity, window_nll
+from trapetum.eval.perplexity import agreement, greedy_tokens, make_windows, perplexity, window_nll
 
 from test_quantize import _tiny_llama
 
@@ -49,6 +49,19 @@ def test_prefill_equals_decode_fp32(tiny):
     s, n = window_nll(m.decoder, ids[:40])
     assert n == 39 and abs(s - ref) < 1e-3
     assert a.line().startswith(f"PPL {math.exp(a.nll):.2f}  NLL {a.nll:.4f}  117 tokens  3 windows x 40")
+
+
+def test_greedy_tokens_and_agreement(tiny):
+    _, m = tiny
+    ids = [5, 17, 33, 8]
+    got = greedy_tokens(m.decoder, ids, 6)
+    with torch.inference_mode():  # the same continuation through full forwards of the growing sequence
+        seq = list(ids)
+        for _ in range(6):
+            seq.append(int(m.decoder(torch.tensor([seq]))[0, -1].argmax()))
+    assert got == seq[len(ids):]
+    assert agreement([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == (4, 5)
+    assert agreement([[7, 2]], [[1, 2]]) == (0, 2)  # nothing counts after the first difference
 
 
 def test_cli_ppl(tiny, tmp_path, capsys):

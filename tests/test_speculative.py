@@ -33,16 +33,20 @@ V = 300
 
 pytestmark = pytest.mark.usefixtures("torch_fallbacks", "one_thread")  # tests/conftest.py
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def load_trios(tmp_path_factory, families) -> dict:
     """{family: (target, a different model of the family, a second copy of the target)}, with tokenizers."""
     out = {}
-    for fam in FAMILIES:
+    for fam in families:
         a, b = tmp_path_factory.mktemp(fam), tmp_path_factory.mktemp(fam + "-other")
         build(fam, a, seed=0, tokenizer=True)
         build(fam, b, seed=1, tokenizer=True)
         out[fam] = (trapetum.load(a), trapetum.load(b), trapetum.load(a))
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_trios(tmp_path_factory, FAMILIES)
 
 
 def prompts_for(seed: int) -> list[list[int]]:

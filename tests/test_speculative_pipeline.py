@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import trapetum
-from tests.test_speculative import EOS, MASK, V, completion, prompts_for
-from tests.tiny_models import build, build_cbk
+from tests.test_speculative import EOS, MASK, V, completion, load_trios, prompts_for
+from tests.tiny_models import build_cbk
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.sampling import GenerationSettings
 from trapetum.runtime.speculative import (ConstantDrafter, Drafter, DraftModelDrafter, EngineRows, NgramDrafter,
@@ -30,14 +30,7 @@ pytestmark = pytest.mark.usefixtures("torch_fallbacks", "one_thread")  # tests/c
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """{family: (target, a different model of the family, a second copy of the target)}."""
-    out = {}
-    for fam in FAMILIES:
-        a, b = tmp_path_factory.mktemp(fam), tmp_path_factory.mktemp(fam + "-other")
-        build(fam, a, seed=0, tokenizer=True)
-        build(fam, b, seed=1, tokenizer=True)
-        out[fam] = (trapetum.load(a), trapetum.load(b), trapetum.load(a))
-    return out
+    return load_trios(tmp_path_factory, FAMILIES)
 
 
 def drafters(other, copy_, truth, seed):

@@ -14,6 +14,9 @@ Protocol (printed with every result):
 
 ``decode=True`` scores the same windows token by token through the decoder's KV cache (one
 position per forward); in fp32 it must equal the prefill NLL within 1e-4 nats.
+
+Greedy agreement, the harness's second figure: ``greedy_tokens`` continues a prompt greedily on the reference
+decoder; ``agreement`` counts, per prompt, the leading tokens two continuations share.
 """
 from __future__ import annotations
 
@@ -128,3 +131,28 @@ def perplexity(decoder, ids: torch.Tensor, ctx: int = 2048, windows: int | None 
             it.set_postfix(ppl=f"{math.exp(total / count):.3f}")
     return PPLResult(total / count, count, W.shape[0], ctx, bos_id is not None,
                      "decode" if decode else "prefill", per)
+
+
+@torch.inference_mode()
+def greedy_tokens(decoder, ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``ids`` on a reference decoder (prefill, then one token per forward)."""
+    dev = next(decoder.parameters()).device
+    cache = decoder.new_cache(batch=1, max_len=len(ids) + n)
+    logits = decoder(torch.tensor([ids], device=dev), cache=cache, start_pos=0)[:, -1]
+    out = []
+    for i in range(n):
+        t = int(logits.argmax(-1))
+        out.append(t)
+        logits = decoder(torch.tensor([[t]], device=dev), cache=cache, start_pos=len(ids) + i)[:, -1]
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """(tokens of ``a``'s continuations that agree with ``b``'s up to their first difference, tokens of ``a``)."""
+    same = 0
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            if u != v:
+                break
+            same += 1
+    return same, sum(len(x) for x in a)

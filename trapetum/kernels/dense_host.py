@@ -16,10 +16,7 @@ Built like the codebook host kernels (kernels/host_gemv.py: the system's C compi
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -36,26 +33,7 @@ _tried = False
 
 
 def _build() -> ctypes.CDLL:
-    cc = hg._compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (gcc or cc on PATH)")
-    src = SOURCE.read_bytes()
-    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256(src + ver.encode() + " ".join(hg.FLAGS).encode()).hexdigest()[:16]
-    out = hg.cache_dir() / f"dense_host-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            r = subprocess.run([cc, *hg.FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-            if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {(r.stderr or r.stdout).strip()[:400]}")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    lib = hg.compile_library("dense_host", (SOURCE,))
     L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
     lib.tp_dense_gemv.restype = I
     lib.tp_dense_gemv.argtypes = [P, L, L, L, P, L, L, P, L, P, P, L, I]

@@ -57,29 +57,36 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL:
+def compile_library(name: str, sources, link: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The shared library ``name`` built from ``sources`` with FLAGS by the system's C compiler, cached in
+    ``cache_dir()`` under a key of the source texts, the compiler version and the flags (every host library of the
+    package is built so)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (gcc or cc on PATH); install gcc for the host kernels")
-    src = b"".join(p.read_bytes() for p in SOURCES)
+    src = b"".join(p.read_bytes() for p in sources)
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"codebook_host-{key}.so"
+    out = cache_dir() / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
+            r = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources), *link], capture_output=True, text=True,
                                timeout=300)
             if r.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {', '.join(p.name for p in SOURCES)}: "
+                raise RuntimeError(f"{cc} failed on {', '.join(p.name for p in sources)}: "
                                    f"{(r.stderr or r.stdout).strip()[:400]}")
             os.replace(tmp, out)  # atomic: concurrent first uses each build, one file wins
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(out))
+    return ctypes.CDLL(str(out))
+
+
+def _build() -> ctypes.CDLL:
+    lib = compile_library("codebook_host", SOURCES, ("-lm",))
     lib.tp_path.restype = ctypes.c_int
     lib.tp_path.argtypes = []
     L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
