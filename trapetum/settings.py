@@ -31,7 +31,10 @@ projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
 caches per-head keys and values ("expanded") or the compressed latent and attends in the absorbed form ("latent":
-runtime/engine_latent.py).
+runtime/engine_latent.py); ``prefill_graph`` (True): the default prefill of a prompt (last-row logits, CUDA) runs padded
+to a length bucket (runtime/engine.py ``prefill_bucket``), eagerly the first time a bucket is used (always with
+``graph`` off) and as a CUDA graph captured at its second use (the same kernels and shapes: the same bits), so that prompt
+processing costs its GPU time and not the host's launches.
 """
 from __future__ import annotations
 
@@ -126,6 +129,7 @@ class Options:
     host_kernels: bool = True
     cpu_step: bool = True
     mla: str = "expanded"
+    prefill_graph: bool = True
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):

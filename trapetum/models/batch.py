@@ -11,6 +11,8 @@
     seq_slots   int32 [N] the KV-cache slot of each row's sequence (one sequence: None = slot 0)
     seq_lens    int32 [S] each sequence's length after this pass (None: start + n for the one sequence)
     positions   int64 [N] each row's position (many sequences; None: start .. start + n - 1)
+    last_row    int64 [1] device index of the row whose logits "last" means (None: row n - 1; a prompt padded
+                to a graph's length bucket names its real last row)
 
 Many sequences (the batch scheduler, runtime/scheduler.py): ``seq_slots`` gives each row's sequence (an index
 into ``seq_lens``), ``positions`` each row's position; a DECODE batch then has one row per sequence, a PREFILL
@@ -46,6 +48,7 @@ class ForwardBatch:
     seq_slots: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    last_row: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.logits not in ("all", "last"):

@@ -14,7 +14,11 @@ pos .. pos + M - 1 and ``logits_rows[:M]``:
                           "precise": fp32-reference accuracy, runtime/precise.py; "exact": through the verify graphs
                           in chunks of 16, 8, 4, 2, 1 rows, so the prompt continues bit for bit like a decoded one)
 Graphs: one per (mode, rows, greedy), captured on first use and replayed at any position (positions live in
-``pos``); ``Options.graph`` off runs the same code eagerly. Implements the Runner protocol (``tokens``).
+``pos``); ``Options.graph`` off runs the same code eagerly. The default prefill of a prompt (last-row logits;
+``Options.prefill_graph``, CUDA) runs padded to ``prefill_bucket(T)`` rows (rows past T are zero tokens whose cache
+rows decode overwrites before any read: attention is causal): eagerly at a bucket's first use (and always with
+graphs off), then as a graph captured at its second use, the same kernels on the same shapes, so the same bits.
+Implements the Runner protocol (``tokens``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,22 @@ from .kv import ContiguousKV
 from .sampling import GenerationSettings, Sampler
 
 EXACT_CHUNKS = (16, 8, 4, 2, 1)  # verify graph sizes of the exact prefill
+
+
+def prefill_bucket(t: int) -> int:
+    """Rows a padded prefill of t tokens runs: t rounded up to a multiple of max(16, 2**(bit_length(t) - 4)),
+    at most 1/8 more rows than t (16 rows at the least)."""
+    if t < 1:
+        raise ValueError(f"t: a prompt has at least one token, got {t}")
+    g = max(16, 1 << max(t.bit_length() - 4, 0))
+    return -(-t // g) * g
+
+
+def _sdpa_backends():
+    """The prefill's attention kernels when it is padded and captured: flash / memory-efficient / math (cuDNN's
+    SDPA is left out of graphs; the eager first pass uses the same set, so both give the same bits)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class GpuEngine:
@@ -100,6 +120,11 @@ class GpuEngine:
         self.argmax_rows = torch.zeros(MAX_VERIFY_ROWS, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        # padded prefill (prefill_bucket): the prompt rows, the real last row, graphs with their logits per bucket
+        self.prefill_tokens: torch.Tensor | None = None
+        self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._prefill_seen: set[int] = set()
 
     # -- accounting ----------------------------------------------------------------------------
     @property
@@ -220,6 +245,8 @@ class GpuEngine:
             raise ValueError("prompt is empty")
         if self.options.prefill == "exact":
             return self.prefill_exact(tokens, all_logits)
+        if not all_logits and self._pads_prefill(T):
+            return self._prefill_padded(tokens)
         batch = ForwardBatch.prefill(tokens, 0, "all" if all_logits else "last")
         if self.options.prefill == "precise":
             from .precise import PreciseOps, no_tf32
@@ -228,6 +255,49 @@ class GpuEngine:
         else:
             logits = decoder_forward(batch, EngineOps(self, Mode.PREFILL), self.model)
         return logits if all_logits else logits[0]
+
+    def _pads_prefill(self, t: int) -> bool:
+        """Whether the prompt runs padded (class docstring; captured when graphs are on): on CUDA, the default
+        prefill, no layer whose prompt pass is data-dependent on the host (mixture of experts: per-expert token
+        counts; latent attention), no RoPE whose tables depend on the pass length, the bucket inside the cache."""
+        o, cfg = self.options, self.cfg
+        return (self.device.type == "cuda" and o.prefill_graph and o.prefill == "default"
+                and not cfg.moe and not cfg.mla and not any(r is not None and r.spec.length_dependent for r in self.rotaries)
+                and prefill_bucket(t) <= self.max_len)
+
+    def _prefill_pass(self, tp: int) -> torch.Tensor:
+        """The padded prompt pass over ``prefill_tokens[:tp]``: logits fp32 [1, V] of row ``prefill_last``."""
+        batch = ForwardBatch(Mode.PREFILL, self.prefill_tokens[:tp], 0, tp, "last", last_row=self.prefill_last)
+        with _sdpa_backends():
+            return decoder_forward(batch, EngineOps(self, Mode.PREFILL), self.model)
+
+    def _prefill_padded(self, tokens: torch.Tensor) -> torch.Tensor:
+        T = tokens.numel()
+        tp = prefill_bucket(T)
+        if self.prefill_tokens is None:
+            self.prefill_tokens = torch.zeros(self.max_len, dtype=torch.long, device=self.device)
+        self.prefill_tokens[:T].copy_(tokens)
+        self.prefill_tokens[T:tp].zero_()
+        self.prefill_last.fill_(T - 1)
+        entry = self.prefill_graphs.get(tp)
+        if entry is None and (not self.use_graph or tp not in self._prefill_seen):
+            # graphs off, or a bucket's first use: eager (a one-off prompt pays no capture)
+            self._prefill_seen.add(tp)
+            return self._prefill_pass(tp)[0]
+        if entry is None:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # settle allocations and lazy handles off the capture
+                self._prefill_pass(tp)
+            torch.cuda.current_stream().wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool):
+                out = self._prefill_pass(tp)
+            entry = self.prefill_graphs[tp] = (g, out)
+        entry[0].replay()
+        return entry[1][0].clone()
 
     @torch.inference_mode()
     def prefill_exact(self, tokens, all_logits: bool = False) -> torch.Tensor:

@@ -55,5 +55,5 @@ def decoder_forward(batch, ops, model):
     for layer in model.layers:
         x = layer_forward(x, batch, ops, layer)
     if batch.logits == "last":
-        x = x[..., -1:, :]
+        x = x[..., -1:, :] if batch.last_row is None else x.index_select(-2, batch.last_row)
     return ops.logits(model.head, ops.norm(x, model.final_norm, feeds=model.head))
