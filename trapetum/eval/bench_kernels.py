@@ -206,8 +206,10 @@ ROWS_DENSE = [(4096, 4096), (4096, 11008), (11008, 4096)]
 
 
 def _rows_case(kind: str, k: int, n: int, m: int, gen, kopts):
-    """(make_op, bytes per set) of one multi-row case: kind in cb4, cb4-old, cb8, cb8-old, gu4, gu4-old,
-    fp16, fp16-gu, cublas (n = F for the gate/up kinds)."""
+    """(make_op, bytes per set) of one multi-row case: kind in cb4, cb4-frag, cb4-old, cb8, cb8-old, gu4, gu4-old,
+    fp16, fp16-gu, cublas (n = F for the gate/up kinds). cb4-frag: x handed over in fragment order for
+    M >= FRAG_ROWS (``Fragments``, as the engine's producers write it: no copy launch), row-major below."""
+    from ..kernels.codebook_layout import FRAG_ROWS, Fragments, to_fragments
     from ..kernels import codebook_gemv as cg
     from ..kernels.dense_gemv import dense_gemv, dense_gemv_gate_up
     from ..kernels.experimental import codebook_gemv_variants as xv
@@ -232,6 +234,8 @@ def _rows_case(kind: str, k: int, n: int, m: int, gen, kopts):
                 return lambda: cg.codebook_gemv_gate_up(x, tiled, cb, bits, n, out=y, tiled=True, kopts=kopts)
             if old:
                 return lambda: xv.gemv(x, tiled, cb, bits, out=y, variant=11, kopts=kopts)
+            if kind == "cb4-frag" and m >= FRAG_ROWS:
+                x = Fragments(to_fragments(x, bits), bits)
             return lambda: cg.codebook_gemv(x, tiled, cb, bits, out=y, tiled=True, kopts=kopts)
         return make, nbytes
     rows = 2 * n if kind == "fp16-gu" else n
@@ -251,6 +255,7 @@ def _rows_case(kind: str, k: int, n: int, m: int, gen, kopts):
 
 ROW_KINDS = {  # kind -> (label, shapes)
     "cb4": ("4-bit GEMV (tiled, production)", ROWS_4BIT),
+    "cb4-frag": ("4-bit GEMV, x in fragment order from its producer (the engine's verify)", ROWS_4BIT),
     "cb4-old": ("4-bit GEMV, kernel before the multi-row work (exp. v11)", ROWS_4BIT),
     "gu4": ("4-bit gate/up SiLU (tiled, production)", ROWS_GATE_UP),
     "gu4-old": ("4-bit gate/up, kernel before the multi-row work (exp. v11)", ROWS_GATE_UP),
@@ -269,7 +274,7 @@ def bench_rows(rows=(1, 2, 4, 8, 16), kopts: KernelOptions = DEFAULT_KERNELS, ki
     out = []
     for kind in kinds:
         label, shapes = ROW_KINDS[kind]
-        pdl_modes = ("off", "all") if kind in ("cb4", "gu4", "cb8") else ("off",)
+        pdl_modes = ("off", "all") if kind in ("cb4", "cb4-frag", "gu4", "cb8") else ("off",)
         for k, n in shapes:
             for pdl_mode in pdl_modes:
                 ko = dataclasses.replace(kopts, pdl=pdl_mode)
