@@ -14,8 +14,8 @@ proposes scripted tokens that agree with the target's own greedy output with per
 ("modeled acceptance", runtime/speculative/scripted.py). Each arm runs in each loop of ``--loops``: "pipelined"
 (runtime/speculative/pipeline.py: round r + 1 queued before round r's verdict is read back; what the runner picks
 on CUDA) and "sync" (a read-back per round before the next is launched; the arm's name ends in "sync"). Prompts: random tokens, lengths 32 .. 256, greedy,
-``--new-tokens`` each. Before timing, every verify graph (1 .. 16 rows) of both engines is captured and each arm
-runs once. Reps alternate the arm order; tok/s pools all reps.
+``--new-tokens`` each. Before timing, every verify graph (1 .. 16 rows) and the prefill graph of every prompt length
+of both engines are captured (a server's steady state) and each arm runs once. Reps alternate the arm order; tok/s pools all reps.
 
 Real part (``--real MODEL``): the prompt set of eval/spec_prompts.py (12 prompts: edit, summarize, code, continue),
 greedy with EOS, ``--real-new-tokens`` at most; plain, then each drafter of ``--real-draft`` at each K, through
@@ -49,8 +49,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def warm(engine) -> None:
-    """Capture every verify graph (1 .. 16 rows) and both decode-step graphs of ``engine``."""
+def warm(engine, prompt_lens=()) -> None:
+    """Capture every verify graph (1 .. 16 rows), both decode-step graphs and the prefill graphs of the prompt
+    lengths ``prompt_lens`` of ``engine`` (a padded prefill is captured at its bucket's second use)."""
+    for n in prompt_lens:
+        for _ in range(2):
+            engine.prefill(torch.zeros(n, dtype=torch.long, device=engine.device))
     for m in range(1, 17):
         engine.verify(torch.zeros(m, dtype=torch.long, device=engine.device), 0)
     engine.set_position(0, 0)
@@ -89,8 +93,8 @@ def modeled(args) -> dict:
     if de.cfg.vocab_size != V:
         raise SystemExit(f"--draft {args.draft}: vocabulary {de.cfg.vocab_size} differs from the target's {V}")
     prompts = [torch.randint(3, V, (lens[i % len(lens)],), generator=g).tolist() for i in range(args.prompts)]
-    warm(te)
-    warm(de)
+    warm(te, lens)
+    warm(de, lens)
     target = EngineRows(te)
     truth = [timed_tokens(te, p, args.new_tokens, dev)[0] for p in prompts]  # also the plain arm's warm-up
     arms = [("plain", None, 0, 0.0)]
