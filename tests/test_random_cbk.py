@@ -89,3 +89,22 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--tokenizer", str(tmp_path / "vocab.json"), "--out", str(tmp_path / "x.cbk")]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
     assert not (tmp_path / "x.cbk").exists()
+
+
+def test_load_bench_serves_the_file(cbk, tmp_path):
+    """`trapetum bench load` against `trapetum serve F.cbk` (the CPU batch scheduler, --max-batch 4): every
+    request of both levels answered with all its tokens (scripts/sessions/gpu_load.sh runs this on the H200)."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    import json
+    path, _ = cbk
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    j = tmp_path / "load.json"
+    r = subprocess.run([sys.executable, "-m", "trapetum.cli", "bench", "load", "--model", str(path), "--clients",
+                        "1,3", "--max-tokens", "8", "--max-batch", "4", "--per-client", "3", "--threads", "1",
+                        "--json", str(j)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    levels = json.loads(j.read_text())["levels"]
+    assert [(x["clients"], x["requests"], x["errors"]) for x in levels] == [(1, 8, 0), (3, 9, 0)]
+    assert all(x["output_tokens"] == 8 * x["requests"] for x in levels)
+    assert "| 3 | 9 (0) |" in r.stdout

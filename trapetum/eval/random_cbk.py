@@ -75,8 +75,11 @@ def write_random_cbk(out: str | Path, tokenizer: Tokenizer, *, shape: str = "lla
         raise TrapetumError(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
     if fmt not in FORMATS:
         raise TrapetumError(f"--format: one of {', '.join(FORMATS)}, got {fmt!r}")
-    ck = random_checkpoint(shape, fmt, device, layers=layers,
-                           overrides={"vocab_size": tokenizer.vocab_size, **(overrides or {})})
+    try:
+        ck = random_checkpoint(shape, fmt, device, layers=layers,
+                               overrides={"vocab_size": tokenizer.vocab_size, **(overrides or {})})
+    except TypeError as e:  # an unknown ModelConfig field
+        raise TrapetumError(f"--set: {e}") from None
     names = list(ck.tensors.keys())
     check_output_path(out, flag="--out")
     note = (f"random weights (trapetum.eval.random_model.random_checkpoint {shape} {fmt}, seeded by tensor name); "
@@ -112,8 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-tokenizer", default=None, metavar="DIR", help="write SRC's tokenizer as HF files")
     p.add_argument("--device", default=None, help="where the weights are generated (default cuda when present)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=N",
+                   help="a ModelConfig field of the shape replaced (repeatable), e.g. hidden_size=64 for a tiny test")
     a = p.parse_args(argv)
     try:
+        overrides = {}
+        for item in a.set:
+            k, eq, v = item.partition("=")
+            try:
+                overrides[k] = int(v) if eq else None
+            except ValueError:
+                overrides[k] = None
+            if overrides[k] is None or k == "vocab_size":
+                raise TrapetumError(f"--set {item}: expected FIELD=INTEGER (vocab_size comes from the tokenizer)")
         tk = read_tokenizer_source(a.tokenizer)
         if a.export_tokenizer:
             d = export_tokenizer(tk, a.export_tokenizer)
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise TrapetumError(f"--layers: at least 1, got {a.layers}")
             t0 = time.perf_counter()
             path = write_random_cbk(a.out, tk, shape=a.shape, fmt=a.format, device=dev, layers=a.layers,
-                                    tokenizer_source=Path(a.tokenizer).name,
+                                    overrides=overrides, tokenizer_source=Path(a.tokenizer).name,
                                     log=lambda s: print(s, file=sys.stderr, flush=True))
             print(f"wrote {path}: {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s "
                   f"({a.shape} {a.format}, vocab {tk.vocab_size}, random weights, generated on {dev})")
