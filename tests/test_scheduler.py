@@ -62,9 +62,9 @@ class Recording(Scheduler):
         super().__init__(*a, **kw)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def _take(self, req, logits):
+    def _sample(self, req, logits):
         self.rows.setdefault(req.rid, []).append(logits.clone())
-        super()._take(req, logits)
+        return super()._sample(req, logits)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
