@@ -170,12 +170,12 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
         sch = Scheduler(GpuBatchRunner(eng, blocks, 16), model.tokenizer, model.config.vocab_size, 64, max_batch=8,
                         chunk=16)
         rows: dict = {}
-        take = sch._take
+        sample = sch._sample
 
         def record(req, logits):
             rows.setdefault(req.rid, []).append(logits.clone())
-            take(req, logits)
-        sch._take = record
+            return sample(req, logits)
+        sch._sample = record
         out = []
         for p, s in reqs:
             out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))

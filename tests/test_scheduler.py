@@ -62,9 +62,9 @@ class Recording(Scheduler):
         super().__init__(*a, **kw)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def _take(self, req, logits):
+    def _sample(self, req, logits):
         self.rows.setdefault(req.rid, []).append(logits.clone())
-        super()._take(req, logits)
+        return super()._sample(req, logits)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -166,13 +166,13 @@ def test_paged_forwards_match_the_contiguous_reference(which, hf_model, cbk_mode
 
 # -- batch invariance ----------------------------------------------------------------------------
 def _requests(n=64, seed=0):
+    """Mixed prompt lengths and sampling; no stop strings yet (``_with_stops`` adds them)."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
         prompt = [1] + [rng.randrange(3, 300) for _ in range((i * 7) % 37)]
         kind = i % 4
-        s = GenerationSettings(max_new_tokens=6 + i % 11, ignore_eos=i % 5 == 0,
-                               stop=[["e"], [" t", "ou"], []][i % 3])
+        s = GenerationSettings(max_new_tokens=6 + i % 11, ignore_eos=i % 5 == 0)
         if kind == 1:
             s.temperature, s.top_k, s.seed = 0.9, 40, i
         elif kind == 2:
@@ -183,11 +183,32 @@ def _requests(n=64, seed=0):
     return out
 
 
+def _stops_from(tokenizer, probe, i: int) -> list[str]:
+    """Stop strings that occur in the request's own output (``probe``: its completion alone, without stops),
+    whatever the random weights are: every third request none, the others one or two windows of the text of all
+    but its last token (so that a stop completes before max_new_tokens), avoiding partial UTF-8 characters."""
+    if i % 3 == 2 or len(probe.token_ids) < 2:
+        return []
+    t = tokenizer.decode(probe.token_ids[:-1])
+
+    def window(at: int, n: int) -> list[str]:
+        for a in range(at, len(t) - n + 1):
+            w = t[a:a + n]
+            if "\ufffd" not in w and w in probe.text:
+                return [w]
+        return []
+    if len(t) < 3:
+        return []
+    if i % 3 == 0:
+        return window(len(t) // 2, 1)
+    return window(2 * len(t) // 3, 2) + window(len(t) // 3, 1)  # two stops: the first to occur wins
+
+
 def _copy(s: GenerationSettings) -> GenerationSettings:
     return GenerationSettings(**{**vars(s), "stop": list(s.stop)})
 
 
-def _alone(model, reqs):
+def _run_alone(model, reqs):
     sch = _scheduler(model, chunk=8)
     out = []
     for prompt, s in reqs:
@@ -198,10 +219,30 @@ def _alone(model, reqs):
     return out, sch.rows
 
 
+def _alone(model):
+    """The requests with stop strings taken from each one's own output (a probe run alone without stops), and
+    their completions and logits alone. Asserts the stop handling: a request with stops ends on the first one
+    to occur in its probe's text, its text cut just before it, its tokens a prefix of the probe's."""
+    reqs = _requests()
+    probes, _ = _run_alone(model, reqs)
+    tok = model[0].tokenizer
+    reqs = [(p, GenerationSettings(**{**vars(s), "stop": _stops_from(tok, c, i)}))
+            for i, ((p, s), c) in enumerate(zip(reqs, probes))]
+    ref, rows = _run_alone(model, reqs)
+    for i, ((_, s), c, probe) in enumerate(zip(reqs, ref, probes)):
+        if s.stop:
+            cut = min(k for k in (probe.text.find(w) for w in s.stop) if k >= 0)
+            assert (c.finish_reason, c.text) == ("stop", probe.text[:cut]), i
+            assert c.token_ids == probe.token_ids[:len(c.token_ids)] and len(c.token_ids) < len(probe.token_ids), i
+        else:
+            assert (c.token_ids, c.text, c.finish_reason) == (probe.token_ids, probe.text, probe.finish_reason), i
+    assert sum(bool(s.stop) for _, s in reqs) >= 30  # stop strings end requests whatever the weights
+    return reqs, ref, rows
+
+
 @pytest.fixture(scope="module")
 def alone(hf_model, cbk_model):
-    reqs = _requests()
-    return reqs, {"hf": _alone(hf_model, reqs), "cbk": _alone(cbk_model, reqs)}
+    return {"hf": _alone(hf_model), "cbk": _alone(cbk_model)}
 
 
 def _same(a, b):
@@ -214,8 +255,8 @@ def _same_rows(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("which", ["hf", "cbk"])
 def test_64_concurrent_requests_give_their_alone_tokens(which, hf_model, cbk_model, alone):
-    reqs, (ref, ref_rows) = alone[0], alone[1][which]
-    assert sum(c.finish_reason == "stop" for c in ref) >= 10  # stop strings and EOS do end requests
+    reqs, ref, ref_rows = alone[which]
+    assert sum(c.finish_reason == "stop" for c in ref) >= 30  # stop strings end requests (``_alone``)
     sch = _scheduler(hf_model if which == "hf" else cbk_model, max_batch=64, chunk=8, prefill_budget=160)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     sch.run()
@@ -232,7 +273,7 @@ def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, blocks, hf
     """Few blocks (the rest queue; running requests are preempted and rebuilt), freed blocks poisoned
     with NaN and reused, every seventh request cancelled after its third token: the others give their alone
     tokens and logits, the cancelled ones a prefix of theirs."""
-    reqs, (ref, ref_rows) = alone[0], alone[1][which]
+    reqs, ref, ref_rows = alone[which]
     sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=blocks, max_batch=64, chunk=8)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     cancel = {i for i in range(0, 64, 7)}

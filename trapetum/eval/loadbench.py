@@ -6,7 +6,10 @@
 
 Without ``--url`` it starts ``trapetum serve MODEL`` on a free loopback port (the embedded
 default model unless ``--model`` is given) and stops it afterwards. Each client sends streamed
-chat completions back to back until the run has sent ``--requests`` requests. Every request
+chat completions back to back until the run has sent ``--requests`` requests (default ``--per-client`` K per
+client, at least 8). Before each level a warm-up round (one 8-token request per client, not counted) lets the
+server compile and capture what that many concurrent requests need (e.g. the GPU batch's CUDA graph buckets)
+outside the timed run. Every request
 generates exactly ``--max-tokens`` tokens (``ignore_eos``), so runs compare. Measured on the
 client side, per request:
 
@@ -249,7 +252,9 @@ def add_arguments(p) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--clients", default="1,4,16", help="concurrency levels, comma-separated (default 1,4,16)")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per level, at least one per client (default: 4 per client, at least 8)")
+                   help="requests per level, at least one per client (default: --per-client per client, at least 8)")
+    p.add_argument("--per-client", type=int, default=4, metavar="K",
+                   help="without --requests: K requests per client at each level (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=None, help="--threads for the started server")
@@ -269,8 +274,8 @@ def run(args) -> int:
         levels = [int(x) for x in str(args.clients).split(",") if x.strip()]
     except ValueError:
         raise TrapetumError(f"--clients: expected integers like 1,4,16, got {args.clients!r}") from None
-    if not levels or min(levels) < 1 or args.max_tokens < 1:
-        raise TrapetumError("--clients and --max-tokens must be at least 1")
+    if not levels or min(levels) < 1 or args.max_tokens < 1 or args.per_client < 1:
+        raise TrapetumError("--clients, --max-tokens and --per-client must be at least 1")
     server = None
     url = args.url
     model_id = args.model[0] if (args.url and args.model) else None
@@ -301,7 +306,9 @@ def run(args) -> int:
                               temperature=args.temperature, timeout=args.timeout))
         rows = []
         for n in levels:
-            reqs = max(args.requests or max(8, 4 * n), n)     # every client sends at least one
+            reqs = max(args.requests or max(8, args.per_client * n), n)     # every client sends at least one
+            asyncio.run(run_level(url.rstrip("/"), n, n, max_tokens=min(8, args.max_tokens), api_key=args.api_key,
+                                  model=model_id, temperature=args.temperature, timeout=args.timeout))  # warm-up
             print(f"{n} clients, {reqs} requests ...", file=sys.stderr, flush=True)
             rows.append(asyncio.run(run_level(url.rstrip("/"), n, reqs, max_tokens=args.max_tokens,
                                               api_key=args.api_key, model=model_id,

@@ -79,11 +79,13 @@ def random_aqlm(out_f: int, in_f: int, fmt: str, device, g: torch.Generator) -> 
                        {"codes": codes, "codebooks": cb, "scales": scales})
 
 
-def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = None) -> Checkpoint:
-    """(``layers``: fewer layers than the model has, for tests at the real per-layer shapes.)"""
+def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = None,
+                      overrides: dict | None = None) -> Checkpoint:
+    """(``layers``: fewer layers than the model has, for tests at the real per-layer shapes; ``overrides``:
+    ModelConfig fields that replace the shape's, e.g. a tokenizer's ``vocab_size`` or a tiny test shape.)"""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: one of {', '.join(FORMATS)}, got {fmt!r}")
-    fields = dict(SHAPES[shape], **({"num_layers": layers} if layers else {}))
+    fields = dict(SHAPES[shape], **({"num_layers": layers} if layers else {}), **(overrides or {}))
     if layers and "mlp_types" in fields:
         fields["mlp_types"] = fields["mlp_types"][:layers]
     cfg = ModelConfig(**fields).validate(shape)

@@ -14,7 +14,7 @@ the whole cache is refused at submit (TrapetumError).
        requests still prefilling, oldest first, up to ``prefill_budget`` positions per step (at least one chunk);
        a request whose prompt is done samples its first token (a rebuilt one replays its fed tokens instead);
     3. decode: one forward over every request in the decode phase (one row each: its last token at its position),
-       each row's token sampled by that request's own sampler;
+       each row's token sampled by that request's own sampler on the device, then one host copy for all rows;
     4. every new token goes through the request's TokenStream (runtime/generate.py: EOS, stop strings,
        max_new_tokens); a finished request frees its blocks at once.
 ``cancel(req)`` ends a request at once (blocks freed, "cancelled"). Each request's StreamEvents collect in
@@ -152,9 +152,11 @@ class Scheduler:
         if rows:
             self.peak_batch = max(self.peak_batch, len(rows))
             logits = self.runner.decode([r.table for r in rows], [r.last for r in rows], [r.computed for r in rows])
-            for r, row in zip(rows, logits):
+            # every row sampled on the device, then one host copy for all (not one synchronizing copy per row)
+            toks = torch.cat([self._sample(r, row) for r, row in zip(rows, logits)]).tolist()
+            for r, tok in zip(rows, toks):
                 r.computed += 1
-                self._take(r, row)
+                self._push(r, tok)
                 touched.append(r)
         return touched
 
@@ -220,9 +222,16 @@ class Scheduler:
             req.state = "prefill"
             self.active.append(req)
 
+    def _sample(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
+        """``req``'s next token [1] (int64, left on the device) from its logits row [V]: its own sampler."""
+        return req.sampler(logits)
+
     def _take(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample ``req``'s next token from its logits row [V]; stream it; finish the request if it is done."""
-        tok = int(req.sampler(logits)[0])
+        """Sample ``req``'s next token from its logits row [V] and push it (``_push``)."""
+        self._push(req, int(self._sample(req, logits)[0]))
+
+    def _push(self, req: Request, tok: int) -> None:
+        """Stream ``req``'s new token; finish the request if it is done."""
         req.events.extend(req.stream.push(tok))
         if req.stream.finish is not None:
             self._finish(req, None)
