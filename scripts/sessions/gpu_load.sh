@@ -37,7 +37,7 @@ TOK=xfer/smollm2-tokenizer/tokenizer.json
 [ "$DEVICE" = cuda ] && python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" \
   > "$L/build.log" 2>&1 &
 BUILD=$!
-( s=$(date +%s); python3 -m trapetum.eval.random_cbk --shape llama2-7b --format cb4 --tokenizer "$TOK" --out "$F" \
+( s=$(date +%s); [ -s "$F" ] && { echo "wrote $F earlier (kept)"; exit 0; }; python3 -m trapetum.eval.random_cbk --shape llama2-7b --format cb4 --tokenizer "$TOK" --out "$F" \
     --device "$DEVICE" $SET; echo "rc=$? process wall $(( $(date +%s) - s )) s" ) > "$L/random_cbk.log" 2>&1 &
 CBK=$!
 wait $BUILD; rc=$?; [ "$DEVICE" = cuda ] && echo "cuda extension build rc=$rc ($(since)) $(tail -c 300 "$L/build.log")"
