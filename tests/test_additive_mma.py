@@ -197,3 +197,15 @@ def test_engine_mma_matches_its_reference(tmp_path):
     assert rel(eng.logits, want[-1]) < 3e-3
     rows = eng.verify(torch.tensor(ids[-4:], device="cuda"), len(ids) - 4)
     assert rel(rows[-1], want[-1]) < 3e-3
+
+
+def test_cli_flag_reaches_the_options():
+    import argparse
+
+    from trapetum.commands._common import add_kernel_options, options_of
+    p = argparse.ArgumentParser()
+    add_kernel_options(p)
+    assert options_of(p.parse_args([])) is None
+    assert options_of(p.parse_args(["--aqlm-kernel", "mma"])).kernels.aqlm_kernel == "mma"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--aqlm-kernel", "fast"])
