@@ -90,6 +90,13 @@ def test_packed_shape_errors():
         pk.gemv(torch.zeros(2, 128, dtype=torch.float16), torch.zeros(2, 41, dtype=torch.float16))
     with pytest.raises(ValueError, match="fp16"):
         pk.gemv(torch.zeros(2, 128), torch.zeros(2, 40))
+    assert not pk.fuses_gate_up()
+    with pytest.raises(ValueError, match="out"):
+        PackedMma2x8([p, p], tiles_per_block=1).gemv_planes(torch.zeros(2, 128, dtype=torch.float16),
+                                                          torch.zeros(2, 2, 41, dtype=torch.float16))
+    with pytest.raises(ValueError, match="equal rows"):
+        PackedMma2x8([p, part(8, 16, gen)], tiles_per_block=1).gemv_planes(
+            torch.zeros(2, 128, dtype=torch.float16), torch.zeros(2, 2, 40, dtype=torch.float16))
 
 
 def test_projection_without_the_kernel_keeps_the_fallback():
@@ -166,6 +173,18 @@ def test_mma_rows_are_one_row_calls_bitwise(N, G):
                 assert all(torch.equal(y2[r:r + 1], one[r]) for r in range(16))
 
 
+@gpu
+@pytest.mark.parametrize("M", [1, 3, 8, 16, 19])
+def test_mma_planes_are_gemv_columns_bitwise(M):
+    gen = torch.Generator().manual_seed(M)
+    parts = [part(300, 64, gen, "cuda", bias=i == 0) for i in range(2)]
+    pk = PackedMma2x8(parts)
+    x = torch.randn(M, 512, generator=gen).half().cuda()
+    cols = pk.gemv(x, torch.empty(M, 600, dtype=torch.float16, device="cuda"))
+    planes = pk.gemv_planes(x, torch.empty(2, M, 300, dtype=torch.float16, device="cuda"))
+    assert torch.equal(planes[0], cols[:, :300]) and torch.equal(planes[1], cols[:, 300:])
+
+
 # ----------------------------------------------------------------------------- GPU: the engine in "mma" mode
 @gpu
 @pytest.mark.parametrize("variant", [{}, {"fuse": False}])
@@ -185,9 +204,11 @@ def test_engine_mma_matches_its_reference(tmp_path):
     from tests.tiny_models import additive_checkpoint
     from trapetum.models.decoder import Decoder
     from trapetum.runtime.engine import GpuEngine
+    from trapetum.schemes.aqlm import MmaGateUp
     ck = additive_checkpoint("llama3", tmp_path / "src")
     eng = GpuEngine(ck, 64, options=Options().replace(kernels={"aqlm_kernel": "mma"}))
     assert any(getattr(L.attention.qkv, "mma", None) is not None for L in eng.model.layers)
+    assert any(isinstance(getattr(L.mlp, "gate_up", None), MmaGateUp) for L in eng.model.layers)
     ref = Decoder.from_checkpoint(ck, dtype=torch.float32, device="cuda")
     ids = list(range(5, 21))
     want = ref(torch.tensor([ids], device="cuda"))[0]
@@ -209,3 +230,50 @@ def test_cli_flag_reaches_the_options():
     assert options_of(p.parse_args(["--aqlm-kernel", "mma"])).kernels.aqlm_kernel == "mma"
     with pytest.raises(SystemExit):
         p.parse_args(["--aqlm-kernel", "fast"])
+
+
+def _lane_model_gemv(x, codes, cb, sc):
+    """additive_mma.cu's data flow in float64 (its lane map, code bytes, k permutation and PTX fragment layout of
+    mma.m16n8k16: a0 = A[g][2t..], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]; b0 = B[2t..][g],
+    b1 = B[2t+8..][g]; D[g][2t, 2t+1], D[g+8][2t, 2t+1]), read from the packed buffer."""
+    N, G, _ = codes.shape
+    M = x.shape[0]
+    buf = pack_2x8_mma(codes).view(-1, G // 8, 32, 16).to(torch.int64)
+    C = cb.reshape(2, 256, 8).double()
+    xs = x.double().view(M, G, 8)
+    y = torch.zeros(M, buf.shape[0] * 32, dtype=torch.float64)
+    for tile in range(buf.shape[0]):
+        for c in range(G // 8):
+            for s in range(2):
+                for a in range(2):
+                    for j in range(2):
+                        A = torch.zeros(16, 16, dtype=torch.float64)
+                        B = torch.zeros(16, 8, dtype=torch.float64)
+                        for lane in range(32):
+                            g, t = lane >> 2, lane & 3
+                            q = buf[tile, c, lane]
+                            grp = 8 * c + 4 * s + t
+                            for e in range(4):
+                                u, b = 2 * j + (e >> 1), e & 1
+                                w = (u + t) & 3
+                                c0, c1 = int(q[4 * (2 * s + a) + 2 * b]), int(q[4 * (2 * s + a) + 2 * b + 1])
+                                pair = (C[0, c0, 2 * w:2 * w + 2] + C[1, c1, 2 * w:2 * w + 2]).half().double()
+                                kk = 2 * t + 8 * (e >> 1)
+                                A[g + 8 * b, kk:kk + 2] = pair
+                            for h in range(2):  # b0, b1: k 2t + 8 h <- x word (2j + h + t) & 3 of row g
+                                w = (2 * j + h + t) & 3
+                                if g < M:
+                                    B[2 * t + 8 * h:2 * t + 8 * h + 2, g] = xs[g, grp, 2 * w:2 * w + 2]
+                        D = A @ B  # rows 16 a + (0..15) of the tile, activation rows 0..7
+                        r0 = tile * 32 + 16 * a
+                        y[:, r0:r0 + 16] += D[:, :M].T
+    return y[:, :N] * sc.reshape(1, N).double()
+
+
+@pytest.mark.parametrize("N,G,M", [(40, 16, 3), (7, 8, 1), (33, 24, 8)])
+def test_lane_model_of_the_kernel_is_the_gemv(N, G, M):
+    gen = torch.Generator().manual_seed(N * G + M)
+    codes, cb, sc, _ = part(N, G, gen)
+    x = torch.randn(M, 8 * G, generator=gen).half()
+    want = mma_gemv_reference(x, [(codes, cb, sc, None)])
+    assert torch.allclose(_lane_model_gemv(x, codes, cb, sc), want, rtol=1e-9, atol=1e-9)

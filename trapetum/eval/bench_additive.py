@@ -13,7 +13,7 @@ Rows "backend": ``cuda`` = ``additive_gemv`` on canonical codes (the CUDA kernel
 ``cuda_slices`` = the engine's ``Packed2x8`` ("slices" layout), ``cuda_gate_up`` = a packed gate/up pair of two
 in x out parts with act(gate) * up in the reduction (the engine's MLP launch), ``triton``; ``mma`` = the
 tensor-core 2x8 kernel (``PackedMma2x8``, the "mma" aqlm_kernel option; 2x8 only), ``mma_gate_up`` = its gate/up
-pair as the engine runs it (one launch over [gate; up], then ``fused.act_mul``); ``cuda_bpsN``: the
+pair as the engine runs it (one launch into two planes, then ``fused.act_mul``); ``cuda_bpsN``: the
 canonical CUDA kernel with N blocks per SM. With ``--rows``, each (shape, layout, backend) is timed at every
 row count in the same process and reported against its own one-row time (``vs_rows1``): the cost of a
 speculative-decoding verify pass of M rows relative to a decode step's GEMV.
@@ -89,10 +89,8 @@ def _call(backend, mats, x, y, ws, kopts, block_r, block_g):
         if backend == "mma":
             return lambda: pk.gemv(x, y, kopts=kopts)
         from ..kernels.fused import act_mul
-        gu = torch.empty(x.shape[0], 2 * y.shape[1], dtype=y.dtype, device=y.device)
-        n = y.shape[1]
-        return lambda: act_mul(pk.gemv(x, gu, kopts=kopts)[:, :n].contiguous(), gu[:, n:].contiguous(), "silu",
-                               out=y)  # as schemes.base.SeparateGateUp
+        planes = torch.empty(2, x.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+        return lambda: act_mul(*pk.gemv_planes(x, planes, kopts=kopts), "silu", out=y)  # as schemes.aqlm.MmaGateUp
     if backend in ("cuda_slices", "cuda_gate_up"):
         packed = ag.Packed2x8([m + (None,) for m in mats], layout="slices")
         if backend == "cuda_gate_up":

@@ -8,8 +8,9 @@ the table kernel's bits, ``KernelOptions.aqlm_kernel`` selects one kernel for de
 (``additive_layout.pack_2x8_mma``: [tile of 32 rows][chunk of 8 groups][lane][16 bytes]), and runs them in one
 launch. No workspace (the partial sums stay in shared memory). Batch invariance: row t of a T-row call is bitwise
 the one-row call of that row (the .cu's file comment says why; tests/test_additive_mma.py checks it on the GPU).
-The act(gate) * up epilogue is not fused here: a gate/up pair runs as one launch over [gate; up] and the
-activation kernel (``schemes.base.SeparateGateUp``).
+The act(gate) * up epilogue is not fused here: a gate/up pair runs as one launch writing gate and up as two
+contiguous planes (``gemv_planes``), then the activation kernel (``fused.act_mul``): one launch more per layer
+than the table kernel's fused reduction, no copies.
 
 References (float64): ``mma_weight_reference`` (the kernel's weights: fp16-rounded codebook sums times the scale)
 and ``mma_gemv_reference``.
@@ -28,7 +29,7 @@ MAX_ROWS = 16  # activation rows per launch (NT = 2); more rows: launches of 16
 
 _DECLS = ("void aqlm_mma_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, "
           "torch::Tensor scales, torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor meta, "
-          "int64_t has_bias, int64_t has_res, int64_t tiles_per_block, int64_t pdl);")
+          "int64_t has_bias, int64_t has_res, int64_t tiles_per_block, int64_t pdl, int64_t planes);")
 EXT = cuda_ext.Extension("trapetum_aqlm_mma_v1", ("additive_mma.cu",), _DECLS, ["aqlm_mma_2x8"])
 
 
@@ -104,20 +105,14 @@ class PackedMma2x8:
              kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
         """out [T, sum N] = x [T, 8 G] @ W.T (+ bias) (+ residual), fp16; launches of up to 16 rows."""
         n = sum(self.rows)
-        if x.numel() == 0 or x.shape[-1] != 8 * self.G or x.numel() % (8 * self.G):
-            raise ValueError(f"x: expected [rows, {8 * self.G}], got {tuple(x.shape)}")
-        T = x.numel() // (8 * self.G)
+        T = self._rows_of(x)
         if out.numel() != T * n or (residual is not None and residual.numel() != T * n):
             raise ValueError(f"out/residual: expected {T} x {n} outputs, got {tuple(out.shape)}"
                              f"{'' if residual is None else ' / ' + str(tuple(residual.shape))}")
-        if x.dtype != torch.float16 or out.dtype != torch.float16 or (residual is not None
-                                                                    and residual.dtype != torch.float16):
-            raise ValueError("x/out/residual: PackedMma2x8 takes fp16 tensors")
-        if x.device != self.codes[0].device or out.device != x.device:
-            raise ValueError(f"x/out: must be on {self.codes[0].device}")
-        ext = EXT.ready(x.device, kopts)
-        if ext is None:
-            raise RuntimeError(f"PackedMma2x8: the CUDA kernel is unavailable ({EXT.error() or 'kopts or device'})")
+        if out.dtype != torch.float16 or out.device != x.device or (residual is not None and (
+                residual.dtype != torch.float16 or residual.device != x.device)):
+            raise ValueError(f"out/residual: PackedMma2x8 takes fp16 tensors on {x.device}")
+        ext = self._ext(x, kopts)
         x2 = _ready(x.reshape(T, -1))
         res = _ready(residual.reshape(T, -1)) if residual is not None else None
         y = out.view(T, n) if out.is_contiguous() and out.data_ptr() % 16 == 0 else \
@@ -128,10 +123,48 @@ class PackedMma2x8:
             ys = y[t0:t1]
             ext.aqlm_mma_2x8(x2[t0:t1], self.codes, self.codebooks, self.scales, b,
                              res[t0:t1] if res is not None else ys, ys, self.meta, int(self.bias is not None),
-                             int(res is not None), self.tiles_per_block, int(kopts.pdl_cuda))
+                             int(res is not None), self.tiles_per_block, int(kopts.pdl_cuda), 0)
         if y.data_ptr() != out.data_ptr():
             out.copy_(y.view(out.shape))
         return out
+
+    def fuses_gate_up(self) -> bool:
+        """True if ``gemv_planes`` takes these parts (a gate/up pair: two parts of equal rows)."""
+        return len(self.rows) == 2 and self.rows[0] == self.rows[1]
+
+    def gemv_planes(self, x: torch.Tensor, out: torch.Tensor, *, kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+        """out [P, T, N] (contiguous): plane q = x [T, 8 G] @ W_q.T (+ bias_q), parts of equal rows N; the same bits
+        as ``gemv``'s columns of part q."""
+        if len(set(self.rows)) != 1:
+            raise ValueError(f"gemv_planes: needs parts of equal rows, got {self.rows}")
+        T = self._rows_of(x)
+        P, N = len(self.rows), self.rows[0]
+        if tuple(out.shape) != (P, T, N) or not out.is_contiguous() or out.dtype != torch.float16:
+            raise ValueError(f"out: expected contiguous fp16 [{P}, {T}, {N}], got {out.dtype} {tuple(out.shape)}")
+        ext = self._ext(x, kopts)
+        x2 = _ready(x.reshape(T, -1))
+        b = self.bias if self.bias is not None else out
+        for t0 in range(0, T, MAX_ROWS):  # more than 16 rows: each launch's planes, then copied into out
+            t1 = min(T, t0 + MAX_ROWS)
+            ys = out if T <= MAX_ROWS else torch.empty(P, t1 - t0, N, dtype=out.dtype, device=out.device)
+            ext.aqlm_mma_2x8(x2[t0:t1], self.codes, self.codebooks, self.scales, b, ys, ys, self.meta,
+                             int(self.bias is not None), 0, self.tiles_per_block, int(kopts.pdl_cuda), 1)
+            if ys is not out:
+                out[:, t0:t1].copy_(ys)
+        return out
+
+    def _rows_of(self, x: torch.Tensor) -> int:
+        if x.numel() == 0 or x.shape[-1] != 8 * self.G or x.numel() % (8 * self.G):
+            raise ValueError(f"x: expected [rows, {8 * self.G}], got {tuple(x.shape)}")
+        if x.dtype != torch.float16 or x.device != self.codes[0].device:
+            raise ValueError(f"x: PackedMma2x8 takes fp16 on {self.codes[0].device}, got {x.dtype} on {x.device}")
+        return x.numel() // (8 * self.G)
+
+    def _ext(self, x, kopts):
+        ext = EXT.ready(x.device, kopts)
+        if ext is None:
+            raise RuntimeError(f"PackedMma2x8: the CUDA kernel is unavailable ({EXT.error() or 'kopts or device'})")
+        return ext
 
     def nbytes(self) -> int:
         return sum(c.numel() for c in self.codes) + self.codebooks.numel() * 2 + self.scales.numel() * 2

@@ -9,7 +9,7 @@ Reference: ``AdditiveLinear`` (dequantize, then matmul). Engine: ``AdditiveProje
 2x8 parts sharing an input packed for one CUDA launch (``Packed2x8``; gate/up with the activation in the
 reduction), otherwise one deterministic GEMV per part into its columns. With ``KernelOptions.aqlm_kernel ==
 "mma"`` the 2x8 parts run the tensor-core kernel instead (``PackedMma2x8``, kernels/additive_mma.py: other bits,
-the same kernel for decode and verify; gate/up as one launch over [gate; up] plus the activation kernel). Prefill dequantizes per call. The
+the same kernel for decode and verify; gate/up as one launch into two planes plus the activation kernel). Prefill dequantizes per call. The
 GEMVs' scratch is one static workspace per device, sized for 16 rows (allocated at build, never during a
 graph replay). The precise prefill does not support this scheme (its fp16 dequantization is not exact).
 """
@@ -23,6 +23,7 @@ from ..errors import FormatError, UnsupportedError
 from ..kernels import additive_gemv as ag
 from ..kernels import additive_mma as am
 from ..kernels.additive_layout import dequantize_aqlm
+from ..kernels.fused import act_mul
 from ..settings import DEFAULT_KERNELS
 from .base import GateUp, Part, Projection, Scheme, SeparateGateUp, fp16_linear
 from .record import QuantRecord
@@ -173,6 +174,28 @@ class PackedGateUp(GateUp):
         return self.proj.nbytes()
 
 
+class MmaGateUp(GateUp):
+    """act(gate) * up of a 2x8 gate/up pair on the tensor-core kernel: one launch writing gate and up as two
+    contiguous planes, then the activation kernel (the mma kernel has no fused epilogue)."""
+    kind = "additive"
+
+    def __init__(self, proj: AdditiveProjection, act: str):
+        self.proj, self.act = proj, act
+        self.f = proj.out_features // 2
+
+    def gemv(self, x, out):
+        planes = torch.empty(2, x.shape[0], self.f, dtype=out.dtype, device=out.device)
+        self.proj.mma.gemv_planes(x, planes, kopts=self.proj.kopts)
+        return act_mul(planes[0], planes[1], self.act, out=out)
+
+    def halves(self, x, linear):
+        y = self.proj.matmul(x, linear)
+        return y[:, : self.f], y[:, self.f:]
+
+    def nbytes(self):
+        return self.proj.nbytes()
+
+
 class AqlmScheme(Scheme):
     name = "aqlm"
 
@@ -239,6 +262,8 @@ class AqlmScheme(Scheme):
         proj = self.projection([gate, up], device, kopts, precise)
         if proj.packed is not None and proj.packed.fuses_gate_up():
             return PackedGateUp(proj, act)
+        if proj.mma is not None and proj.mma.fuses_gate_up():
+            return MmaGateUp(proj, act)
         return SeparateGateUp(act, proj)
 
     def dequantize(self, weight, dtype=torch.float32):

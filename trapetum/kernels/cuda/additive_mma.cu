@@ -68,10 +68,11 @@ struct Part {
   const half* bias;      // fp16 [N] or null
   int N, row0;           // rows; first output column
   int tiles, block0;     // 32-row tiles; first block of this part
+  int plane;             // part index (the "planes" output form)
 };
 struct Params {
   Part parts[kMaxParts];
-  int nparts, tiles_per_block, G, M, ldy, has_res;
+  int nparts, tiles_per_block, G, M, ldy, has_res, planes;  // planes: y[part][M][N] (parts of equal N), no res
   const half* x;
   const half* res;
   half* y;
@@ -246,7 +247,8 @@ __global__ void __launch_bounds__(kThreads) aqlm_mma_kernel(const Params p) {
         float v = __fmul_rn(s, __half2float(P.scales[r]));
         if (P.bias != nullptr) v = __fadd_rn(v, __half2float(P.bias[r]));
         if (p.has_res) v = __fadd_rn(v, trapetum_pdl::ld_input_half(p.res + (size_t)n * p.ldy + P.row0 + r));
-        p.y[(size_t)n * p.ldy + P.row0 + r] = __float2half_rn(v);
+        const size_t o_y = p.planes ? ((size_t)P.plane * p.M + n) * P.N + r : (size_t)n * p.ldy + P.row0 + r;
+        p.y[o_y] = __float2half_rn(v);
       }
     }
     __syncthreads();
@@ -284,9 +286,11 @@ static void launch(const Params& p, int grid, cudaStream_t stream, bool pdl) {
 
 // x fp16 [M, 8 G]; codes: per part the packed uint8 buffer; cb fp16 [P, 2, 256, 8]; scales fp16 [sum N];
 // bias fp16 [sum N] (has_bias); res, y fp16 [M, sum N]; meta int64 [P, 2]: (N, tiles); tiles_per_block >= 1.
+// planes = 1: y fp16 [P, M, N] (every part N rows; part q's rows in plane q: a gate/up pair gives two contiguous
+// halves for the activation kernel), no residual.
 void aqlm_mma_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tensor cb, torch::Tensor scales,
                   torch::Tensor bias, torch::Tensor res, torch::Tensor y, torch::Tensor meta, int64_t has_bias,
-                  int64_t has_res, int64_t tiles_per_block, int64_t pdl) {
+                  int64_t has_res, int64_t tiles_per_block, int64_t pdl, int64_t planes) {
   using namespace trapetum_amma;
   const int P = (int)codes.size();
   TORCH_CHECK(P >= 1 && P <= kMaxParts && meta.size(0) == P && meta.size(1) == 2, "parts");
@@ -294,12 +298,16 @@ void aqlm_mma_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tens
   const int M = (int)x.size(0), K = (int)x.size(1);
   TORCH_CHECK(M >= 1 && M <= 16 && K % 64 == 0, "x rows / columns");
   TORCH_CHECK(cb.scalar_type() == at::kHalf && cb.is_contiguous() && cb.numel() == (int64_t)P * 2 * 256 * 8, "cb");
-  TORCH_CHECK(y.scalar_type() == at::kHalf && y.is_contiguous() && y.dim() == 2 && y.size(0) == M, "y");
+  TORCH_CHECK(y.scalar_type() == at::kHalf && y.is_contiguous(), "y");
+  TORCH_CHECK(planes ? (y.dim() == 3 && y.size(0) == P && y.size(1) == M && !has_res)
+                     : (y.dim() == 2 && y.size(0) == M), "y shape");
   TORCH_CHECK(!has_res || (res.scalar_type() == at::kHalf && res.is_contiguous() && res.sizes() == y.sizes()), "res");
   TORCH_CHECK(tiles_per_block >= 1, "tiles_per_block");
   const c10::cuda::CUDAGuard guard(x.device());
   Params p = {};
-  p.nparts = P; p.tiles_per_block = (int)tiles_per_block; p.G = K / 8; p.M = M; p.ldy = (int)y.size(1);
+  p.nparts = P; p.tiles_per_block = (int)tiles_per_block; p.G = K / 8; p.M = M;
+  p.ldy = planes ? (int)(P * y.size(2)) : (int)y.size(1);
+  p.planes = (int)planes;
   p.has_res = (int)has_res; p.x = (const half*)x.data_ptr(); p.res = has_res ? (const half*)res.data_ptr() : nullptr;
   p.y = (half*)y.data_ptr();
   auto m = meta.cpu();
@@ -313,7 +321,8 @@ void aqlm_mma_2x8(torch::Tensor x, std::vector<torch::Tensor> codes, torch::Tens
     Q.cb = (const half*)cb.data_ptr() + (size_t)q * 2 * 256 * 8;
     Q.scales = (const half*)scales.data_ptr() + row0;
     Q.bias = has_bias ? (const half*)bias.data_ptr() + row0 : nullptr;
-    Q.N = N; Q.row0 = row0; Q.tiles = tiles; Q.block0 = block0;
+    Q.N = N; Q.row0 = row0; Q.tiles = tiles; Q.block0 = block0; Q.plane = q;
+    TORCH_CHECK(!planes || N == y.size(2), "planes: parts of equal rows");
     row0 += N;
     block0 += (tiles + (int)tiles_per_block - 1) / (int)tiles_per_block;
   }
