@@ -169,14 +169,17 @@ __global__ void __launch_bounds__(kThreads) aqlm_mma_kernel(const Params p) {
   const int cpw = nchunks > warp ? (nchunks - warp + kWarps - 1) / kWarps : 0;  // chunks of this warp per tile
   const int items = cpw * (tile1 - tile0);
 
-  // The warp's code stream: item i = (tile tile0 + i / cpw, chunk warp + 8 (i % cpw)); two items ahead.
-  auto code_ptr = [&](int i) {
-    const int tile = tile0 + i / cpw, c = warp + kWarps * (i - (i / cpw) * cpw);
-    return P.codes + ((size_t)tile * nchunks + c) * kChunkBytes + lane * 16;
+  // The warp's code stream: item i = (tile tile0 + i / cpw, chunk warp + 8 (i % cpw)), loaded two items ahead;
+  // (pf_tile, pf_j) is the next item to load, advanced by one per load (no division in the loop).
+  int pf_tile = tile0, pf_j = 0;
+  auto next_codes = [&]() {
+    const uint4 v = ld_stream(P.codes + ((size_t)pf_tile * nchunks + warp + kWarps * pf_j) * kChunkBytes + lane * 16);
+    if (++pf_j == cpw) { pf_j = 0; ++pf_tile; }
+    return v;
   };
   uint4 q0 = make_uint4(0u, 0u, 0u, 0u), q1 = q0;
-  if (items > 0) q0 = ld_stream(code_ptr(0));
-  if (items > 1) q1 = ld_stream(code_ptr(1));
+  if (items > 0) q0 = next_codes();
+  if (items > 1) q1 = next_codes();
 
   // The table (weights only: before the PDL wait).
   uint8_t* smem = reinterpret_cast<uint8_t*>(trapetum_amma_smem);
@@ -215,7 +218,7 @@ __global__ void __launch_bounds__(kThreads) aqlm_mma_kernel(const Params p) {
     for (int j = 0; j < cpw; ++j, ++i) {
       const uint4 q = q0;
       q0 = q1;
-      if (i + 2 < items) q1 = ld_stream(code_ptr(i + 2));
+      if (i + 2 < items) q1 = next_codes();
       uint32_t xn[2][NT][4];
       const int cn = j + 1 < cpw ? warp + kWarps * (j + 1) : warp;  // the next item's chunk
       if (i + 1 < items) load_x<NT>(xn, p.x, p.M, K, g, t, cn);
