@@ -26,7 +26,9 @@ means the default; anything else is a ConfigError naming the variable.
 | TRAPETUM_API_KEY         | ServeEnv.api_key           | the API key of ``trapetum serve`` (not an Options) |
 | OMP_NUM_THREADS          | CpuEnv.omp_threads_set     | set: torch's default (which follows it) is kept    |
 
-Fields without a variable (API and benchmarks): ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
+Fields without a variable (API and benchmarks): ``kernels.aqlm_kernel`` ("table"): the 2x8 GEMV of decode and
+verify, "table" or "mma" (the tensor-core kernel; other numerics, so both modes use it; CLI ``--aqlm-kernel``,
+bench_e2e ``--aqlm-kernels``); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
@@ -54,6 +56,7 @@ PREFILL_MODES = ("default", "precise", "exact")
 ENGINES = ("gpu", "reference")
 MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
+AQLM_KERNELS = ("table", "mma")
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -97,6 +100,9 @@ class KernelOptions:
     triton_gather: bool = True  # tl.gather of the codebook tile in the Triton codebook GEMV
     aqlm_layout: str = "slices"  # 2x8 codes in the engine: the kernel's "slices" layout or the stored "rows"
     aqlm_blocks_per_sm: int = 2  # the 2x8 CUDA kernel's blocks per SM
+    # 2x8 decode and verify GEMV: "table" (fp32 lookup tables, additive_gemv.cu) or "mma" (fp16 codebook sums on
+    # tensor cores, additive_mma.cu: other bits, verify M = 8 near one decode step). No variable: pass it.
+    aqlm_kernel: str = "table"
     frag_producers: bool = True  # producers of a verify pass's mma-GEMV rows write its fragment order (else it copies)
 
     def __post_init__(self):
@@ -104,6 +110,8 @@ class KernelOptions:
             raise ConfigError(f"kernels.pdl: expected one of {', '.join(PDL_MODES)}, got {self.pdl!r}")
         if self.aqlm_layout not in AQLM_LAYOUTS:
             raise ConfigError(f"kernels.aqlm_layout: expected one of {', '.join(AQLM_LAYOUTS)}, got {self.aqlm_layout!r}")
+        if self.aqlm_kernel not in AQLM_KERNELS:
+            raise ConfigError(f"kernels.aqlm_kernel: expected one of {', '.join(AQLM_KERNELS)}, got {self.aqlm_kernel!r}")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:
             raise ConfigError(f"kernels.aqlm_blocks_per_sm: {self.aqlm_blocks_per_sm} outside 1..8")
 

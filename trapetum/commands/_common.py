@@ -24,6 +24,21 @@ def add_device(p: argparse.ArgumentParser) -> None:
                         "use and what else runs now: fewer on a busy machine, where extra threads stall each other)")
 
 
+def add_kernel_options(p: argparse.ArgumentParser) -> None:
+    """GPU kernel choices that change numerics (settings.KernelOptions fields without a variable)."""
+    p.add_argument("--aqlm-kernel", default=None, choices=("table", "mma"),
+                   help="2x8 AQLM models on the GPU: the decode / verify GEMV, 'table' (default: fp32 lookup "
+                        "tables) or 'mma' (tensor cores: faster verify rows, slower decode, other rounding)")
+
+
+def options_of(args: argparse.Namespace):
+    """The engine's Options for this command (the TRAPETUM_* switches, then the kernel flags), or None."""
+    if getattr(args, "aqlm_kernel", None) is None:
+        return None
+    from ..settings import Options
+    return Options.from_env().replace(kernels={"aqlm_kernel": args.aqlm_kernel})
+
+
 def apply_threads(args: argparse.Namespace):
     """Set torch's CPU thread count for this command (``cpu_threads.choose_threads``); returns the ThreadChoice."""
     from ..cpu_threads import choose_threads

@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, add_sparsity, apply_threads,
-                      context_of, draft_kwargs, loading, settings_from)
+from ._common import (add_context, add_device, add_draft, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+                      apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 HELP = "Type a message and press Enter; /help lists the commands, /exit (or Ctrl-D) quits."
 COMMANDS = """commands:
@@ -27,6 +27,7 @@ def register(sub) -> None:
     add_model_option(p)
     p.add_argument("--system", default=None, help="system prompt (also /system TEXT in the chat)")
     add_device(p)
+    add_kernel_options(p)
     add_context(p)
     add_sampling(p, temperature=0.7, max_new=512)
     add_draft(p)
@@ -72,7 +73,8 @@ def run(args) -> int:
     from ..api import load
     from ..chat_template import ChatTemplateError
     with loading(path or "the embedded model", args.device, threads):
-        m = load(path, device=args.device, max_context=ctx, sparsity=args.sparsity, **draft_kwargs(args))
+        m = load(path, device=args.device, max_context=ctx, sparsity=args.sparsity, options=options_of(args),
+                 **draft_kwargs(args))
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     system = args.system
     messages = [{"role": "system", "content": system}] if system else []

@@ -9,8 +9,8 @@ import os
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_model_option, add_sampling, add_sparsity, apply_threads,
-                      context_of, draft_kwargs, loading, settings_from)
+from ._common import (add_context, add_device, add_draft, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+                      apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 MAX_PROMPT_BYTES = 64 << 20  # a prompt file or standard input larger than this is refused
 MODEL_SUFFIXES = (".cbk", ".gguf", ".safetensors")
@@ -36,6 +36,7 @@ def register(sub) -> None:
                    help="GPU engine: process the prompt in the precise prefill (fp32 activations; slower "
                         "prompt, same decode; same as TRAPETUM_PREFILL=precise)")
     add_device(p)
+    add_kernel_options(p)
     add_context(p)
     add_sampling(p)
     add_draft(p)
@@ -120,7 +121,7 @@ def run(args) -> int:
     from ..api import load
     with loading(model_path or EMBEDDED, args.device, threads):
         m = load(model_path, device=args.device, max_context=ctx, precise_prefill=args.precise_prefill,
-                 sparsity=args.sparsity, **draft_kwargs(args))
+                 sparsity=args.sparsity, options=options_of(args), **draft_kwargs(args))
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)

@@ -1,6 +1,6 @@
 """2-bit additive (AQLM 2x8 / 1x16) GEMV benchmark: against cuBLAS fp16, and M activation rows against one.
 
-    python -m trapetum.eval.bench_additive [--backends cuda,triton] [--layouts 2x8,1x16] [--bps 1,3]
+    python -m trapetum.eval.bench_additive [--backends cuda,triton,mma] [--layouts 2x8,1x16] [--bps 1,3]
                                            [--rows 1,2,4,8,16] [--shapes 4096x4096,...] [--json PATH]
 
 Protocol (DESIGN.md "Measuring", ``bench_kernels.graph_time_us``): random codes, codebooks, scales and
@@ -11,7 +11,9 @@ gets none) and ``aqlm_blocks_per_sm`` from ``--bps``. Shapes are in x out.
 
 Rows "backend": ``cuda`` = ``additive_gemv`` on canonical codes (the CUDA kernel reads them as stored),
 ``cuda_slices`` = the engine's ``Packed2x8`` ("slices" layout), ``cuda_gate_up`` = a packed gate/up pair of two
-in x out parts with act(gate) * up in the reduction (the engine's MLP launch), ``triton``; ``cuda_bpsN``: the
+in x out parts with act(gate) * up in the reduction (the engine's MLP launch), ``triton``; ``mma`` = the
+tensor-core 2x8 kernel (``PackedMma2x8``, the "mma" aqlm_kernel option; 2x8 only), ``mma_gate_up`` = its gate/up
+pair as the engine runs it (one launch into two planes, then ``fused.act_mul``); ``cuda_bpsN``: the
 canonical CUDA kernel with N blocks per SM. With ``--rows``, each (shape, layout, backend) is timed at every
 row count in the same process and reported against its own one-row time (``vs_rows1``): the cost of a
 speculative-decoding verify pass of M rows relative to a decode step's GEMV.
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..kernels import additive_gemv as ag
+from ..kernels import additive_mma as am
 from ..kernels.additive_layout import index_to_codes
 from ..settings import KernelOptions
 from .bench_kernels import graph_time_us
@@ -46,7 +49,13 @@ def random_layout(n, k, M, nb, gen, device="cuda"):
 def variants(layout, backends, bps_sweep, shape) -> list[tuple[str, str, int | None]]:
     """(label, backend, blocks per SM or None) to time for one layout and shape."""
     cuda = ag.cuda_available()
-    out = [(b, b, None) for b in backends if b != "cuda" or cuda]
+    out = [(b, b, None) for b in backends if b not in ("cuda", "mma") or cuda]
+    if "mma" in backends:
+        out = [v for v in out if v[0] != "mma"]
+        if layout == (2, 8) and am.mma_available():
+            out.append(("mma", "mma", None))
+            if tuple(shape) in GATE_UP_SHAPES:
+                out.append(("mma_gate_up", "mma_gate_up", None))
     if cuda and layout == (2, 8) and "cuda" in backends:
         out.append(("cuda_slices", "cuda_slices", None))
         if tuple(shape) in GATE_UP_SHAPES:
@@ -58,7 +67,7 @@ def variants(layout, backends, bps_sweep, shape) -> list[tuple[str, str, int | N
 def time_additive(k, n, M, nb, backend, bps, rows, gen, block_r=64, block_g=16, device="cuda"):
     """(median us per call, bytes per call) of one variant over ``rows`` activation rows."""
     kopts = KernelOptions(pdl="off", aqlm_blocks_per_sm=bps or 2)
-    parts = 2 if backend == "cuda_gate_up" else 1
+    parts = 2 if backend in ("cuda_gate_up", "mma_gate_up") else 1
     q_bytes = parts * (n * (k // 8) * M * (nb // 8) + M * (1 << nb) * 16 + n * 2) + rows * (k * 2 + n * 2)
     ws = []  # one workspace shared by every buffer set (the calls run one after another)
 
@@ -75,6 +84,13 @@ def time_additive(k, n, M, nb, backend, bps, rows, gen, block_r=64, block_g=16, 
 
 def _call(backend, mats, x, y, ws, kopts, block_r, block_g):
     """The zero-argument launch of one variant on one buffer set."""
+    if backend in ("mma", "mma_gate_up"):
+        pk = am.PackedMma2x8([m + (None,) for m in mats])
+        if backend == "mma":
+            return lambda: pk.gemv(x, y, kopts=kopts)
+        from ..kernels.fused import act_mul
+        planes = torch.empty(2, x.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+        return lambda: act_mul(*pk.gemv_planes(x, planes, kopts=kopts), "silu", out=y)  # as schemes.aqlm.MmaGateUp
     if backend in ("cuda_slices", "cuda_gate_up"):
         packed = ag.Packed2x8([m + (None,) for m in mats], layout="slices")
         if backend == "cuda_gate_up":
@@ -125,7 +141,7 @@ def bench(shapes=BENCH_SHAPES, layouts=((2, 8), (1, 16)), backends=("cuda", "tri
 def bench_table(rows: list[dict]) -> str:
     lines = ["| shape (in x out) | layout | backend | rows | us | vs rows 1 | cuBLAS fp16 us | vs cuBLAS | GB/s |",
              "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['shape']}{' (x2)' if r['backend'] == 'cuda_gate_up' else ''} | {r['layout']} | {r['backend']} | "
+    lines += [f"| {r['shape']}{' (x2)' if r['backend'].endswith('gate_up') else ''} | {r['layout']} | {r['backend']} | "
               f"{r.get('rows', 1)} | {r['us']:.1f} | {r.get('vs_rows1', 1.0):.2f}x | {r['cublas_us']:.1f} | "
               f"{r['vs_cublas']:.2f}x | {r['GBps']:.0f} |" for r in rows]
     return "\n".join(lines)

@@ -3,6 +3,8 @@
     python -m trapetum.eval.bench_e2e --out DIR [--models llama2-7b,llama3-8b] [--formats fp16,cb4] [--switches]
                                       [--verify 1,2,4,8,16] [--verify-bases 64,1088] [--attn-configs NAME,...]
     python -m trapetum.eval.bench_e2e --out DIR --models llama2-70b --bins 0 --verify 8   (2-bit AQLM formats)
+    python -m trapetum.eval.bench_e2e --out DIR --models llama2-70b --formats aqlm-2x8 --aqlm-kernels table,mma
+                                      --bins 0 --verify 1,8 --verify-bases 64   (the 2x8 kernel options side by side)
     python -m trapetum.eval.bench_e2e --out DIR --models deepseek-v2-lite,mixtral-8x7b --formats cb4,aqlm-2x8 --bins 0
                                       [--mla latent]   (mixture of experts; floors: python -m trapetum.eval.moe_floor)
 
@@ -17,7 +19,9 @@ process measures:
     ratio is what speculative decoding pays per verify round;
   * prefill tok/s at 512 and 2,048 tokens (median of 7; not for the AQLM formats, which dequantize per call);
   * with --switches the decode bins again with each option off (graph, fuse, CUDA kernels, fused attention, PDL);
-    with --attn-configs the bins with each named attention config.
+    with --attn-configs the bins with each named attention config;
+  * ``--aqlm-kernels table,mma``: the aqlm-2x8 rows once per 2x8 kernel option (KernelOptions.aqlm_kernel; the
+    "mma" rows are labelled aqlm-2x8+mma), each engine's verify against its own decode steps.
 Writes results.json and results.md under DIR; prints the table last.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..settings import Options
+from ..settings import AQLM_KERNELS, Options
 from .random_model import FORMATS, random_checkpoint
 
 DEFAULT_FORMATS = ("fp16", "cb4")
@@ -108,15 +112,19 @@ def build(shape: str, fmt: str, options: Options):
 
 def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | None = None,
         bins: tuple[int, ...] = BINS, attn_configs: tuple[str, ...] = (), verify_rows: tuple[int, ...] = (),
-        verify_bases: tuple[int, ...] = (64, 1088), options: Options | None = None) -> dict:
-    base_opts = options or Options()
+        verify_bases: tuple[int, ...] = (64, 1088), options: Options | None = None,
+        aqlm_kernels: tuple[str, ...] = ("table",)) -> dict:
+    opts0 = options or Options()
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
                "models": {}}
     for shape in models:
         res = results["models"][shape] = {}
-        for fmt in formats or SHAPE_FORMATS.get(shape, DEFAULT_FORMATS):
+        runs = [(f, k) for f in formats or SHAPE_FORMATS.get(shape, DEFAULT_FORMATS)
+                for k in (aqlm_kernels if f == "aqlm-2x8" else ("table",))]
+        for fmt, kernel in runs:
+            base_opts = opts0.replace(kernels={"aqlm_kernel": kernel})
             eng, r = build(shape, fmt, base_opts)
-            res[fmt] = r
+            res[fmt if kernel == "table" else f"{fmt}+{kernel}"] = r
             torch.cuda.reset_peak_memory_stats()  # peak below = serving (engine + KV cache + activations)
             t0 = time.time()
             r["decode"] = decode_bins(eng, bins)
@@ -134,7 +142,7 @@ def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | N
                 r.setdefault("switches", {})[name] = decode_bins(eng, bins if name.startswith("attn") else (0,), steps)
                 del eng
             r["seconds"] = time.time() - t0
-            print(f"{shape} {fmt}: " + json.dumps({k: v for k, v in r.items() if k not in ('switches', 'verify')}),
+            print(f"{shape} {fmt} ({kernel}): " + json.dumps({k: v for k, v in r.items() if k not in ('switches', 'verify')}),
                   flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -195,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--verify-bases", default="64,1088", help="positions of the verify passes")
     p.add_argument("--attn-configs", default="", help="comma list of attention config names (AttnConfig.name): "
                    "the bins again with each, next to the default")
+    p.add_argument("--aqlm-kernels", default="table", help="2x8 GEMV kernels to run the aqlm-2x8 rows with: "
+                   "table, mma or table,mma (KernelOptions.aqlm_kernel)")
     p.add_argument("--mla", default="expanded", choices=("expanded", "latent"),
                    help="latent-attention models: per-head cache (expanded) or the absorbed form over the latent cache")
     a = p.parse_args(argv)
@@ -206,11 +216,16 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"bench_e2e: --attn-configs: {e}")
         return 2
+    kernels = tuple(k for k in a.aqlm_kernels.split(",") if k)
+    if not kernels or any(k not in AQLM_KERNELS for k in kernels):
+        print(f"bench_e2e: --aqlm-kernels: expected a comma list of {', '.join(AQLM_KERNELS)}, got {a.aqlm_kernels!r}")
+        return 2
     if not torch.cuda.is_available():
         print("bench_e2e needs a CUDA GPU")
         return 1
     run(a.models.split(","), a.switches, Path(a.out), [f for f in a.formats.split(",") if f] or None,
-        _ints(a.bins), names, _ints(a.verify), _ints(a.verify_bases), Options.from_env().replace(mla=a.mla))
+        _ints(a.bins), names, _ints(a.verify), _ints(a.verify_bases), Options.from_env().replace(mla=a.mla),
+        kernels)
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python -m trapetum.eval.verify_exact [--shapes cb4-mha,cb4-gqa,aqlm-2x8,fp16] [--rows 1,2,4,8,16]
                                          [--bases 6,56,1016] [--options default,fuse=off,cuda-kernels=off]
+    python -m trapetum.eval.verify_exact --shapes aqlm-2x8 --options aqlm=mma   (the "mma" 2x8 kernel option)
 
 For each (base, M): a fixed prompt of ``base`` tokens is prefilled, the cache snapshotted; then
   decode: cache restored, every position >= base and the logits / workspace buffers filled with random values,
@@ -25,7 +26,8 @@ import torch
 from ..settings import Options
 
 VARIANTS = {"default": {}, "fuse=off": dict(fuse=False), "cuda-kernels=off": dict(kernels={"cuda": False}),
-            "attention=unfused": dict(attention="unfused"), "graph=off": dict(graph=False)}
+            "attention=unfused": dict(attention="unfused"), "graph=off": dict(graph=False),
+            "aqlm=mma": dict(kernels={"aqlm_kernel": "mma"})}  # the tensor-core 2x8 kernel (aqlm-2x8 only)
 # name -> (random_model shape, format, layers)
 SHAPES = {"cb4-mha": ("llama2-7b", "cb4", 2), "cb4-gqa": ("llama3-8b", "cb4", 2),
           "aqlm-2x8": ("llama2-7b", "aqlm-2x8", 2), "fp16": ("llama2-7b", "fp16", 2)}

@@ -14,6 +14,11 @@ tests/cuda/additive_2x8_host_check.cu prints for tests/test_additive_kernels.py 
 of rows r and r + 8 trade places and rows r % 8 in 2..5 store each chunk with its two 8-byte halves swapped, so
 that every lane of the kernel finds its bytes in the order its lookups want. "rows" is the canonical layout
 read as stored.
+
+The 2x8 tensor-core kernel's layout (``pack_2x8_mma``; cuda/additive_mma.cu, the "mma" option): per part
+``[ceil(N / 32) tiles][G / 8 chunks][32 lanes][16 bytes]``; lane 4 g + t, byte b = 8 s + 2 h + m holds
+codebook m's code of row 32 tile + g + 8 h, group 8 chunk + 4 s + t (s = 0, 1; h = 0..3); zeros past N.
+A warp's chunk load is 512 contiguous bytes and each lane's 16 bytes are the codes its lookups use.
 """
 from __future__ import annotations
 
@@ -23,11 +28,12 @@ import math
 import torch
 
 __all__ = ["codes_to_index", "index_to_codes", "dequantize_aqlm", "SLICE", "UNIT_ROWS", "LAYOUTS_2X8",
-           "pad_rows", "packed_pos", "pack_2x8", "unpack_2x8"]
+           "pad_rows", "packed_pos", "pack_2x8", "unpack_2x8", "MMA_TILE_ROWS", "pack_2x8_mma", "unpack_2x8_mma"]
 
 SLICE = 32  # input groups per 2x8 slice (kSlice in the .cu)
 UNIT_ROWS = 16  # rows per 2x8 unit of work (kUnitRows in the .cu)
 LAYOUTS_2X8 = ("slices", "rows")
+MMA_TILE_ROWS = 32  # rows per tile of the tensor-core 2x8 layout (kTileRows in additive_mma.cu)
 
 
 def codes_to_index(codes: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -109,3 +115,25 @@ def unpack_2x8(buf: torch.Tensor, N: int, G: int, layout: str = "slices") -> tor
     v = buf.view(nslices, npad // UNIT_ROWS, -1)[:, :, packed_pos(str(buf.device))]  # canonical row order
     v = v.reshape(nslices, npad, 2 * SLICE).transpose(0, 1)[:N].reshape(N, -1)[:, : 2 * G]
     return v.view(torch.int8).reshape(N, G, 2)
+
+
+def pack_2x8_mma(codes: torch.Tensor) -> torch.Tensor:
+    """2x8 codes int8 [N, G, 2] (G % 8 == 0) in the tensor-core kernel's layout (module docstring), flat uint8."""
+    if codes.dim() != 3 or codes.shape[2] != 2 or codes.dtype != torch.int8 or codes.shape[1] % 8:
+        raise ValueError(f"codes: need int8 [N, G, 2] with G % 8 == 0, got {codes.dtype} {tuple(codes.shape)}")
+    N, G, _ = codes.shape
+    tiles = -(-N // MMA_TILE_ROWS)
+    c = torch.zeros(tiles * MMA_TILE_ROWS, G, 2, dtype=torch.uint8, device=codes.device)
+    c[:N] = codes.view(torch.uint8)
+    # [tile, h, g, chunk, s, t, m] -> [tile, chunk, g, t, s, h, m]
+    v = c.view(tiles, 4, 8, G // 8, 2, 4, 2).permute(0, 3, 2, 5, 4, 1, 6)
+    return v.contiguous().reshape(-1)
+
+
+def unpack_2x8_mma(buf: torch.Tensor, N: int, G: int) -> torch.Tensor:
+    """Inverse of ``pack_2x8_mma``: int8 [N, G, 2]."""
+    tiles = -(-N // MMA_TILE_ROWS)
+    if buf.numel() != tiles * MMA_TILE_ROWS * G * 2:
+        raise ValueError(f"buf: {buf.numel()} bytes, expected {tiles * MMA_TILE_ROWS * G * 2} for {N} x {G} groups")
+    v = buf.view(tiles, G // 8, 8, 4, 2, 4, 2).permute(0, 5, 2, 1, 4, 3, 6)  # -> [tile, h, g, chunk, s, t, m]
+    return v.reshape(tiles * MMA_TILE_ROWS, G, 2)[:N].contiguous().view(torch.int8)

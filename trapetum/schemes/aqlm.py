@@ -7,7 +7,9 @@ Stored (``QuantRecord("aqlm", (out, in), {num_codebooks, nbits, in_group_size, o
     W[o-group, i-group] = scales[o-group] * sum_m codebooks[m, codes[o-group, i-group, m]]
 Reference: ``AdditiveLinear`` (dequantize, then matmul). Engine: ``AdditiveProjection`` (kernels/additive_gemv.py):
 2x8 parts sharing an input packed for one CUDA launch (``Packed2x8``; gate/up with the activation in the
-reduction), otherwise one deterministic GEMV per part into its columns. Prefill dequantizes per call. The
+reduction), otherwise one deterministic GEMV per part into its columns. With ``KernelOptions.aqlm_kernel ==
+"mma"`` the 2x8 parts run the tensor-core kernel instead (``PackedMma2x8``, kernels/additive_mma.py: other bits,
+the same kernel for decode and verify; gate/up as one launch into two planes plus the activation kernel). Prefill dequantizes per call. The
 GEMVs' scratch is one static workspace per device, sized for 16 rows (allocated at build, never during a
 graph replay). The precise prefill does not support this scheme (its fp16 dequantization is not exact).
 """
@@ -19,7 +21,9 @@ from torch import nn
 
 from ..errors import FormatError, UnsupportedError
 from ..kernels import additive_gemv as ag
+from ..kernels import additive_mma as am
 from ..kernels.additive_layout import dequantize_aqlm
+from ..kernels.fused import act_mul
 from ..settings import DEFAULT_KERNELS
 from .base import GateUp, Part, Projection, Scheme, SeparateGateUp, fp16_linear
 from .record import QuantRecord
@@ -98,20 +102,29 @@ class AdditiveProjection(Projection):
         self.bounds = [0]
         for m in mods:
             self.bounds.append(self.bounds[-1] + m.out_features)
-        self.packed = None
-        if all(tuple(cb.shape) == (2, 256, 1, 8) for _, cb, _, _ in self.parts) and self.in_features % 64 == 0 \
-                and len(mods) <= 4 and ag.cuda_available(dev, kopts):
+        self.packed = self.mma = None
+        is_2x8 = all(tuple(cb.shape) == (2, 256, 1, 8) for _, cb, _, _ in self.parts) and self.in_features % 64 == 0 \
+            and len(mods) <= 4
+        if is_2x8 and kopts.aqlm_kernel == "mma" and am.mma_available(dev, kopts):
+            self.mma = am.PackedMma2x8(self.parts)
+            self.parts = [(None,) + p[1:] for p in self.parts]  # the packed copy is the engine's
+        elif is_2x8 and ag.cuda_available(dev, kopts):
             self.packed = ag.Packed2x8(self.parts, layout=kopts.aqlm_layout)
             if self.packed.layout != "rows":  # the packed copy is the engine's; prefill unpacks it
                 self.parts = [(None,) + p[1:] for p in self.parts]
-        need = max([ag.workspace_need(m.codes, m.codebooks, rows=MAX_ROWS) for m in mods] +
-                   [self.packed.need_for(MAX_ROWS) if self.packed is not None else 0])
+        need = 0 if self.mma is not None else max(
+            [ag.workspace_need(m.codes, m.codebooks, rows=MAX_ROWS) for m in mods] +
+            [self.packed.need_for(MAX_ROWS) if self.packed is not None else 0])
         self.ws = ag.shared_workspace(dev, need)
 
     def _codes(self, i: int) -> torch.Tensor:
-        return self.parts[i][0] if self.parts[i][0] is not None else self.packed.canonical_codes(i)
+        if self.parts[i][0] is not None:
+            return self.parts[i][0]
+        return (self.mma if self.mma is not None else self.packed).canonical_codes(i)
 
     def gemv(self, x, out, residual=None):
+        if self.mma is not None:
+            return self.mma.gemv(x, out, residual, kopts=self.kopts)
         if self.packed is not None:
             return self.packed.gemv(x, out, residual, workspace=self.ws, kopts=self.kopts)
         for i, ((_, cb, sc, b), lo, hi) in enumerate(zip(self.parts, self.bounds, self.bounds[1:])):
@@ -135,6 +148,8 @@ class AdditiveProjection(Projection):
                           for i, (_, cb, sc, b) in enumerate(self.parts)], -1)
 
     def nbytes(self):
+        if self.mma is not None:
+            return self.mma.nbytes()
         if self.packed is not None:
             return self.packed.nbytes()
         return sum(t.numel() * t.element_size() for p in self.parts for t in p[:3] if t is not None)
@@ -150,6 +165,28 @@ class PackedGateUp(GateUp):
 
     def gemv(self, x, out):
         return self.proj.packed.gemv_gate_up(x, out, self.act, workspace=self.proj.ws, kopts=self.proj.kopts)
+
+    def halves(self, x, linear):
+        y = self.proj.matmul(x, linear)
+        return y[:, : self.f], y[:, self.f:]
+
+    def nbytes(self):
+        return self.proj.nbytes()
+
+
+class MmaGateUp(GateUp):
+    """act(gate) * up of a 2x8 gate/up pair on the tensor-core kernel: one launch writing gate and up as two
+    contiguous planes, then the activation kernel (the mma kernel has no fused epilogue)."""
+    kind = "additive"
+
+    def __init__(self, proj: AdditiveProjection, act: str):
+        self.proj, self.act = proj, act
+        self.f = proj.out_features // 2
+
+    def gemv(self, x, out):
+        planes = torch.empty(2, x.shape[0], self.f, dtype=out.dtype, device=out.device)
+        self.proj.mma.gemv_planes(x, planes, kopts=self.proj.kopts)
+        return act_mul(planes[0], planes[1], self.act, out=out)
 
     def halves(self, x, linear):
         y = self.proj.matmul(x, linear)
@@ -225,6 +262,8 @@ class AqlmScheme(Scheme):
         proj = self.projection([gate, up], device, kopts, precise)
         if proj.packed is not None and proj.packed.fuses_gate_up():
             return PackedGateUp(proj, act)
+        if proj.mma is not None and proj.mma.fuses_gate_up():
+            return MmaGateUp(proj, act)
         return SeparateGateUp(act, proj)
 
     def dequantize(self, weight, dtype=torch.float32):
