@@ -175,7 +175,7 @@ class EngineOps:
     def experts(self, experts, h, weights, idx):
         stack = getattr(experts, "stack", None)
         if self.rows and stack is not None and expert_gemv.available(h.device):
-            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather)
+            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather, kopts=self.kopts)
         if not self.rows:  # each expert over the tokens that chose it (engine_experts.py)
             return prefill_experts(self, experts, h, weights, idx)
         out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
