@@ -51,6 +51,15 @@ def test_engine_matches_reference(models, family):
     assert_engine_matches(m, GpuEngine(m.checkpoint, 48, device="cpu"))
 
 
+@pytest.mark.parametrize("vd", [16, 32])
+def test_engine_latent_attention_pads(tmp_path, vd):
+    """engine_ops.latent_attend when the per-head width P = max(head_dim, v_head_dim) pads v (vd < head_dim, as
+    DeepSeek-V2-Lite's 128 < 192) or q and k (vd > head_dim)."""
+    build("deepseek_v2", tmp_path, overrides={"v_head_dim": vd})
+    m = trapetum.load(tmp_path)
+    assert_engine_matches(m, GpuEngine(m.checkpoint, 48, device="cpu"), n_new=4)
+
+
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_engine_unfused_and_exact_prefill(models, family):
     m = models[family]

@@ -10,7 +10,7 @@ from tests.test_engine_gpu import assert_replays_bitwise_and_graph_equals_eager
 from tests.tiny_models import MOE_FAMILIES, ROPE_FAMILIES, build, build_cbk
 from trapetum.eval.verify_exact import check
 from trapetum.runtime.engine import GpuEngine
-from trapetum.settings import Options
+from trapetum.settings import KernelOptions, Options
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.gpu]
 
@@ -140,6 +140,30 @@ def test_gpu_latent_attention_engine(pairs, family):
     assert torch.equal(eager.logits, outs[0])
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+WIDE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)  # widths the CUDA expert GEMVs take
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_gpu_cuda_expert_gemvs_in_the_engine(tmp_path, family):
+    """4-bit experts at in % 128 == 0: every MoE layer's stack tiled and run by the CUDA expert GEMVs
+    (kernels/expert_gemv_mma.py); the CPU reference within 5e-3 teacher-forced, 100 graph replays bitwise and
+    graph == eager, verify rows bitwise equal to decode steps; with the kernel options' cuda off the stacks are
+    canonical (the Triton expert kernels)."""
+    kw = {k: v for k, v in WIDE.items() if family != "mixtral" or k != "moe_intermediate_size"}
+    path = build_cbk(family, tmp_path, overrides=kw)
+    cpu, gpu = trapetum.load(path), trapetum.load(path, device="cuda")
+    eng = gpu.runner
+    sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
+    assert sets and all(s.stack is not None and s.stack.tiled for s in sets)
+    _agree(cpu, gpu, tol=5e-3)
+    assert_replays_bitwise_and_graph_equals_eager(gpu, list(range(5, 25)))
+    res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
+    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+    off = GpuEngine(cpu.checkpoint, 48, device="cuda", options=Options(kernels=KernelOptions(cuda=False)))
+    sets = [w.experts for L in off.model.layers for kind, w in L.blocks if kind == "moe"]
+    assert sets and all(s.stack is not None and not s.stack.tiled for s in sets)
 
 
 def test_gpu_2x8_experts_match_their_reference(tmp_path):

@@ -116,11 +116,12 @@ ROPE_FAMILIES = ["phi3_longrope", "qwen2_yarn", "llama_dynamic"]
 FAMILIES = [f for f in family_configs() if f not in MOE_FAMILIES + ROPE_FAMILIES]
 
 
-def build(family: str, path, seed: int = 0, tokenizer: bool = False):
-    """Save a tiny random model of ``family`` to ``path``; return the HF model (fp32, eval)."""
+def build(family: str, path, seed: int = 0, tokenizer: bool = False, overrides: dict | None = None):
+    """Save a tiny random model of ``family`` (config fields ``overrides`` replaced) to ``path``; return the HF
+    model (fp32, eval)."""
     cfg_cls, model_cls, kw = family_configs()[family]
     torch.manual_seed(seed)
-    cfg = cfg_cls(**kw)
+    cfg = cfg_cls(**dict(kw, **(overrides or {})))
     cfg._attn_implementation = "eager"
     model = model_cls(cfg).eval()
     with torch.no_grad():  # make norms non-trivial so offsets and placement matter
@@ -150,11 +151,11 @@ def build_families(tmp_path_factory, families=None) -> dict:
     return out
 
 
-def build_cbk(family: str, tmp_path, iters: int = 5) -> Path:
-    """A tiny ``family`` model saved under tmp_path/src and quantized (4-bit projections, 8-bit head,
-    unweighted, ``iters`` k-means rounds) to tmp_path/m.cbk; returns the .cbk path."""
+def build_cbk(family: str, tmp_path, iters: int = 5, overrides: dict | None = None) -> Path:
+    """A tiny ``family`` model (``build``'s overrides) saved under tmp_path/src and quantized (4-bit projections,
+    8-bit head, unweighted, ``iters`` k-means rounds) to tmp_path/m.cbk; returns the .cbk path."""
     from trapetum.quant.quantize import Recipe, quantize_to_cbk
-    build(family, Path(tmp_path) / "src")
+    build(family, Path(tmp_path) / "src", overrides=overrides)
     out = Path(tmp_path) / "m.cbk"
     quantize_to_cbk(str(Path(tmp_path) / "src"), out, Recipe(bits=4, head_bits=8, weighted=False, iters=iters).validate(),
                     progress=False, log=lambda s: None)

@@ -3,7 +3,8 @@ under ~/.cache/torch_extensions, rebuilt when a source changes).
 
 Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row codebook GEMV on tensor cores for
 1..16 activation rows, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16 path, 1..16
-rows); both include ``pdl.cuh`` (programmatic dependent launch on sm_90+) and ``act.cuh`` (the gated activations of
+rows), ``expert_gemv_mma.cu`` (the selected experts' 4-/8-bit GEMVs, built on the first file's device code);
+all include ``pdl.cuh`` (programmatic dependent launch on sm_90+) and ``act.cuh`` (the gated activations of
 the fused gate/up epilogues). The decode launchers take a ``pdl`` argument (``KernelOptions.pdl_cuda``); the
 prefill dequantization is launched without PDL.
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
@@ -22,7 +23,7 @@ import torch
 from ..settings import DEFAULT_KERNELS, KernelOptions
 
 _DIR = Path(__file__).with_name("cuda")
-SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu")
+SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu", "expert_gemv_mma.cu")
 HEADERS = ("pdl.cuh", "act.cuh")  # included by the sources (programmatic dependent launch, epilogue activations)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
@@ -31,8 +32,13 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
 void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);
 void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tensor y, int64_t epi,
                 int64_t has_res, int64_t f, int64_t pdl);
+void cb_expert_gate_up(torch::Tensor x, torch::Tensor idx, torch::Tensor codes, torch::Tensor cb, torch::Tensor h,
+                       int64_t bits, int64_t epi, int64_t f, int64_t tiled, int64_t pdl);
+void cb_expert_down(torch::Tensor h, torch::Tensor idx, torch::Tensor weights, torch::Tensor codes, torch::Tensor cb,
+                    torch::Tensor res, torch::Tensor part, torch::Tensor y, int64_t bits, int64_t has_res,
+                    int64_t tiled, int64_t pdl);
 """
-_FUNCTIONS = ["cb_gemv_mma", "cb_dequant4", "dense_gemv"]
+_FUNCTIONS = ["cb_gemv_mma", "cb_dequant4", "dense_gemv", "cb_expert_gate_up", "cb_expert_down"]
 
 
 

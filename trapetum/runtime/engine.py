@@ -78,6 +78,9 @@ class GpuEngine:
         # per-head cache and attention size: latent attention's keys and values padded to one (engine_ops.py)
         self.head_dim = max(cfg.head_dim, cfg.v_head_dim) if cfg.mla else cfg.head_dim
         self.rope_perm = deinterleave_index(cfg.qk_rope_head_dim).to(dev) if cfg.mla and cfg.rope_interleave else None
+        if cfg.mla:  # q [nope, rope] -> [rope (de-interleaved), nope] in one gather (engine_ops.latent_attend)
+            rope = torch.arange(cfg.qk_rope_head_dim) if self.rope_perm is None else self.rope_perm.cpu()
+            self.mla_q_index = torch.cat([rope + cfg.qk_nope_head_dim, torch.arange(cfg.qk_nope_head_dim)]).to(dev)
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
         self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")

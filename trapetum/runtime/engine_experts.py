@@ -3,8 +3,11 @@
 ``stack_experts(experts)`` builds, once at load, the layer's stacks ([E, ...] tensors in the kernels' layouts, see
 kernels/expert_gemv.py) from the per-expert projections, and makes every expert's projection a view of its slice
 (no second copy: the per-expert forms still serve PREFILL's dequantize-and-matmul and the torch fallback).
-Codebook projections then keep canonical codes (the Triton expert kernel reads those, not the CUDA kernel's tiled
-layout). Stacked when every expert is one scheme the kernels know with the same shapes and no biases:
+Codebook projections whose codes are all in the tensor-core kernels' tiled layout (4-/8-bit, 64 code bytes per
+row | in, CUDA kernels on and built: ``CodebookProjection`` decided it) are stacked tiled and run by the CUDA expert
+GEMVs (kernels/expert_gemv_mma.py, ``ExpertStack.tiled``); any other codebook stack keeps canonical codes (the
+projections are untiled) and runs the Triton expert kernels. Stacked when every expert is one scheme the kernels
+know with the same shapes and no biases:
     "codebook"  InterleavedGateUp + CodebookProjection, one bit width in {2, 4, 8}
     "fp16"      DenseGateUp + DenseProjection
     "2x8"       AQLM 2x8 (kernels/expert_gemv_2x8.py): gate/up one AdditiveProjection of the two parts (packed or
@@ -29,10 +32,12 @@ import torch
 
 from ..kernels import expert_gemv as xg
 from ..kernels import expert_gemv_2x8 as x8
+from ..kernels import expert_gemv_mma as xm
 from ..schemes.aqlm import AdditiveProjection, PackedGateUp
 from ..schemes.base import SeparateGateUp
 from ..schemes.codebook import CodebookProjection, InterleavedGateUp
 from ..schemes.dense import DenseGateUp, DenseProjection
+from ..settings import DEFAULT_KERNELS, KernelOptions
 
 
 @dataclass
@@ -48,9 +53,16 @@ class ExpertStack:
     dn_cb: torch.Tensor | None
     gu_sc: torch.Tensor | None = None  # 2x8: scales
     dn_sc: torch.Tensor | None = None
+    tiled: bool = False  # codebook: codes tiled, run by the CUDA expert GEMVs (kernels/expert_gemv_mma.py)
 
-    def run(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        """fp16 [M, D]: sum over the k slots of weights[m, j] * expert_{idx[m, j]}(h[m]), two launches."""
+    def run(self, h: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gather: bool = True,
+            kopts: KernelOptions = DEFAULT_KERNELS) -> torch.Tensor:
+        """fp16 [M, D]: sum over the k slots of weights[m, j] * expert_{idx[m, j]}(h[m]), two launches (CUDA: three,
+        the last the slot sum)."""
+        if self.tiled:
+            a = xm.expert_gate_up_mma(h, idx, self.gu_w, self.gu_cb, self.bits, self.f, self.act, tiled=True,
+                                      kopts=kopts)
+            return xm.expert_down_mma(a, idx, weights, self.dn_w, self.dn_cb, self.bits, tiled=True, kopts=kopts)
         if self.scheme == "2x8":
             a = x8.expert_gate_up_2x8(h, idx, self.gu_w, self.gu_cb, self.gu_sc, self.act)
             return x8.expert_down_2x8(a, idx, weights, self.dn_w, self.dn_cb, self.dn_sc)
@@ -79,6 +91,14 @@ def stack_experts(experts: list) -> ExpertSet:
                 and _same([(p.out_features, p.in_features) for p in ps]) and _same([g.f for g in gus])
                 and _same([g.act for g in gus]) and _same([(d.out_features, d.in_features) for d in dns])
                 and all(p.bias is None for p in ps + dns) and dns[0].in_features == gus[0].f):
+            return out
+        if ps[0].bits in (4, 8) and all(p.tiled for p in ps + dns):  # the CUDA expert GEMVs' layout: keep it
+            gu_w, dn_w = torch.stack([p.codes for p in ps]), torch.stack([d.codes for d in dns])
+            gu_cb, dn_cb = torch.stack([p.codebook for p in ps]), torch.stack([d.codebook for d in dns])
+            for e, (p, d) in enumerate(zip(ps, dns)):
+                p.codes, p.codebook, d.codes, d.codebook = gu_w[e], gu_cb[e], dn_w[e], dn_cb[e]
+            out.stack = ExpertStack("codebook", ps[0].bits, gus[0].f, gus[0].act, gu_w, gu_cb, dn_w, dn_cb,
+                                    tiled=True)
             return out
         gu_w = torch.stack([p.canonical_codes() for p in ps])
         gu_cb = torch.stack([p.codebook for p in ps])

@@ -175,7 +175,7 @@ class EngineOps:
     def experts(self, experts, h, weights, idx):
         stack = getattr(experts, "stack", None)
         if self.rows and stack is not None and expert_gemv.available(h.device):
-            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather)
+            return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather, kopts=self.kopts)
         if not self.rows:  # each expert over the tokens that chose it (engine_experts.py)
             return prefill_experts(self, experts, h, weights, idx)
         out = torch.zeros(h.shape[0], self.cfg.hidden_size, dtype=torch.float32, device=h.device)
@@ -206,14 +206,21 @@ class EngineOps:
         perm = self.eng.rope_perm  # on the device already: nothing crosses from the host inside a graph
         q = q.view(n, H, cfg.head_dim)
         kv = self.project(p.kv_b, c).view(n, H, nope + vd)
-        qr, kr = q[..., nope:], k_rot.view(n, 1, rope).expand(n, H, rope)
+        kr = k_rot.view(n, 1, rope)
         if perm is not None:
-            qr, kr = qr[..., perm], kr[..., perm]
-        qq = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
-        kk = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
-        vv = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
-        qq[..., :rope], qq[..., rope:rope + nope] = qr, q[..., :nope]
-        kk[..., :rope], kk[..., rope:rope + nope] = kr, kv[..., :nope]
-        vv[..., :vd] = kv[..., nope:]
+            kr = kr[..., perm]
+        # as few launches as the layout allows (a decode step runs this per layer): q in one gather
+        # (eng.mla_q_index), k in one concatenation, zeros only for padding that exists (P > its width)
+        qq = q.index_select(-1, self.eng.mla_q_index)
+        parts = [kr.expand(n, H, rope), kv[..., :nope]]
+        if P > rope + nope:
+            pad = torch.zeros(n, H, P - rope - nope, dtype=q.dtype, device=q.device)
+            qq, parts = torch.cat([qq, pad], -1), parts + [pad]
+        kk = torch.cat(parts, -1)
+        if vd == P:
+            vv = kv[..., nope:].contiguous()
+        else:
+            vv = torch.zeros(n, H, P, dtype=q.dtype, device=q.device)
+            vv[..., :vd] = kv[..., nope:]
         a = self.attend(qq, kk, vv, batch, p)  # [n, H * P]
         return a.view(n, H, P)[..., :vd].reshape(n, H * vd).contiguous()

@@ -39,6 +39,7 @@
 // x in place (M = 1 is the decode path: no copy, no extra launch; only the lanes of row 0 load).
 // Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for 4-bit,
 // in % 64 == 0 for 8-bit), 1 <= M <= 16, sm_80+.
+#define TRAPETUM_CBGEMV_MMA_CU 1  // expert_gemv_mma.cu builds on this file
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
