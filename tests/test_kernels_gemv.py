@@ -409,6 +409,49 @@ def test_mma_rows_bitwise_equal_single_rows_gpu(case, tiled):
         assert rel_err(calls(x, res if kind == "plain" else None), ref) < TOL[torch.float16]
 
 
+GROUPED_CASES = [("plain", 4096, 4096, 4), ("plain", 11008, 4096, 4), ("gate_up", 4096, 11008, 4),
+                 ("plain", 4096, 4096, 8)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_grouped_rows_bitwise_equal_single_rows_gpu(case):
+    """More than 16 rows on tiled codes (batched decode): one launch over groups of 16 rows, the last one shorter;
+    each row of a 17..100-row call has the bits of its one-row call (with and without residual; gate/up SiLU),
+    and the rows agree with float64."""
+    kind, k, n, bits = case
+    gen = torch.Generator().manual_seed(k + 7 * n + bits)
+    codes, cb, f = _row_case(kind, k, n, bits, gen)
+    kc = cg.tile_codes(codes)
+    x = torch.randn(100, k, generator=gen).half().cuda()
+    res = torch.randn(100, n, generator=gen).half().cuda() if kind == "plain" else None
+
+    def call(xm, rm):
+        if kind == "plain":
+            return cg.codebook_gemv(xm, kc, cb, bits, rm, tiled=True)
+        return cg.codebook_gemv_gate_up(xm, kc, cb, bits, f, "silu", tiled=True)
+    for r in ((None, res) if res is not None else (None,)):
+        singles = torch.cat([call(x[i:i + 1], None if r is None else r[i:i + 1]) for i in range(100)])
+        for m in (17, 23, 32, 33, 64, 100):
+            y = call(x[:m], None if r is None else r[:m])
+            assert torch.equal(y, singles[:m]), (case, m)
+    ref = (cg.codebook_gemv_reference(x[:33], codes, cb, bits, res[:33]) if kind == "plain"
+           else cg.codebook_gemv_gate_up_reference(x[:33], codes, cb, bits, f, "silu"))
+    assert rel_err(call(x[:33], res[:33] if res is not None else None), ref) < TOL[torch.float16]
+
+
+def test_grouped_rows_shape_rule():
+    """More than 16 rows run on the mma kernel only with tiled codes (groups of 16 in one launch), up to
+    MAX_GROUPED_ROWS; the projections say how many rows one call takes."""
+    assert cg.mma_shape_ok(17, 4096, 4, tiled=True) and cg.mma_shape_ok(cg.MAX_GROUPED_ROWS, 4096, 8, tiled=True)
+    assert not cg.mma_shape_ok(17, 4096, 4) and not cg.mma_shape_ok(cg.MAX_GROUPED_ROWS + 1, 4096, 4, tiled=True)
+    from trapetum.schemes.codebook import CodebookProjection
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (32, 64), dtype=torch.uint8, generator=g)
+    p = CodebookProjection(codes, torch.randn(32, 16, generator=g).half(), 4, 128, None, kopts=KernelOptions())
+    assert p.rows_per_call == (cg.MAX_GROUPED_ROWS if p.tiled else 16)
+
+
 @requires_cuda
 @pytest.mark.parametrize("bits", [4, 8])
 def test_experimental_variants_give_the_production_bits_gpu(bits):

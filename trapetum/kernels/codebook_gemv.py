@@ -206,9 +206,13 @@ def mma_available(device: torch.device | None = None, kopts: KernelOptions = DEF
     return cuda_ext.available(device, kopts)
 
 
-def mma_shape_ok(M: int, K: int, bits: int) -> bool:
-    """The mma kernel's shapes: bits 4 / 8, 1 <= M <= 16, 64 code bytes per row | in (no tail handling)."""
-    return bits in (4, 8) and 1 <= M <= 16 and K % (512 // bits) == 0
+MAX_GROUPED_ROWS = 256  # rows of one mma call on tiled codes (more than 16: groups of 16 in one launch)
+
+
+def mma_shape_ok(M: int, K: int, bits: int, tiled: bool = False) -> bool:
+    """The mma kernel's shapes: bits 4 / 8, 1 <= M <= 16 (tiled codes: <= MAX_GROUPED_ROWS, groups of 16 rows in
+    one launch, each row with the bits of its one-row call), 64 code bytes per row | in (no tail handling)."""
+    return bits in (4, 8) and 1 <= M <= (MAX_GROUPED_ROWS if tiled else 16) and K % (512 // bits) == 0
 
 
 def use_tiled(device: torch.device | None = None, kopts: KernelOptions = DEFAULT_KERNELS) -> bool:
@@ -245,7 +249,7 @@ def _check(x, codes, codebook, bits):
                          f"({x.device}, {codes.device}, {codebook.device})")
 
 
-def _pick_backend(backend, x2, K, bits, kopts):
+def _pick_backend(backend, x2, K, bits, kopts, tiled=False):
     if backend is None:
         if x2.device.type == "cuda" and mma_shape_ok(x2.shape[0], K, bits) and mma_available(x2.device, kopts) \
                 and cuda_ext.load() is not None:
@@ -254,8 +258,9 @@ def _pick_backend(backend, x2, K, bits, kopts):
     if backend not in ("mma", "triton", "torch"):
         raise ValueError(f"backend: must be 'mma', 'triton', 'torch' or None, got {backend!r}")
     if backend == "mma":
-        if not mma_shape_ok(x2.shape[0], K, bits):
-            raise ValueError("backend: 'mma' needs bits 4 or 8, M <= 16 and 64 code bytes per row | in")
+        if not mma_shape_ok(x2.shape[0], K, bits, tiled):
+            raise ValueError(f"backend: 'mma' needs bits 4 or 8, M <= {MAX_GROUPED_ROWS if tiled else 16} and 64 "
+                             "code bytes per row | in")
         if x2.device.type != "cuda" or not mma_available(x2.device, kopts) or cuda_ext.load() is None:
             raise ValueError(f"backend: 'mma' unavailable ({cuda_ext.error() or 'needs a CUDA device and kopts.cuda'})")
     if backend == "triton" and not triton_ok(x2.device):
@@ -331,7 +336,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
         residual = residual.reshape(M, N).contiguous()
     y = _out(out, (M, N), x.device)
     codebook = codebook.contiguous()
-    be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts)
+    be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
                                     int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0)
@@ -372,7 +377,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
                              f"features, got {M} x {f}")
     y = _out(out, (M, f), x.device)
     codebook = codebook.contiguous()
-    be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts)
+    be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
                                     xf, pt)

@@ -9,8 +9,9 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
         row sees only positions below its length): PagedEngineOps.
 
-PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs in groups of at
-most MAX_VERIFY_ROWS rows (row r of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue 15);
+PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs in calls of at
+most ``rows_per_call`` rows (16; the tiled codebook projections: all rows in one launch over groups of 16; row r
+of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue 15);
 RMSNorm, the gate/up activation and the residual adds row by row as in the decode step; RoPE of each row at its
 own position (the engine's tables, rotate-half, in fp32, rounded to fp16) and its K/V written into its sequence's
 blocks; attention by kernels/paged_attention.py (each row over its own blocks, bitwise independent of the batch).
@@ -40,8 +41,8 @@ from .paged_kv import PagedKV
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _groups(n: int):
-    return [(i, min(i + MAX_VERIFY_ROWS, n)) for i in range(0, n, MAX_VERIFY_ROWS)]
+def _groups(n: int, step: int = MAX_VERIFY_ROWS):
+    return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
 class PagedEngineOps(EngineOps):
@@ -58,7 +59,7 @@ class PagedEngineOps(EngineOps):
 
     def project(self, w, x, residual=None):
         out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0]):
+        for a, b in _groups(x.shape[0], w.rows_per_call):
             o = torch.empty(b - a, w.out_features, dtype=torch.float16, device=x.device)
             if residual is not None and self.eng.options.fuse:
                 o = w.gemv(x[a:b].contiguous(), o, residual=residual[a:b].contiguous())
@@ -71,7 +72,7 @@ class PagedEngineOps(EngineOps):
 
     def gate_up(self, w, x, feeds=None):
         out = torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0]):
+        for a, b in _groups(x.shape[0], w.rows_per_call):
             out[a:b] = w.gemv(x[a:b].contiguous(), torch.empty(b - a, w.f, dtype=torch.float16, device=x.device))
         return out
 

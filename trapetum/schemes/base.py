@@ -19,8 +19,12 @@ scheme. A ``Scheme`` gives:
 
 The engine form (``Projection``):
 
-    gemv(x [M, K], out [M, N], residual=None) -> out    decode / verify rows, M = 1..16, fp16. Batch-invariant:
-                                              row m of the result is bitwise what a call with row m alone gives
+    gemv(x [M, K], out [M, N], residual=None) -> out    decode / verify rows, M = 1..rows_per_call, fp16.
+                                              Batch-invariant: row m of the result is bitwise what a call with
+                                              row m alone gives
+    rows_per_call                             the most rows one gemv takes (16; the tiled 4/8-bit codebook
+                                              projections more: one launch over groups of 16); batched decode
+                                              splits larger batches into calls of that many
     reads_fragments(m) -> bits | None         the fragment order (kernels/codebook_layout.py) in which an m-row
                                               gemv may take x as ``Fragments`` (its producer writes that order and
                                               the GEMV skips its copy); None: row-major only
@@ -94,6 +98,7 @@ class Projection:
     bias: torch.Tensor | None = None
     lo: torch.Tensor | None = None
     bias_lo: torch.Tensor | None = None
+    rows_per_call = 16
 
     def gemv(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
@@ -125,6 +130,7 @@ class ConcatProjection(Projection):
         self.parts = parts
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self.rows_per_call = min(p.rows_per_call for p in parts)
         self.bounds = [0]
         for p in parts:
             self.bounds.append(self.bounds[-1] + p.out_features)
@@ -162,6 +168,7 @@ class GateUp:
     f: int
     act: str
     writes_fragments = False
+    rows_per_call = 16  # as Projection's
 
     def gemv(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -190,6 +197,7 @@ class SeparateGateUp(GateUp):
         """``up`` None: ``gate`` is one projection over the stacked [gate; up] rows."""
         self.act, self.gate, self.up = act, gate, up
         self.f = gate.out_features if up is not None else gate.out_features // 2
+        self.rows_per_call = min(gate.rows_per_call, 16 if up is None else up.rows_per_call)
 
     def gemv(self, x, out):
         M, f = x.shape[0], self.f

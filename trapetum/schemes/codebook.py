@@ -175,6 +175,7 @@ class CodebookProjection(Projection):
         self.kopts = kopts
         self.tiled = _tiled_ok(bits, codes.shape[1], codes.device, kopts)
         self.codes = tile_codes(codes) if self.tiled else codes.contiguous()
+        self.rows_per_call = cg.MAX_GROUPED_ROWS if self.tiled else 16  # mma kernel: groups of 16 in one launch
         self.codebook = codebook.to(torch.float16).contiguous()
         self.bias, self.bias_lo = bias, bias_lo
 
@@ -204,6 +205,7 @@ class InterleavedGateUp(GateUp):
     def __init__(self, proj: CodebookProjection, f: int, act: str):
         self.proj, self.f, self.act = proj, f, act
         self.writes_fragments = proj.tiled  # the mma kernel's epilogue writes them
+        self.rows_per_call = proj.rows_per_call
 
     def gemv(self, x, out, out_frag_bits=None):
         p = self.proj

@@ -38,7 +38,8 @@
 // warp instruction reads 512 contiguous bytes (16 wavefronts per chunk at M = 8, 32 at M = 16). M = 1 and 2 read
 // x in place (M = 1 is the decode path: no copy, no extra launch; only the lanes of row 0 load).
 // Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for 4-bit,
-// in % 64 == 0 for 8-bit), 1 <= M <= 16, sm_80+.
+// in % 64 == 0 for 8-bit), 1 <= M <= 16, or <= 256 on tiled codes
+// (more than 16 rows: groups of 16 in one launch, GROUPED), sm_80+.
 #define TRAPETUM_CBGEMV_MMA_CU 1  // expert_gemv_mma.cu builds on this file
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -55,6 +56,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kTabWords = 2 * 256 * 32;  // 64 KB
 constexpr int kFragRows = 3;             // x copied into fragment order from this many activation rows on
+constexpr int kMaxGroupedRows = 256;     // rows of one call (more than 16: groups of 16 in one launch)
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
   uint4 r;
@@ -175,7 +177,7 @@ __device__ __forceinline__ size_t frag_index(int m, int k, int M, int PT) {
 template <int NT, int EPI>
 __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][4], int tid, int lane, int warp,
                                              int row0, int M, int N, int F, int has_res, int ypt,
-                                             const half* __restrict__ res, half* __restrict__ y) {
+                                             const half* __restrict__ res, half* __restrict__ y, int tile = -1) {
   __syncthreads();
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -210,7 +212,7 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
         sg += red[((w * NT + nt) * 4 + rg) * 32 + ln];
         su += red[((w * NT + nt) * 4 + ru) * 32 + ln];
       }
-      const int o = blockIdx.x * 8 + rr;
+      const int o = (tile < 0 ? (int)blockIdx.x : tile) * 8 + rr;
       if (o < F && m < M) {
         const float a = trapetum_act::apply(EPI, sg);
         y[ypt ? frag_index(m, o, M, ypt) : (size_t)m * F + o] = __float2half(a * su);
@@ -223,7 +225,12 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
 // y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F. NT: n-tiles (M <= 8: 1, M <= 16: 2).
 // (Earlier variants, measured and moved to kernels/cuda/experimental/codebook_gemv_variants.cu or removed: see
 // NOTES-kernels.md. This kernel is variant 7 (canonical codes) and 11 (tiled codes) of those notes.)
-template <int BITS, int NT, int EPI, bool TILED, bool XF>
+// GROUPED (M > 16, NT = 2, XF): the rows are ceil(M / 16) groups of 16 (the last one shorter), each its own
+// fragment-order block of x (x_fragments_groups_kernel) and its own rows of y / res; block b computes weight tile
+// b / G for group b % G (the groups of one tile are neighbours in the grid, so the tile's codes come from DRAM once
+// and from L2 for the other groups). Each group runs exactly the instructions of a 16-row call on its rows, so every
+// row keeps the bits of its one-row call.
+template <int BITS, int NT, int EPI, bool TILED, bool XF, bool GROUPED = false>
 __global__ void __launch_bounds__(kThreads, NT == 1 ? 3 : 2)
 cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
                    const half* __restrict__ cb, const half* __restrict__ res,
@@ -232,7 +239,16 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   uint32_t* smem = trapetum_cbgemv_smem;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16;
+  int tile = blockIdx.x;
+  if (GROUPED) {
+    const int G = (M + 15) >> 4, grp = (int)blockIdx.x % G;
+    tile = (int)blockIdx.x / G;
+    x += (size_t)grp * 16 * K;
+    y += (size_t)grp * 16 * (EPI == 0 ? N : F);
+    res += (size_t)grp * 16 * N;  // read only with has_res (EPI 0)
+    M = min(16, M - 16 * grp);
+  }
+  const int row0 = tile * 16;
   const CodeStream<TILED> cs(codes, N, KB, row0, g, t);
   const int nchunks = cs.nchunks;
   auto load = [&](int c, uint4& qa, uint4& qb) { cs.load(c, qa, qb); };
@@ -301,7 +317,8 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   }
 
   __syncthreads();  // every warp is done with the table: reuse it for the reduction
-  reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, ypt, res, y);
+  reduce_store<NT, EPI>(reinterpret_cast<float*>(smem), acc, tid, lane, warp, row0, M, N, F, has_res, ypt, res, y,
+                        tile);
 }
 
 // x [M, K] row-major -> fragment order (file comment): thread q copies the 16-byte piece q of x (coalesced reads,
@@ -319,6 +336,23 @@ x_fragments_kernel(const half* __restrict__ x, half* __restrict__ xf, int M, int
   const int c = r / (4 * PT), t = (r / PT) & 3, i = r % PT;  // r = (c * 4 + t) * PT + i
   const uint4 v = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(x) + q);
   reinterpret_cast<uint4*>(xf)[((size_t)(c * PT + i) * M + m) * 4 + t] = v;
+}
+
+// x [M, K] row-major (M > 16) -> groups of 16 rows, group j's rows (16 j ..) in the fragment order of its own row
+// count min(16, M - 16 j), at element offset 16 j K (the GROUPED GEMV's x). PDL as x_fragments_kernel.
+template <int PT>
+__global__ void __launch_bounds__(256)
+x_fragments_groups_kernel(const half* __restrict__ x, half* __restrict__ xf, int M, int K) {
+  trapetum_pdl::allow_dependents();
+  trapetum_pdl::wait_inputs();
+  const int n8 = K >> 3;
+  const long long q = (long long)blockIdx.x * 256 + threadIdx.x;
+  if (q >= (long long)M * n8) return;
+  const int m = (int)(q / n8), r = (int)(q - (long long)m * n8);
+  const int grp = m >> 4, ml = m & 15, mg = min(16, M - 16 * grp);
+  const int c = r / (4 * PT), t = (r / PT) & 3, i = r % PT;
+  const uint4 v = trapetum_pdl::ld_input(reinterpret_cast<const uint4*>(x) + q);
+  reinterpret_cast<uint4*>(xf)[(size_t)grp * 16 * n8 + ((size_t)(c * PT + i) * mg + ml) * 4 + t] = v;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -406,9 +440,9 @@ struct Args {
   int M, N, K, KB, has_res, F, ypt;
 };
 
-template <int BITS, int NT, int EPI, bool TILED, bool XF>
+template <int BITS, int NT, int EPI, bool TILED, bool XF, bool GROUPED = false>
 static void launch(const Args& a, cudaStream_t stream, bool pdl) {
-  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, TILED, XF>;
+  auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, TILED, XF, GROUPED>;
   const int smem_bytes = kTabWords * 4;
   constexpr int kDevices = 64;
   static bool attr_set[kDevices] = {};  // function attributes are per device
@@ -419,24 +453,26 @@ static void launch(const Args& a, cudaStream_t stream, bool pdl) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, Carveout<NT, XF>::value));
     if (dev < kDevices) attr_set[dev] = true;
   }
-  const int grid = (a.N + 15) / 16;
+  const int grid = (a.N + 15) / 16 * (GROUPED ? (a.M + 15) / 16 : 1);
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream, pdl,
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
 
-template <int BITS, bool TILED, int NT, bool XF>
+template <int BITS, bool TILED, int NT, bool XF, bool GROUPED = false>
 static void by_epi(const Args& a, int epi, cudaStream_t s, bool pdl) {
-  if (epi == 0) launch<BITS, NT, 0, TILED, XF>(a, s, pdl);
-  else if (epi == 1) launch<BITS, NT, 1, TILED, XF>(a, s, pdl);
-  else launch<BITS, NT, 2, TILED, XF>(a, s, pdl);
+  if (epi == 0) launch<BITS, NT, 0, TILED, XF, GROUPED>(a, s, pdl);
+  else if (epi == 1) launch<BITS, NT, 1, TILED, XF, GROUPED>(a, s, pdl);
+  else launch<BITS, NT, 2, TILED, XF, GROUPED>(a, s, pdl);
 }
 
-// M = 1, 2: x read in place (NT = 1); M = 3..8: fragment-order x, NT = 1; M = 9..16: fragment-order x, NT = 2.
+// M = 1, 2: x read in place (NT = 1); M = 3..8: fragment-order x, NT = 1; M = 9..16: fragment-order x, NT = 2;
+// M > 16 (tiled codes): groups of 16 rows in one launch (GROUPED, group-wise fragment-order x, NT = 2).
 template <int BITS, bool TILED>
 static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl) {
   if (a.M < kFragRows) by_epi<BITS, TILED, 1, false>(a, epi, s, pdl);
   else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
-  else by_epi<BITS, TILED, 2, true>(a, epi, s, pdl);
+  else if (a.M <= 16 || !TILED) by_epi<BITS, TILED, 2, true>(a, epi, s, pdl);  // !TILED: M <= 16 (checked)
+  else by_epi<BITS, TILED, 2, true, TILED>(a, epi, s, pdl);
 }
 }  // namespace trapetum_mma
 
@@ -471,7 +507,7 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK(epi >= 0 && epi <= 2, "epi");
   const int M = x.size(0), K = x.size(1), KB = codes.size(1);
   int N = codes.size(0);
-  TORCH_CHECK(M >= 1 && M <= 16 && KB % 64 == 0, "shape");
+  TORCH_CHECK(M >= 1 && M <= (tiled ? kMaxGroupedRows : 16) && KB % 64 == 0, "shape");
   TORCH_CHECK((bits == 4 && KB * 2 == K) || (bits == 8 && KB == K), "codes width");
   if (tiled) {
     TORCH_CHECK(N % 16 == 0, "tiled codes: rows padded to a multiple of 16");
@@ -483,8 +519,8 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK(cb.size(0) >= N, "codebook rows");
   TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f), "y shape");
   TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual shape");
-  TORCH_CHECK(!x_frag || M >= kFragRows, "x_frag: fragment-order x needs at least 3 rows");
-  TORCH_CHECK(y_pt == 0 || (epi != 0 && (y_pt == 2 || y_pt == 4) && f % (32 * y_pt) == 0), "y_pt");
+  TORCH_CHECK(!x_frag || (M >= kFragRows && M <= 16), "x_frag: fragment-order x needs 3 to 16 rows");
+  TORCH_CHECK(y_pt == 0 || (epi != 0 && M <= 16 && (y_pt == 2 || y_pt == 4) && f % (32 * y_pt) == 0), "y_pt");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const bool use_pdl = pdl != 0;
@@ -495,7 +531,8 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   if (M >= kFragRows && !x_frag) {
     xf = torch::empty({M, K}, x.options());
     const long long pieces = (long long)M * (K / 8);
-    auto kern = bits == 4 ? x_fragments_kernel<4> : x_fragments_kernel<2>;
+    auto kern = M > 16 ? (bits == 4 ? x_fragments_groups_kernel<4> : x_fragments_groups_kernel<2>)
+                       : (bits == 4 ? x_fragments_kernel<4> : x_fragments_kernel<2>);
     C10_CUDA_CHECK(trapetum_pdl::launch(kern, (unsigned)((pieces + 255) / 256), 256, 0, s, use_pdl,
                                         a.x, reinterpret_cast<half*>(xf.data_ptr<at::Half>()), M, K));
     a.x = reinterpret_cast<const half*>(xf.data_ptr<at::Half>());
