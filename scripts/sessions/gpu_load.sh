@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 10 (issue 20): batched serving on the H200, one device call (~6-7 min). Carry .whl and xfer (both
 # ignored by git): .whl holds fastapi / starlette / pydantic / pydantic-core / annotated-types / typing-inspection /
-# uvicorn / typing-extensions / opentelemetry-api (fastapi 0.165 imports it) / importlib-metadata for Python 3.12, xfer/smollm2-tokenizer/ the tokenizer the random model gets.
+# uvicorn / typing-extensions / opentelemetry-api (fastapi 0.165 imports it) / importlib-metadata for Python 3.12,
+# xfer/smollm2-tokenizer/ the tokenizer the random model gets.
 #   1. the wheels into /tmp/site;
 #   2. in parallel: the CUDA extension build, and a Llama-2-7B-shape 4-bit .cbk of random weights with SmolLM2's
 #      tokenizer (python -m trapetum.eval.random_cbk, generated on the GPU, timed);
