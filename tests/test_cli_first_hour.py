@@ -282,6 +282,35 @@ def test_already_quantized_source_warns():
     assert already_quantized({"model.layers.0.mlp.up_proj.weight": "F16"}, 4) is None
 
 
+def test_a_file_larger_than_its_source_warns(tmp_path):
+    """The plan is compared with the source before the work."""
+    from trapetum.quant.source_bits import larger_than_source, source_bytes
+    w = larger_than_source(600_000_000, 491_400_064, embed_dense=True)
+    assert w == ("warning: the .cbk will be about 600.0 MB, larger than its 491.4 MB source; the embedding stays "
+                 "fp16 (--embed-bits auto keeps an untied model's); --embed-bits 8 stores it as an 8-bit codebook")
+    assert "--target-size" in larger_than_source(2, 1, embed_dense=False)
+    assert larger_than_source(1, 1, embed_dense=True) is None and larger_than_source(5, None, embed_dense=True) is None
+    (tmp_path / "m.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / "config.json").write_bytes(b"{}" * 50)
+    assert source_bytes(str(tmp_path / "m.safetensors")) == 10 and source_bytes(str(tmp_path)) == 10
+    assert source_bytes(str(tmp_path / "nope")) is None
+
+
+def test_qwen_default_plan_is_larger_than_its_source():
+    """Qwen2.5-Coder-0.5B's default plan: an fp16 embedding expanded from Q5_0 makes ~594 MB of a 491 MB GGUF;
+    --embed-bits 8 brings it under (QUALITY.md, session 10)."""
+    from tests.real_models import require
+    from trapetum.quant.source_bits import larger_than_source, source_bytes
+    from trapetum.formats.detect import load_checkpoint
+    from trapetum.quant.quantize import Recipe, plan_quantization, planned_bytes
+    ck = load_checkpoint(str(require("qwen25")))  # lazy: the plan reads shapes and formats only
+    for recipe, bigger in [(Recipe(), True), (Recipe(embed_bits=8), False)]:
+        plan = plan_quantization(ck, recipe.validate())
+        w = larger_than_source(planned_bytes(plan), source_bytes(ck.source),
+                               embed_dense="model.embed_tokens.weight" not in plan.quantized)
+        assert (w is not None) == bigger and (not w or "--embed-bits 8" in w), (recipe, w)
+
+
 def test_stats_line_says_the_threads_and_bench_cli_reads_it(tiny, capsys):
     from trapetum.eval.bench_cli import STATS
     code, _, err = main(["generate", tiny, "hi", "-n", "2", "--stats", "-t", "1"], capsys)

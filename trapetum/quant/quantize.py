@@ -55,7 +55,7 @@ from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
 from .codebook_fit import fit_rows, project_centroids, stored_specs
 from .recipe import Recipe, bits_choices, parse_bits_overrides  # noqa: F401  (re-exported: the recipe's home was here)
-from .source_bits import already_quantized
+from .source_bits import already_quantized, larger_than_source, source_bytes
 from ..kernels.pack import pack_codes, packed_width
 from ..schemes import registry
 from ..schemes.record import QuantRecord
@@ -516,6 +516,10 @@ def quantize_to_cbk(src: str | Checkpoint | None, out: str | Path, recipe: Recip
     warning = already_quantized(ckpt.tensor_formats(), recipe.bits)
     if warning:
         log(warning)
+    bigger = larger_than_source(planned_bytes(plan), source_bytes(ckpt.source),
+                                embed_dense="model.embed_tokens.weight" not in plan.quantized)
+    if bigger:
+        log(bigger)
     if stats is None and recipe.weighted and recipe.calib != "none":
         stats = calibration_stats(ckpt, recipe, device=device, progress=progress, log=log,
                                   mem_budget_gb=mem_budget_gb)

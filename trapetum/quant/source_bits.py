@@ -1,11 +1,14 @@
 """Is the source already quantized? ``already_quantized`` reads the stored formats of a checkpoint's projections
 (a GGUF's ``Q4_1``, ``Q4_K``, ``IQ3_S``, ...) and says so when most of them use no more bits per weight than
 ``quantize`` is asked for: re-quantizing such a file adds a second rounding on top of the first, and the
-``.cbk`` need not come out smaller (a Q4 GGUF holds about 4.5-5 bits per weight with its scales)."""
+``.cbk`` need not come out smaller (a Q4 GGUF holds about 4.5-5 bits per weight with its scales).
+``larger_than_source`` says so before the work when the planned file outgrows its source (an untied model's
+embedding, kept fp16 by ``--embed-bits auto``, triples a Q5_0 table's bytes)."""
 from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
 
 _GGUF_BITS = re.compile(r"^(?:I?Q|TQ)(\d)")  # Q4_1 -> 4, Q8_0 -> 8, IQ2_XS -> 2, TQ1_0 -> 1
 
@@ -27,3 +30,26 @@ def already_quantized(formats: dict[str, str], bits: int) -> str | None:
     return (f"warning: the source is already quantized ({kinds} of {len(proj)} projections, at most {bits} bits "
             f"each): quantizing it again to {bits} bits adds a second rounding, and the .cbk may come out no "
             "smaller; the original fp16/bf16 checkpoint gives a better file")
+
+
+def source_bytes(path: str) -> int | None:
+    """Bytes of a checkpoint's source: the file, or a directory's weight files (*.safetensors, *.bin, *.gguf);
+    None when there is nothing to measure."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    if p.is_dir():
+        n = sum(f.stat().st_size for f in p.iterdir() if f.is_file() and f.suffix in (".safetensors", ".bin", ".gguf"))
+        return n or None
+    return None
+
+
+def larger_than_source(planned: int, source: int | None, embed_dense: bool) -> str | None:
+    """A warning when the planned .cbk (``planned`` bytes) exceeds its source (``source`` bytes), else None;
+    ``embed_dense``: the plan keeps the embedding fp16, so ``--embed-bits 8`` is the lever to name."""
+    if source is None or planned <= source:
+        return None
+    hint = (" the embedding stays fp16 (--embed-bits auto keeps an untied model's); --embed-bits 8 stores it as an "
+            "8-bit codebook" if embed_dense else " fewer --bits / --head-bits or --target-size MB make it smaller")
+    return (f"warning: the .cbk will be about {planned / 1e6:.1f} MB, larger than its {source / 1e6:.1f} MB source;"
+            + hint)
