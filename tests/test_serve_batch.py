@@ -15,7 +15,8 @@ import pytest
 import serve_fixtures as F
 from tiny_models import build
 
-BLOCKS = 24  # 384 positions: 16 concurrent requests of up to ~60 positions need more, so some are preempted
+BLOCKS = 24  # 384 positions: 8 concurrent requests of up to ~80 positions need more, so some are preempted (the
+# scheduler prefills one prompt per step: the requests enter decoding a step apart and must overlap long enough)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def server(model_dir):
 
 def _body(i: int) -> dict:
     words = ["the", "king", "shall", "speak", "to", "his", "lords", "and", "all", "men"]
-    body = {"model": "tiny", "prompt": " ".join(words[: 2 + i % 9]) * (1 + i % 3), "max_tokens": 8 + i % 17,
+    body = {"model": "tiny", "prompt": " ".join(words[: 2 + i % 9]) * (1 + i % 3), "max_tokens": 20 + i % 17,
             "temperature": 0, "stream": i % 2 == 0}
     if i % 4 == 1:
         body.update(temperature=0.9, top_k=50, seed=100 + i)
