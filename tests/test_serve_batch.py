@@ -168,3 +168,19 @@ def test_generate_batch_gives_each_prompts_alone_completion(model_dir):
         alone = m.generate_batch([p], **kw)[0]
         assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
     assert len(batch) == 4 and all(c.completion_tokens > 0 for c in batch)
+
+
+def test_prefill_budget_flag_reaches_the_scheduler(model_dir):
+    """``serve --prefill-budget N`` -> the batch options -> ``Model.batch_scheduler`` -> Scheduler.prefill_budget;
+    without it the scheduler's default (one chunk: one prefill forward per step)."""
+    import argparse
+
+    import trapetum
+    from trapetum.commands import serve as cmd
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    cmd.register(sub)
+    parse = sub.choices["serve"].parse_args
+    m = trapetum.load(str(model_dir))
+    for argv, want in (([], 128), (["--prefill-budget", "512"], 512)):
+        opts = cmd._batch(parse(["x.cbk", "--max-batch", "4", "--kv-blocks", "40", *argv]))
+        assert m.batch_scheduler(**opts).prefill_budget == want, argv
