@@ -12,6 +12,10 @@ growth, sampling on the logits' device, the one host read, TokenStream.push: EOS
 on the GPU that scan is device time). ``--sample``: seeded sampling (temperature 0.8, top-p 0.95) instead of greedy. ``--profile S``: a cProfile of the
 timed steps at that size (top 15 by cumulative time).
 
+``--worker``: also serve/worker.py's engine thread over the same fake model (``worker_ms``). ``--cbk F.cbk``: also
+the paged GPU runner on a real model, without the scheduler (``runner_ms``: decode wall and device ms per S, and
+one prompt's prefill).
+
 ``--sse``: also the per-token work of the server's streaming path for one event (protocol.chat_chunk + sse, as
 serve/server.py's ``_stream`` formats it, and one ``call_soon_threadsafe`` hop onto a running event loop, as
 ``_Channel.sink``), microseconds per token.
@@ -187,6 +191,59 @@ def worker_ms(tok, S: int, tokens: int, vocab: int, stream: bool) -> tuple[float
     return dt / steps * 1e3, steps
 
 
+def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: int = 38) -> None:
+    """The paged GPU runner alone (runtime/paged_engine.py) on ``path``: per S, the wall ms of one decode step
+    (inputs staged, graph replayed, the logits' argmax read back: what the scheduler waits for) and its device ms
+    (CUDA events around the replay), and the wall ms of one prefill forward of ``prompt_len`` tokens (a chat
+    prompt of the load bench is 35-42 tokens). Printed one line per S."""
+    from ..formats.detect import load_checkpoint
+    from ..runtime.engine import GpuEngine
+    from ..runtime.paged_engine import GpuBatchRunner
+    from ..settings import Options
+    cuda = device.startswith("cuda")
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    eng = GpuEngine(load_checkpoint(path), 1024, device=device, options=Options())
+    S_max = max(sizes)
+    per = (prompt_len + steps + 2 + 15) // 16 + 1
+    runner = GpuBatchRunner(eng, S_max * per, 16)
+    tables = [torch.arange(i * per, (i + 1) * per) for i in range(S_max)]
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, eng.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    walls = []
+    for i, t in enumerate(tables):
+        sync()
+        t0 = time.perf_counter()
+        runner.prefill(t, prompt, 0)
+        sync()
+        walls.append(time.perf_counter() - t0)
+    pf = sorted(walls[1:] or walls)[len(walls[1:] or walls) // 2] * 1e3
+    for S in sizes:
+        for k in range(2):  # the first: the bucket's capture
+            toks, pos = [prompt[-1]] * S, [prompt_len + k] * S
+            torch.argmax(runner.decode(tables[:S], toks, pos), -1).tolist()
+        wall, dev = [], []
+        for k in range(steps):
+            toks, pos = [prompt[(k + 7) % prompt_len]] * S, [prompt_len + 2 + k] * S
+            t0 = time.perf_counter()
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            logits = runner.decode(tables[:S], toks, pos)
+            if cuda:
+                e1.record()
+            torch.argmax(logits, -1).tolist()
+            wall.append(time.perf_counter() - t0)
+            if cuda:
+                e1.synchronize()
+                dev.append(e0.elapsed_time(e1) / 1e3)
+        med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3 if xs else float("nan")  # noqa: E731
+        print(f"runner S={S:3d}  decode wall {med(wall):7.3f} ms  device {med(dev):7.3f} ms   "
+              f"(prefill of {prompt_len} tokens: {pf:.2f} ms)")
+
+
 async def _make_queue():
     return asyncio.Queue()
 
@@ -202,6 +259,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=0, help="logits width (default: the tokenizer's vocab)")
     ap.add_argument("--sse", action="store_true")
     ap.add_argument("--worker", action="store_true", help="also the worker's steps, without and with streaming")
+    ap.add_argument("--cbk", help="also the paged GPU runner's decode step and prefill on this model (runner_ms)")
+    ap.add_argument("--device", default="cuda", help="the runner's device (cpu: under TRITON_INTERPRET=1)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tok = None
@@ -224,6 +283,8 @@ def main(argv=None) -> None:
             for stream in (False, True):
                 best = min(worker_ms(tok, S, a.steps, a.vocab, stream)[0] for _ in range(a.repeat))
                 print(f"worker S={S:3d} {'streamed' if stream else 'dropped '}  {best:7.3f} ms/step")
+    if a.cbk:
+        runner_ms(a.cbk, a.device, sizes, a.steps)
     if a.sse:
         fmt, hop = sse_us()
         print(f"server per token: SSE chunk format {fmt:.1f} us, call_soon_threadsafe hop {hop:.1f} us")
