@@ -1,7 +1,7 @@
 """Host cost of one batched decode step, without the model: the scheduler (runtime/scheduler.py) over a runner
 whose forwards return at once with precomputed logits, and the server's per-token streaming work.
 
-    python -m trapetum.eval.bench_host_step --tokenizer xfer/smollm2-tokenizer/tokenizer.json --sizes 1,4,16,64
+    PYTHONPATH=$PWD python3 scripts/bench_host_step.py --tokenizer xfer/smollm2-tokenizer/tokenizer.json --sizes 1,4,16,64
 
 Per batch size S: S greedy requests (``ignore_eos``, 128 new tokens, prompts of ~30 tokens) are admitted and
 prefilled, then ``--steps`` decode steps are timed (perf_counter, best of ``--repeat`` runs): ms per step, and
@@ -32,9 +32,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..runtime.paged_kv import PagedKV
-from ..runtime.sampling import GenerationSettings
-from ..runtime.scheduler import Scheduler
+from trapetum.runtime.paged_kv import PagedKV
+from trapetum.runtime.sampling import GenerationSettings
+from trapetum.runtime.scheduler import Scheduler
 
 
 class InstantRunner:
@@ -97,7 +97,7 @@ def fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
 def sse_us(n: int = 5000) -> tuple[float, float]:
     """(format us, hop us) per token: protocol.chat_chunk + sse of a short piece, and call_soon_threadsafe onto a
     loop running in another thread (the sender's cost)."""
-    from ..serve import protocol as P
+    from trapetum.serve import protocol as P
     t0 = time.perf_counter()
     for i in range(n):
         P.sse(P.chat_chunk("chatcmpl-0123456789", "model", 1700000000, {"content": " word"}, None,
@@ -140,8 +140,8 @@ def worker_ms(tok, S: int, tokens: int, vocab: int, stream: bool) -> tuple[float
     events hop onto an event loop in another thread (``call_soon_threadsafe``, as the server's _Channel) where a
     consumer formats each token's SSE chunk (protocol.chat_chunk + sse, as _stream; no socket write), so that
     thread competes for the GIL as the server's does; else the sink drops the events on the engine thread."""
-    from ..serve import protocol as P
-    from ..serve.worker import Job, Worker
+    from trapetum.serve import protocol as P
+    from trapetum.serve.worker import Job, Worker
     vocab = vocab or (tok.tk.get_vocab_size() if tok is not None else 49152)
     model = _FakeModel(tok, vocab)
     w = Worker([lambda: ("fake", model)], batch={"max_batch": S}, max_waiting=S + 1)
@@ -196,10 +196,10 @@ def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: 
     (inputs staged, graph replayed, the logits' argmax read back: what the scheduler waits for) and its device ms
     (CUDA events around the replay), and the wall ms of one prefill forward of ``prompt_len`` tokens (a chat
     prompt of the load bench is 35-42 tokens). Printed one line per S."""
-    from ..formats.detect import load_checkpoint
-    from ..runtime.engine import GpuEngine
-    from ..runtime.paged_engine import GpuBatchRunner
-    from ..settings import Options
+    from trapetum.formats.detect import load_checkpoint
+    from trapetum.runtime.engine import GpuEngine
+    from trapetum.runtime.paged_engine import GpuBatchRunner
+    from trapetum.settings import Options
     cuda = device.startswith("cuda")
 
     def sync():
@@ -249,7 +249,7 @@ async def _make_queue():
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m trapetum.eval.bench_host_step", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="scripts/bench_host_step.py", description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", help="tokenizer.json (or a model file) whose detokenization is timed")
     ap.add_argument("--sizes", default="1,4,16,64")
     ap.add_argument("--steps", type=int, default=100)
@@ -265,7 +265,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     tok = None
     if a.tokenizer:
-        from .random_cbk import read_tokenizer_source
+        from trapetum.eval.random_cbk import read_tokenizer_source
         tok = read_tokenizer_source(a.tokenizer)
     sizes = [int(x) for x in a.sizes.split(",")]
     ms = []
