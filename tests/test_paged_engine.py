@@ -134,6 +134,24 @@ def test_graph_buckets_replay_the_eager_forward(model):
     assert set(runner.graphs) == {4, 8}
 
 
+def test_staged_inputs_are_the_rows_then_padding():
+    """``_stage``: tokens and positions of the S real rows, their block tables zero-padded to the width, then
+    padding rows (token 0, position 0, the spare block everywhere); a bucket's buffers are reused, and rewritten
+    whole (a smaller step after a larger one leaves no stale row)."""
+    r = GpuBatchRunner.__new__(GpuBatchRunner)
+    r.width, r.pad_block, r._host, r._staged = 6, 99, {}, None
+    r.eng = type("E", (), {"device": "cpu"})()
+    for S, B in ((3, 4), (1, 4), (2, 2)):
+        tables = [torch.tensor([7 + i, 1, 2 * i][: i + 1]) for i in range(S)]
+        toks, pos = [5 + i for i in range(S)], [10 * i for i in range(S)]
+        ip, tab = r._stage(B, tables, toks, pos, reuse=True)
+        assert ip.dtype == torch.long and tab.dtype == torch.int32 and tab.shape == (B, 6)
+        assert ip[0].tolist() == toks + [0] * (B - S) and ip[1].tolist() == pos + [0] * (B - S)
+        want = torch.stack([r._table(t) for t in tables] + [torch.full((6,), 99, dtype=torch.int32)] * (B - S))
+        assert torch.equal(tab, want), (S, B)
+    assert set(r._host) == {4, 2}
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (the tests above)")
 def test_paged_engine_kernels_under_the_triton_interpreter(model):
     """The engine's real Triton kernels (GEMVs, norms, the paged attention; interpreted on the CPU) in the batch
@@ -170,12 +188,13 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
         sch = Scheduler(GpuBatchRunner(eng, blocks, 16), model.tokenizer, model.config.vocab_size, 64, max_batch=8,
                         chunk=16)
         rows: dict = {}
-        sample = sch._sample
+        sample = sch._sample_rows
 
-        def record(req, logits):
-            rows.setdefault(req.rid, []).append(logits.clone())
-            return sample(req, logits)
-        sch._sample = record
+        def record(reqs, logits):
+            for req, row in zip(reqs, logits):
+                rows.setdefault(req.rid, []).append(row.clone())
+            return sample(reqs, logits)
+        sch._sample_rows = record
         out = []
         for p, s in reqs:
             out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))

@@ -62,9 +62,10 @@ class Recording(Scheduler):
         super().__init__(*a, **kw)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def _sample(self, req, logits):
-        self.rows.setdefault(req.rid, []).append(logits.clone())
-        return super()._sample(req, logits)
+    def _sample_rows(self, reqs, logits):
+        for req, row in zip(reqs, logits):
+            self.rows.setdefault(req.rid, []).append(row.clone())
+        return super()._sample_rows(reqs, logits)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -329,3 +330,34 @@ def test_cancel_waiting_and_zero_new_tokens(hf_model):
     assert b.done and b.completion.finish_reason == "cancelled" and not sch.waiting
     sch.run()
     assert a.completion.finish_reason in ("length", "stop")
+
+
+def test_sample_rows_one_argmax_is_each_rows_own_sampler(hf_model):
+    """``_sample_rows``: the plain greedy rows' tokens from one argmax over their rows equal what each row's own
+    sampler gives alone (ties: the first maximum), with sampled and penalized greedy rows mixed in; and the
+    one-prefill-forward-per-step budget (a short prompt's forward counts as a chunk)."""
+    sch = _scheduler(hf_model, blocks=40, block_size=4, max_batch=8, chunk=8)
+    kinds = [dict(), dict(temperature=0.8, seed=3), dict(repetition_penalty=1.3), dict(), dict(top_k=5,
+             temperature=1.1, seed=9), dict()]
+    V = 64
+    for mix in (kinds, [dict()] * 4, kinds[1:3]):
+        reqs = [sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4, **k)) for k in mix]
+        for r in reqs:
+            sch.cancel(r)
+        g = torch.Generator().manual_seed(len(mix))
+        logits = torch.randint(0, 6, (len(mix), V), generator=g).float()  # many tied maxima
+        from trapetum.runtime.sampling import Sampler
+        for r, k in zip(reqs, mix):
+            r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+        got = sch._sample_rows(reqs, logits)
+        for r, k in zip(reqs, mix):  # fresh samplers of the same settings, row by row
+            r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+        want = torch.cat([r.sampler(row) for r, row in zip(reqs, logits)])
+        assert torch.equal(got, want), mix
+        assert all(int(got[i]) == int(torch.argmax(logits[i])) for i, k in enumerate(mix) if not k)
+    sch = _scheduler(hf_model, blocks=40, block_size=4, max_batch=8, chunk=8)
+    reqs = [sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4, ignore_eos=True)) for _ in range(3)]
+    sch.step()
+    assert [r.state for r in reqs] == ["decode", "prefill", "prefill"]  # 3 positions, counted as a chunk of 8
+    sch.run()
+    assert all(r.completion.finish_reason == "length" for r in reqs)

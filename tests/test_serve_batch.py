@@ -15,7 +15,8 @@ import pytest
 import serve_fixtures as F
 from tiny_models import build
 
-BLOCKS = 24  # 384 positions: 16 concurrent requests of up to ~60 positions need more, so some are preempted
+BLOCKS = 24  # 384 positions: 8 concurrent requests of up to ~80 positions need more, so some are preempted (the
+# scheduler prefills one prompt per step: the requests enter decoding a step apart and must overlap long enough)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def server(model_dir):
 
 def _body(i: int) -> dict:
     words = ["the", "king", "shall", "speak", "to", "his", "lords", "and", "all", "men"]
-    body = {"model": "tiny", "prompt": " ".join(words[: 2 + i % 9]) * (1 + i % 3), "max_tokens": 8 + i % 17,
+    body = {"model": "tiny", "prompt": " ".join(words[: 2 + i % 9]) * (1 + i % 3), "max_tokens": 20 + i % 17,
             "temperature": 0, "stream": i % 2 == 0}
     if i % 4 == 1:
         body.update(temperature=0.9, top_k=50, seed=100 + i)
@@ -167,3 +168,19 @@ def test_generate_batch_gives_each_prompts_alone_completion(model_dir):
         alone = m.generate_batch([p], **kw)[0]
         assert (c.token_ids, c.text, c.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
     assert len(batch) == 4 and all(c.completion_tokens > 0 for c in batch)
+
+
+def test_prefill_budget_flag_reaches_the_scheduler(model_dir):
+    """``serve --prefill-budget N`` -> the batch options -> ``Model.batch_scheduler`` -> Scheduler.prefill_budget;
+    without it the scheduler's default (one chunk: one prefill forward per step)."""
+    import argparse
+
+    import trapetum
+    from trapetum.commands import serve as cmd
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    cmd.register(sub)
+    parse = sub.choices["serve"].parse_args
+    m = trapetum.load(str(model_dir))
+    for argv, want in (([], 128), (["--prefill-budget", "512"], 512)):
+        opts = cmd._batch(parse(["x.cbk", "--max-batch", "4", "--kv-blocks", "40", *argv]))
+        assert m.batch_scheduler(**opts).prefill_budget == want, argv

@@ -64,6 +64,10 @@ def register(subparsers) -> None:
                          "full contexts, at most 1 GiB on the CPU, half the free GPU memory with --gpu-batch)")
     kv.add_argument("--kv-mem", type=_gib, default=None, metavar="GB",
                     help="KV cache of the batch: GB GiB per model (instead of --kv-blocks)")
+    p.add_argument("--prefill-budget", type=_positive, default=None, metavar="N",
+                   help="prompt positions the batch prefills per step, each prefill forward counting as at least "
+                        "one chunk of 128 (default 128: one forward per step, so a decode step waits for at most "
+                        "one prompt; more: shorter time to first token under load, longer stalls between tokens)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted, else 413 (default 1 MiB)")
     p.add_argument("--device", default=None,
@@ -139,6 +143,8 @@ def _batch(args) -> dict | None:
     out = {"max_batch": args.max_batch, "kv_blocks": args.kv_blocks, "kv_mem": args.kv_mem}
     if args.gpu_batch:
         out["gpu"] = True
+    if args.prefill_budget is not None:
+        out["prefill_budget"] = args.prefill_budget
     return out
 
 

@@ -20,7 +20,10 @@ assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary
 
 CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows),
 captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
-rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent).
+rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent). A
+step's inputs are written on the host into the bucket's page-locked buffers (numpy, no torch op per row) and
+uploaded in two asynchronous copies: no host sync in ``decode`` (the scheduler's one read of the tokens is the
+step's only one).
 
 Scope: dense attention + MLP models without activation sparsity; latent attention and mixture-of-experts layers
 are refused (UnsupportedError).
@@ -126,7 +129,9 @@ class GpuBatchRunner:
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens, positions, tables, logits)
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens and positions, tables, logits)
+        self._host: dict[int, tuple] = {}   # bucket -> its host input buffers (``_stage``)
+        self._staged = None                 # a CUDA event after the last upload from them
         self._pool = None
 
     def _table(self, table: torch.Tensor) -> torch.Tensor:
@@ -159,19 +164,46 @@ class GpuBatchRunner:
     def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
         eng = self.eng
         S = len(tokens)
-        tab = torch.stack([self._table(t) for t in tables]).to(eng.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=eng.device)
-        ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
-        if not eng.use_graph or S > BUCKETS[-1]:
-            return self._forward(ids, pos, tab)
-        B = next(b for b in BUCKETS if b >= S)
+        graph = eng.use_graph and S <= BUCKETS[-1]
+        B = next(b for b in BUCKETS if b >= S) if graph else S
+        ip, tab = self._stage(B, tables, tokens, positions, reuse=graph)
+        if not graph:
+            ip, tab = ip.to(eng.device), tab.to(eng.device)
+            return self._forward(ip[0], ip[1], tab)
         entry = self.graphs.get(B)
         if entry is None:
-            entry = self.graphs[B] = self._capture(B, ids, pos, tab)
-        g, ids_b, pos_b, tab_b, logits = entry
-        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+            entry = self.graphs[B] = self._capture(B, ip, tab)
+        g, ip_b, tab_b, logits = entry
+        ip_b.copy_(ip, non_blocking=True)
+        tab_b.copy_(tab, non_blocking=True)
+        self._staged.record()  # the host buffers are rewritten only after these copies ran (``_stage``)
         g.replay()
         return logits[:S].clone()
+
+    def _stage(self, B: int, tables, tokens, positions, reuse: bool):
+        """The inputs of B rows on the host: int64 [2, B] (tokens; positions) and int32 [B, W] (block tables; 0
+        past a table's end), rows past the S real ones padding rows (token 0 at position 0 of the spare block).
+        ``reuse``: the bucket's page-locked buffers (uploaded with no host sync; first waiting until the previous
+        upload from them ran), else fresh ones."""
+        if reuse:
+            if B not in self._host:
+                pin = torch.device(self.eng.device).type == "cuda"
+                self._host[B] = (torch.empty(2, B, dtype=torch.long, pin_memory=pin),
+                                 torch.empty(B, self.width, dtype=torch.int32, pin_memory=pin))
+                if pin and self._staged is None:
+                    self._staged = torch.cuda.Event()
+            if self._staged is not None:
+                self._staged.synchronize()
+            ip, tab = self._host[B]
+        else:
+            ip, tab = torch.empty(2, B, dtype=torch.long), torch.empty(B, self.width, dtype=torch.int32)
+        S = len(tokens)
+        a, t = ip.numpy(), tab.numpy()
+        a[0, :S], a[1, :S], a[:, S:] = tokens, positions, 0
+        t[:S], t[S:] = 0, self.pad_block
+        for i, blocks in enumerate(tables):
+            t[i, :blocks.numel()] = blocks.cpu().numpy()
+        return ip, tab
 
     def _forward(self, ids, pos, tab):
         eng, S = self.eng, ids.numel()
@@ -179,33 +211,24 @@ class GpuBatchRunner:
                              seq_lens=(pos + 1).to(torch.int32), positions=pos)
         return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos), eng.model)
 
-    def _fill(self, ids_b, pos_b, tab_b, ids, pos, tab) -> None:
-        S = ids.numel()
-        ids_b[:S].copy_(ids)
-        pos_b[:S].copy_(pos)
-        tab_b[:S].copy_(tab)
-        ids_b[S:] = 0
-        pos_b[S:] = 0
-        tab_b[S:] = self.pad_block
-
-    def _capture(self, B: int, ids, pos, tab):
+    def _capture(self, B: int, ip, tab):
+        """Bucket B's graph over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
+        from the host rows ``ip``, ``tab`` first (the warm-up forwards write the real rows' K/V: the same bits)."""
         dev = self.eng.device
-        ids_b = torch.zeros(B, dtype=torch.long, device=dev)
-        pos_b = torch.zeros(B, dtype=torch.long, device=dev)
-        tab_b = torch.zeros(B, self.width, dtype=torch.int32, device=dev)
-        self._fill(ids_b, pos_b, tab_b, ids, pos, tab)
+        ip_b = ip.to(dev)
+        tab_b = tab.to(dev)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            for _ in range(2):  # compile the kernels, settle allocations (the rows' K/V written: the same bits)
-                self._forward(ids_b, pos_b, tab_b)
+            for _ in range(2):  # compile the kernels, settle allocations
+                self._forward(ip_b[0], ip_b[1], tab_b)
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            logits = self._forward(ids_b, pos_b, tab_b)
-        return g, ids_b, pos_b, tab_b, logits
+            logits = self._forward(ip_b[0], ip_b[1], tab_b)
+        return g, ip_b, tab_b, logits
 
     def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
         n = len(tokens)

@@ -11,10 +11,14 @@ the whole cache is refused at submit (TrapetumError).
 ``step()`` is one scheduler step:
     1. admit waiting requests (their prompt's blocks allocated, their sampler made: per-request settings, seed);
     2. prefill: prompt chunks of ``chunk`` positions (boundaries at multiples of ``chunk`` from position 0) of the
-       requests still prefilling, oldest first, up to ``prefill_budget`` positions per step (at least one chunk);
-       a request whose prompt is done samples its first token (a rebuilt one replays its fed tokens instead);
+       requests still prefilling, oldest first, up to ``prefill_budget`` positions per step, each forward counted
+       as at least ``chunk`` positions (a short prompt's forward costs about what a chunk's does: the weights are
+       read either way), so the default budget (one chunk) runs one prefill forward per step and a decode step
+       waits for at most one; a request whose prompt is done samples its first token (a rebuilt one replays its
+       fed tokens instead);
     3. decode: one forward over every request in the decode phase (one row each: its last token at its position),
-       each row's token sampled by that request's own sampler on the device, then one host copy for all rows;
+       the tokens chosen on the device (``_sample_rows``: one argmax for all plain greedy rows, each other row by
+       its request's own sampler), then one host copy for all rows;
     4. every new token goes through the request's TokenStream (runtime/generate.py: EOS, stop strings,
        max_new_tokens); a finished request frees its blocks at once.
 ``cancel(req)`` ends a request at once (blocks freed, "cancelled"). Each request's StreamEvents collect in
@@ -141,7 +145,7 @@ class Scheduler:
         budget = self.prefill_budget
         for req in [r for r in self.active if r.state == "prefill"]:
             while budget > 0 and req.state == "prefill":
-                budget -= self._prefill(req, touched)
+                budget -= max(self._prefill(req, touched), self.chunk)  # a forward costs at least a chunk
             if budget <= 0:
                 break
         rows = []
@@ -152,8 +156,7 @@ class Scheduler:
         if rows:
             self.peak_batch = max(self.peak_batch, len(rows))
             logits = self.runner.decode([r.table for r in rows], [r.last for r in rows], [r.computed for r in rows])
-            # every row sampled on the device, then one host copy for all (not one synchronizing copy per row)
-            toks = torch.cat([self._sample(r, row) for r, row in zip(rows, logits)]).tolist()
+            toks = _read(self._sample_rows(rows, logits))  # the step's one host read
             for r, tok in zip(rows, toks):
                 r.computed += 1
                 self._push(r, tok)
@@ -222,13 +225,29 @@ class Scheduler:
             req.state = "prefill"
             self.active.append(req)
 
-    def _sample(self, req: Request, logits: torch.Tensor) -> torch.Tensor:
-        """``req``'s next token [1] (int64, left on the device) from its logits row [V]: its own sampler."""
-        return req.sampler(logits)
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """Row i's next token for ``reqs[i]`` from logits [S, V] -> int64 [S], left on the logits' device.
+
+        The rows of plain greedy requests (temperature 0, no repetition penalty: a sampler that only takes the
+        argmax) get theirs from one argmax over their rows, the others from their own sampler, row by row. The
+        same token either way: a row's argmax (the first index of its maximum) does not depend on the rows beside
+        it, and a plain greedy sampler has no state (no generator draw, no penalty mask)."""
+        plain = [i for i, r in enumerate(reqs) if r.sampler.greedy and r.sampler.seen is None]
+        if len(plain) == len(reqs):
+            return torch.argmax(logits, -1)
+        if not plain:
+            return torch.cat([r.sampler(row) for r, row in zip(reqs, logits)])
+        out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        idx = torch.tensor(plain, dtype=torch.long).to(logits.device)
+        out[idx] = torch.argmax(logits[idx], -1)
+        for i, r in enumerate(reqs):
+            if not (r.sampler.greedy and r.sampler.seen is None):
+                out[i:i + 1] = r.sampler(logits[i])
+        return out
 
     def _take(self, req: Request, logits: torch.Tensor) -> None:
         """Sample ``req``'s next token from its logits row [V] and push it (``_push``)."""
-        self._push(req, int(self._sample(req, logits)[0]))
+        self._push(req, _read(self._sample_rows([req], logits.reshape(1, -1)))[0])
 
     def _push(self, req: Request, tok: int) -> None:
         """Stream ``req``'s new token; finish the request if it is done."""
@@ -248,6 +267,16 @@ class Scheduler:
         req.completion = events[-1].completion
         req.events.extend(events)
         req.state = "done"
+
+
+def _read(toks: torch.Tensor) -> list[int]:
+    """``toks`` on the host. On CUDA the wait for the step's kernels is a CUDA event's, which releases the GIL
+    (the server's event-loop thread formats and sends the previous step's tokens meanwhile), then the copy."""
+    if toks.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return toks.tolist()
 
 
 def drain(req: Request) -> list[StreamEvent]:
