@@ -5,7 +5,7 @@ Sources (``trapetum/kernels/cuda``): ``codebook_gemv_mma.cu`` (4-/8-bit per-row 
 1..16 activation rows, 4-bit dequantization for prefill) and ``dense_gemv.cu`` (fp16 GEMV of the fp16 path, 1..16
 rows), ``expert_gemv_mma.cu`` (the selected experts' 4-/8-bit GEMVs, built on the first file's device code);
 all include ``pdl.cuh`` (programmatic dependent launch on sm_90+) and ``act.cuh`` (the gated activations of
-the fused gate/up epilogues). The decode launchers take a ``pdl`` argument (``KernelOptions.pdl_cuda``); the
+the fused gate/up epilogues); the tensor-core GEMVs ``ptx.cuh`` (their code loads, shared loads and mma.sync). The decode launchers take a ``pdl`` argument (``KernelOptions.pdl_cuda``); the
 prefill dequantization is launched without PDL.
 Each source guards its torch launchers with ``TRAPETUM_TORCH_LAUNCHER``. ``available()`` is
 False without CUDA, below compute capability 8.0, or with kernel options whose ``cuda`` is off; callers then fall back to
@@ -24,7 +24,7 @@ from ..settings import DEFAULT_KERNELS, KernelOptions
 
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu", "expert_gemv_mma.cu")
-HEADERS = ("pdl.cuh", "act.cuh")  # included by the sources (programmatic dependent launch, epilogue activations)
+HEADERS = ("pdl.cuh", "act.cuh", "ptx.cuh")  # included by the sources (PDL, epilogue activations, PTX helpers)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,

@@ -40,10 +40,14 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
+#include "ptx.cuh"
 
 extern __shared__ __align__(16) uint32_t trapetum_amma_smem[];
 
 namespace trapetum_amma {
+using trapetum_ptx::ld_stream;
+using trapetum_ptx::lds;
+using trapetum_ptx::mma16816;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
@@ -78,28 +82,10 @@ struct Params {
   half* y;
 };
 
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint32_t lds(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
-}
 __device__ __forceinline__ uint32_t hadd2(uint32_t a, uint32_t b) {
   uint32_t d;
   asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
-}
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // (code byte k of w) << 8 | low byte of ofs: the table byte offset of a lookup.
 __device__ __forceinline__ uint32_t sel(uint32_t w, uint32_t ofs, int k) {

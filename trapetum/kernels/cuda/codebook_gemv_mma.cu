@@ -45,6 +45,7 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "act.cuh"
+#include "ptx.cuh"
 
 // Dynamic shared memory, named at file scope so PTX can take its address as a constant
 // (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
@@ -58,30 +59,14 @@ constexpr int kTabWords = 2 * 256 * 32;  // 64 KB
 constexpr int kFragRows = 3;             // x copied into fragment order from this many activation rows on
 constexpr int kMaxGroupedRows = 256;     // rows of one call (more than 16: groups of 16 in one launch)
 
-__device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using trapetum_ptx::ld_stream;
+using trapetum_ptx::lds;
+using trapetum_ptx::mma16816;
 
 // Byte offset of table entry (byte k of w) for this lane: (byte << 8) | lane*4, one PRMT.
 // Table layout: word e*64 + h*32 + lane  (entry e, row half h), so byte offset e*256 + h*128 + lane*4.
 __device__ __forceinline__ uint32_t sel_byte(uint32_t w, uint32_t lane4, int k) {
   return __byte_perm(w, lane4, 0x5504 | (k << 4));
-}
-__device__ __forceinline__ uint32_t lds(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
 }
 
 template <int BITS>
@@ -221,6 +206,38 @@ __device__ __forceinline__ void reduce_store(float* red, const float (&acc)[NT][
   }
 }
 
+// The block's lookup table (file comment) of weight rows row0 .. row0 + 15, built by all 256 threads: thread
+// (gg, h, s) writes row h*8+gg's (clamped: rows past N are never stored) 16 entries, whose words land, for each
+// unrolled step, as 8 consecutive uint4 per quarter-warp: no conflicts. (expert_gemv_mma.cu builds on it.)
+template <int BITS>
+__device__ __forceinline__ void build_table(uint32_t* smem, const half* __restrict__ cb, int N, int row0, int tid) {
+  const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
+  const int r = min(row0 + h * 8 + gg, N - 1);
+  if (BITS == 4) {
+    const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
+    const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+    const uint32_t lov = __half_as_ushort(cb[(size_t)r * 16 + sIdx]);
+#pragma unroll
+    for (int hi = 0; hi < 16; ++hi) {
+      const uint32_t hv = (hi & 1) ? (cw[hi >> 1] & 0xFFFF0000u) : (cw[hi >> 1] << 16);
+      const uint32_t v = lov | hv;
+      const int e = hi * 16 + sIdx;
+      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+    }
+  } else {
+    const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 256 + sIdx * 16);
+    const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
+    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const uint32_t v = (i & 1) ? (cw[i >> 1] >> 16) : (cw[i >> 1] & 0xFFFFu);
+      const int e = sIdx * 16 + i;
+      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
+    }
+  }
+}
+
 // EPI 0: y = x W^T (+ residual). EPI 1 / 2: rows interleaved as 8 gate then 8 up rows per 16-row tile;
 // y[m, o] = act(gate) * up with act = SiLU (1) or GELU-tanh (2), o < F. NT: n-tiles (M <= 8: 1, M <= 16: 2).
 // (Earlier variants, measured and moved to kernels/cuda/experimental/codebook_gemv_variants.cu or removed: see
@@ -259,35 +276,7 @@ cb_gemv_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes
   load(warp, qa0, qb0);
   load(warp + kWarps, qa1, qb1);
 
-  {
-    // Thread (gg, h, s): row h*8+gg (clamped: rows past N are never stored), 16 entries whose
-    // words land, for each unrolled step, as 8 consecutive uint4 per quarter-warp: no conflicts.
-    const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
-    const int r = min(row0 + h * 8 + gg, N - 1);
-    if (BITS == 4) {
-      const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-      const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-      const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const uint32_t lov = __half_as_ushort(cb[(size_t)r * 16 + sIdx]);  // low nibble = sIdx
-#pragma unroll
-      for (int hi = 0; hi < 16; ++hi) {
-        const uint32_t hv = (hi & 1) ? (cw[hi >> 1] & 0xFFFF0000u) : (cw[hi >> 1] << 16);
-        const uint32_t v = lov | hv;
-        const int e = hi * 16 + sIdx;
-        *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-      }
-    } else {
-      const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 256 + sIdx * 16);
-      const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-      const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const uint32_t v = (i & 1) ? (cw[i >> 1] >> 16) : (cw[i >> 1] & 0xFFFFu);
-        const int e = sIdx * 16 + i;
-        *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-      }
-    }
-  }
+  build_table<BITS>(smem, cb, N, row0, tid);
   __syncthreads();
   // everything above read weights only (PDL: it may overlap the previous kernel); x, the residual and
   // y belong to the previous kernels

@@ -28,35 +28,6 @@
 
 namespace trapetum_mma {
 
-// The table build of cb_gemv_mma_kernel (same words at the same places, same threads).
-template <int BITS>
-__device__ __forceinline__ void build_table(uint32_t* smem, const half* __restrict__ cb, int N, int row0, int tid) {
-  const int gg = tid & 7, h = (tid >> 3) & 1, sIdx = tid >> 4;
-  const int r = min(row0 + h * 8 + gg, N - 1);
-  if (BITS == 4) {
-    const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-    const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-    const uint32_t lov = __half_as_ushort(cb[(size_t)r * 16 + sIdx]);
-#pragma unroll
-    for (int hi = 0; hi < 16; ++hi) {
-      const uint32_t hv = (hi & 1) ? (cw[hi >> 1] & 0xFFFF0000u) : (cw[hi >> 1] << 16);
-      const uint32_t v = lov | hv;
-      const int e = hi * 16 + sIdx;
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  } else {
-    const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 256 + sIdx * 16);
-    const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-    const uint32_t cw[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const uint32_t v = (i & 1) ? (cw[i >> 1] >> 16) : (cw[i >> 1] & 0xFFFFu);
-      const int e = sIdx * 16 + i;
-      *reinterpret_cast<uint4*>(&smem[e * 64 + h * 32 + gg * 4]) = make_uint4(v, v, v, v);
-    }
-  }
-}
 
 // EPI 1 / 2: gate/up (y = h, fp16, f outputs per pair); EPI 0: down (part, fp32, N outputs per pair).
 // x rows: gate/up x[m] = x + (r / ks) * K; down h[m, j] = x + r * K.
