@@ -248,6 +248,10 @@ def test_help_says_the_defaults_and_agrees_with_the_errors(capsys, tmp_path):
     code, out, _ = main(["quantize", "--help"], capsys)
     flat = " ".join(out.split())
     assert f"({bits_choices()}; default 4)" in flat and "cuda when a GPU is present" in flat
+    assert ("an untied one gets an 8-bit codebook when its source stores the embedding at 8 bits or fewer (a "
+            "quantized GGUF), else keeps it fp16") in flat  # what --embed-bits auto does
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().replace("#", " ").split())
+    assert "--embed-bits auto (default): a tied embedding shares the head's table; an untied one is 8-bit" in readme
     code, _, err = main(["quantize", default_model_path(), "-o", tmp_path / "y.cbk", "--bits", "5"], capsys)
     assert code == 1 and f"--bits must be {bits_choices()}, got 5" in err, err
     code, out, _ = main(["bench", "e2e", "--help"], capsys)
