@@ -248,6 +248,10 @@ def test_help_says_the_defaults_and_agrees_with_the_errors(capsys, tmp_path):
     code, out, _ = main(["quantize", "--help"], capsys)
     flat = " ".join(out.split())
     assert f"({bits_choices()}; default 4)" in flat and "cuda when a GPU is present" in flat
+    assert ("an untied one gets an 8-bit codebook when its source stores the embedding at 8 bits or fewer (a "
+            "quantized GGUF), else keeps it fp16") in flat  # what --embed-bits auto does
+    readme = " ".join((Path(__file__).parent.parent / "README.md").read_text().replace("#", " ").split())
+    assert "--embed-bits auto (default): a tied embedding shares the head's table; an untied one is 8-bit" in readme
     code, _, err = main(["quantize", default_model_path(), "-o", tmp_path / "y.cbk", "--bits", "5"], capsys)
     assert code == 1 and f"--bits must be {bits_choices()}, got 5" in err, err
     code, out, _ = main(["bench", "e2e", "--help"], capsys)
@@ -287,7 +291,8 @@ def test_a_file_larger_than_its_source_warns(tmp_path):
     from trapetum.quant.source_bits import larger_than_source, source_bytes
     w = larger_than_source(600_000_000, 491_400_064, embed_dense=True)
     assert w == ("warning: the .cbk will be about 600.0 MB, larger than its 491.4 MB source; the embedding stays "
-                 "fp16 (--embed-bits auto keeps an untied model's); --embed-bits 8 stores it as an 8-bit codebook")
+                 "fp16 (--embed-bits auto keeps an untied fp16/bf16/fp32 source's); --embed-bits 8 stores it as an "
+                 "8-bit codebook")
     assert "--target-size" in larger_than_source(2, 1, embed_dense=False)
     assert larger_than_source(1, 1, embed_dense=True) is None and larger_than_source(5, None, embed_dense=True) is None
     (tmp_path / "m.safetensors").write_bytes(b"x" * 10)
@@ -296,19 +301,34 @@ def test_a_file_larger_than_its_source_warns(tmp_path):
     assert source_bytes(str(tmp_path / "nope")) is None
 
 
-def test_qwen_default_plan_is_larger_than_its_source():
-    """Qwen2.5-Coder-0.5B's default plan: an fp16 embedding expanded from Q5_0 makes ~594 MB of a 491 MB GGUF;
-    --embed-bits 8 brings it under (QUALITY.md, session 10)."""
+def test_auto_embed_bits_follows_the_stored_format():
+    """``--embed-bits auto``: tied -> the head's bits; untied -> 8 from a quantized GGUF type, fp16 otherwise."""
+    from trapetum.quant.source_bits import auto_embed_bits
+    assert [auto_embed_bits(False, 8, f) for f in ("Q5_0", "Q8_0", "Q4_K", "IQ2_XS", "Q6_K")] == [8] * 5
+    assert [auto_embed_bits(False, 8, f) for f in ("F16", "BF16", "F32", "codebook-8bit", None)] == [None] * 5
+    assert auto_embed_bits(True, 8, "Q5_0") == 8 and auto_embed_bits(True, None, "F16") is None
+    assert auto_embed_bits(False, None, "Q8_0") == 8  # an fp16 head does not change the embedding's choice
+
+
+def test_qwen_default_plan_is_smaller_than_its_source():
+    """Qwen2.5-Coder-0.5B (untied, Q5_0 embedding): the default plan stores the embedding as the --embed-bits 8
+    codebook (an fp16 table made ~594 MB of a 491 MB GGUF), so it is the same plan and under the source; forcing
+    fp16 still warns (QUALITY.md, session 10)."""
     from tests.real_models import require
     from trapetum.quant.source_bits import larger_than_source, source_bytes
     from trapetum.formats.detect import load_checkpoint
     from trapetum.quant.quantize import Recipe, plan_quantization, planned_bytes
     ck = load_checkpoint(str(require("qwen25")))  # lazy: the plan reads shapes and formats only
-    for recipe, bigger in [(Recipe(), True), (Recipe(embed_bits=8), False)]:
-        plan = plan_quantization(ck, recipe.validate())
-        w = larger_than_source(planned_bytes(plan), source_bytes(ck.source),
-                               embed_dense="model.embed_tokens.weight" not in plan.quantized)
-        assert (w is not None) == bigger and (not w or "--embed-bits 8" in w), (recipe, w)
+    assert ck.tensor_formats()["model.embed_tokens.weight"] == "Q5_0" and not ck.config.tie_word_embeddings
+    plans = {eb: plan_quantization(ck, Recipe(embed_bits=eb).validate()) for eb in ("auto", 8, None)}
+    size = {eb: planned_bytes(p) for eb, p in plans.items()}
+    src = source_bytes(ck.source)
+    assert size["auto"] == size[8] < src < size[None], (size, src)
+    assert plans["auto"].quantized["model.embed_tokens.weight"] == plans[8].quantized["model.embed_tokens.weight"]
+    assert sorted(plans["auto"].dense) == sorted(plans[8].dense)
+    assert larger_than_source(size["auto"], src, embed_dense=False) is None
+    w = larger_than_source(size[None], src, embed_dense="model.embed_tokens.weight" not in plans[None].quantized)
+    assert w and "--embed-bits 8" in w, w
 
 
 def test_stats_line_says_the_threads_and_bench_cli_reads_it(tiny, capsys):

@@ -12,7 +12,7 @@ from trapetum.quant.quantize import Recipe, quantize_checkpoint, quantize_to_cbk
 from trapetum.schemes.codebook_store import expand
 
 
-def _tiny_llama(path, tie: bool, bias: bool = False):
+def _tiny_llama(path, tie: bool, bias: bool = False, dtype: torch.dtype = torch.float32):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -27,7 +27,7 @@ def _tiny_llama(path, tie: bool, bias: bool = False):
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
         model = transformers.LlamaForCausalLM(cfg)
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
     vocab = {f"t{i}": i for i in range(96)}
     vocab.update({"<s>": 1, "</s>": 2, "<unk>": 0})
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -115,6 +115,20 @@ def test_tied_8bit_embedding_shares_one_table(tiny_dir, tmp_path, embed_bits):
                      __import__("trapetum.kernels.pack", fromlist=["x"]).unpack_codes(
                          qm.quantized["model.embed_tokens.weight"].tensors["codes"], 8, 64).long())
     assert torch.equal(emb[0], W[[5, 7, 9]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_untied_float_source_keeps_its_embedding_fp16(tmp_path, dtype):
+    """``--embed-bits auto`` on an untied fp16 / bf16 HF source: the embedding stays dense fp16, the plan equals
+    ``embed_bits=None``'s (only a source stored at 8 bits or fewer gets the 8-bit table: source_bits.py)."""
+    from trapetum.api import load_checkpoint
+    from trapetum.quant.quantize import plan_quantization
+    ck = load_checkpoint(str(_tiny_llama(tmp_path / "m", tie=False, dtype=dtype)))
+    assert ck.tensor_formats()["model.embed_tokens.weight"] == {torch.float16: "F16", torch.bfloat16: "BF16"}[dtype]
+    auto, fp16 = (plan_quantization(ck, Recipe(embed_bits=eb)) for eb in ("auto", None))
+    assert "model.embed_tokens.weight" not in auto.quantized and auto.dense["model.embed_tokens.weight"].dtype == "F16"
+    assert auto.dense == fp16.dense and auto.quantized == fp16.quantized
+    assert "model.embed_tokens.weight" in plan_quantization(ck, Recipe(embed_bits=8)).quantized
 
 
 def test_untied_qkv_bias_model(tmp_path):

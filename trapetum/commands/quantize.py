@@ -22,7 +22,8 @@ def register(sub) -> None:
                    help="LM head: codebook bits, or fp16 to keep it dense (default 8)")
     p.add_argument("--embed-bits", default="auto", metavar="BITS|fp16|auto",
                    help="embedding table: codebook bits, or fp16; auto (default): a tied model shares the "
-                        "head's quantized table, an untied one keeps its embedding fp16")
+                        "head's quantized table; an untied one gets an 8-bit codebook when its source stores "
+                        "the embedding at 8 bits or fewer (a quantized GGUF), else keeps it fp16")
     p.add_argument("--calib", default=None, metavar="FILE|none",
                    help="calibration text for E[x^2] (e.g. wikitext-2 valid.txt); default: text sampled "
                         "from the model itself; 'none': unweighted k-means")

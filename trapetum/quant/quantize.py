@@ -12,7 +12,9 @@ The recipe (``Recipe``) for each projection weight ``P.weight`` of the checkpoin
   unless ``embed_bits`` equals ``head_bits``: then one quantized table serves both (config stays tied);
 * ``embed_bits``: the embedding as a per-row codebook too, or None for fp16. The default "auto"
   gives a tied model one shared ``head_bits`` table (config stays tied: on SmolLM2 it cut the file
-  from 171 to 114 MB at the same perplexity, see QUALITY.md) and keeps an untied model's embedding fp16;
+  from 171 to 114 MB at the same perplexity, see QUALITY.md); an untied model's embedding becomes an 8-bit
+  codebook when its source stores it at 8 bits or fewer (a quantized GGUF tensor: Qwen2.5's Q5_0 table would
+  triple in fp16), and stays fp16 from an fp16 / bf16 / fp32 source (``source_bits.auto_embed_bits``);
 * per-layer overrides, matched with ``fnmatch`` against the canonical projection name
   (``model.layers.3.mlp.down_proj``, ``lm_head``): ``keep_fp16`` patterns stay dense fp16,
   ``bits_overrides`` [(pattern, bits)] pick the width (first match wins);
@@ -55,7 +57,7 @@ from ..models.schema import expected_shapes, layer_projections
 from ..models.config import ModelConfig
 from .codebook_fit import fit_rows, project_centroids, stored_specs
 from .recipe import Recipe, bits_choices, parse_bits_overrides  # noqa: F401  (re-exported: the recipe's home was here)
-from .source_bits import already_quantized, larger_than_source, source_bytes
+from .source_bits import already_quantized, auto_embed_bits, larger_than_source, source_bytes
 from ..kernels.pack import pack_codes, packed_width
 from ..schemes import registry
 from ..schemes.record import QuantRecord
@@ -323,7 +325,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
     head_bits = recipe.bits_for("lm_head")
     embed_bits = recipe.embed_bits
     if embed_bits == "auto":
-        embed_bits = head_bits if cfg.tie_word_embeddings else None
+        embed_bits = auto_embed_bits(cfg.tie_word_embeddings, head_bits, formats.get(E))
     if cfg.tie_word_embeddings:
         if head_bits is not None and embed_bits == head_bits:  # one quantized table for both
             proj("model.embed_tokens", E, embed_bits, "lm_head", bias=False,

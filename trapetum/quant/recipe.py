@@ -18,7 +18,7 @@ __all__ = ["Recipe", "bits_choices", "parse_bits_overrides"]
 class Recipe:
     bits: int = 4
     head_bits: int | None = 8  # None: keep the LM head fp16
-    embed_bits: int | None | str = "auto"  # None: fp16; "auto": tied -> share the head's table, else fp16
+    embed_bits: int | None | str = "auto"  # None: fp16; "auto": source_bits.auto_embed_bits
     weighted: bool = True  # E[x^2]-weighted k-means (False: plain k-means, no calibration)
     calib: str | None = None  # text file; None: sampled from the model itself; "none": no calibration
     calib_seqs: int = 32
