@@ -2,9 +2,10 @@
 interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, ``replay``).
 
     prefill(table, tokens, start)   one prompt chunk of one sequence: its positions 0 .. start - 1 copied from its
-        blocks into the engine's contiguous cache, the engine's PREFILL forward over the chunk (tensor cores), the
-        new rows copied back into the blocks; logits fp32 [V] of the chunk's last row. A function of the
-        sequence's own chunk and prefix alone.
+        blocks into the engine's contiguous cache, the engine's PREFILL forward over the chunk (tensor cores; a
+        first chunk through ``GpuEngine.prefill``, padded and graph-captured on CUDA), the new rows copied back
+        into the blocks; logits fp32 [V] of the chunk's last row. A function of the sequence's own chunk and
+        prefix alone.
     decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay, several
         rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
         row sees only positions below its length): PagedEngineOps.
@@ -149,6 +150,17 @@ class GpuBatchRunner:
                 eng.kv.k[layer, :, :start] = k
                 eng.kv.v[layer, :, :start] = v
         ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        if start == 0 and eng.options.prefill == "default":  # a first chunk: the engine's own prompt pass, padded
+            logits = eng.prefill(ids)[None]                    # and graph-captured on CUDA (runtime/engine.py)
+        else:
+            logits = self._chunk(ids, start)
+        for layer in range(self.cfg.num_layers):
+            self.kv.write(layer, table, start, eng.kv.k[layer, :, start:start + n], eng.kv.v[layer, :, start:start + n])
+        return logits[-1].float()
+
+    def _chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The PREFILL forward of a chunk at start .. start + n - 1 over the engine's cache: logits [1, V]."""
+        eng = self.eng
         batch = ForwardBatch.prefill(ids, start, "last")
         if eng.options.prefill == "precise":
             from .precise import PreciseOps, no_tf32
@@ -156,9 +168,7 @@ class GpuBatchRunner:
                 logits = decoder_forward(batch, PreciseOps(eng), eng.model)
         else:
             logits = decoder_forward(batch, EngineOps(eng, Mode.PREFILL), eng.model)
-        for layer in range(self.cfg.num_layers):
-            self.kv.write(layer, table, start, eng.kv.k[layer, :, start:start + n], eng.kv.v[layer, :, start:start + n])
-        return logits[-1].float()
+        return logits
 
     @torch.inference_mode()
     def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
