@@ -297,7 +297,7 @@ def _cuda_refusal(x2, codes, codebooks, scales, bias, y, kopts) -> str | None:
     return None
 
 
-def _rows_ready(t: torch.Tensor | None, align: int = 16) -> torch.Tensor | None:
+def rows_ready(t: torch.Tensor | None, align: int = 16) -> torch.Tensor | None:
     """t [T, n] contiguous and aligned for the CUDA launchers (a copy only when it is not)."""
     if t is None:
         return None
@@ -308,7 +308,7 @@ def _rows_ready(t: torch.Tensor | None, align: int = 16) -> torch.Tensor | None:
 def _cuda_gemv(x2, codes, codebooks, scales, bias, res, y, ws, kopts) -> None:
     """Launches of up to 16 activation rows (2x8: canonical layout read as stored, partials in ``ws``)."""
     T, N = y.shape
-    x2, res = _rows_ready(x2), _rows_ready(res)
+    x2, res = rows_ready(x2), rows_ready(res)
     yc = y if y.is_contiguous() and _aligned(y, 16) else torch.empty(T, N, dtype=y.dtype, device=y.device)
     hb, hr, pdl = int(bias is not None), int(res is not None), int(kopts.pdl_cuda)
     ext = EXT.load()
@@ -422,8 +422,8 @@ class Packed2x8:
         T = self._rows_of(x)
         ws = _workspace(x.device, self.need_for(T), workspace)
         n_out = out.numel() // T
-        x2 = _rows_ready(x.reshape(T, -1))
-        res = _rows_ready(residual.reshape(T, -1)) if residual is not None else None
+        x2 = rows_ready(x.reshape(T, -1))
+        res = rows_ready(residual.reshape(T, -1)) if residual is not None else None
         y = out.view(T, n_out) if out.is_contiguous() and _aligned(out, 16) else \
             torch.empty(T, n_out, dtype=out.dtype, device=out.device)
         b = self.bias if self.bias is not None else y

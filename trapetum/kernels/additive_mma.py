@@ -21,6 +21,7 @@ import torch
 
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from . import cuda_ext
+from .additive_gemv import rows_ready
 from .additive_layout import MMA_TILE_ROWS, codes_to_index, pack_2x8_mma, unpack_2x8_mma
 
 __all__ = ["mma_weight_reference", "mma_gemv_reference", "PackedMma2x8", "EXT", "MAX_ROWS", "mma_available"]
@@ -113,8 +114,8 @@ class PackedMma2x8:
                 residual.dtype != torch.float16 or residual.device != x.device)):
             raise ValueError(f"out/residual: PackedMma2x8 takes fp16 tensors on {x.device}")
         ext = self._ext(x, kopts)
-        x2 = _ready(x.reshape(T, -1))
-        res = _ready(residual.reshape(T, -1)) if residual is not None else None
+        x2 = rows_ready(x.reshape(T, -1))
+        res = rows_ready(residual.reshape(T, -1)) if residual is not None else None
         y = out.view(T, n) if out.is_contiguous() and out.data_ptr() % 16 == 0 else \
             torch.empty(T, n, dtype=out.dtype, device=out.device)
         b = self.bias if self.bias is not None else y
@@ -142,7 +143,7 @@ class PackedMma2x8:
         if tuple(out.shape) != (P, T, N) or not out.is_contiguous() or out.dtype != torch.float16:
             raise ValueError(f"out: expected contiguous fp16 [{P}, {T}, {N}], got {out.dtype} {tuple(out.shape)}")
         ext = self._ext(x, kopts)
-        x2 = _ready(x.reshape(T, -1))
+        x2 = rows_ready(x.reshape(T, -1))
         b = self.bias if self.bias is not None else out
         for t0 in range(0, T, MAX_ROWS):  # more than 16 rows: each launch's planes, then copied into out
             t1 = min(T, t0 + MAX_ROWS)
@@ -168,8 +169,3 @@ class PackedMma2x8:
 
     def nbytes(self) -> int:
         return sum(c.numel() for c in self.codes) + self.codebooks.numel() * 2 + self.scales.numel() * 2
-
-
-def _ready(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
