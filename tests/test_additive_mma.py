@@ -192,7 +192,9 @@ def test_engine_verify_rows_are_decode_steps_mma(variant):
     from trapetum.eval.verify_exact import check, engine
     opts = Options().replace(kernels={"aqlm_kernel": "mma"}, **variant)
     eng = engine("aqlm-2x8", opts)
-    assert any(getattr(L.attention.qkv, "mma", None) is not None for L in eng.model.layers)
+    qkv = [L.attention.qkv for L in eng.model.layers]
+    parts = [q for p in qkv for q in getattr(p, "parts", [p])]  # unfused: a ConcatProjection of q, k, v
+    assert any(getattr(p, "mma", None) is not None for p in qkv + parts)
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56, 1016))
     assert len(res) == 15
     bad = [r for r in res if not r["ok"]]

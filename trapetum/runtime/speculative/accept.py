@@ -53,8 +53,8 @@ def device_verdict(sampler: Sampler, logits: torch.Tensor, greedy_rows: torch.Te
     pd = p[ar, drafts]
     if q is None:
         qd = torch.ones_like(pd)
-        resid = p[:k].clone()
-        resid[ar, drafts] = 0.0  # max(p - onehot(d), 0)
+        # max(p - onehot(d), 0); a scatter, not an indexed assignment (index_put_ may synchronize on CUDA)
+        resid = p[:k].scatter(1, drafts.view(-1, 1), 0.0)
     else:
         qd = q[ar, drafts]
         resid = (p[:k] - q).clamp_(min=0.0)

@@ -1,0 +1,55 @@
+"""Where a batched decode step's device time goes (issue 20): torch.profiler over eager paged DECODE forwards of
+GpuBatchRunner (runtime/paged_engine.py) at S rows, CUDA time summed by kernel name, top N per S; plus the graph
+replay's device ms beside it. Usage: python scripts/dev/profile_paged_step.py MODEL.cbk [--sizes 1,16,64]"""
+import argparse
+import collections
+
+import torch
+
+from trapetum.formats.detect import load_checkpoint
+from trapetum.runtime.engine import GpuEngine
+from trapetum.runtime.paged_engine import GpuBatchRunner
+from trapetum.settings import Options
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cbk")
+    ap.add_argument("--sizes", default="1,16,64")
+    ap.add_argument("--top", type=int, default=14)
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.sizes.split(",")]
+    eng = GpuEngine(load_checkpoint(a.cbk), 1024, device="cuda", options=Options())
+    per, plen = 8, 38
+    runner = GpuBatchRunner(eng, max(sizes) * per, 16)
+    tables = [torch.arange(i * per, (i + 1) * per) for i in range(max(sizes))]
+    prompt = list(range(100, 100 + plen))
+    for t in tables:
+        runner.prefill(t, prompt, 0)
+    torch.cuda.synchronize()
+    for S in sizes:
+        ip, tab = runner._stage(S, tables[:S], [prompt[-1]] * S, [plen] * S, reuse=False)
+        ip, tab = ip.cuda(), tab.cuda()
+        for _ in range(3):
+            runner._forward(ip[0], ip[1], tab)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+        n = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                runner._forward(ip[0], ip[1], tab)
+            torch.cuda.synchronize()
+        tot, cnt = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                tot[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                cnt[e.name] += 1
+        all_us = sum(tot.values()) / n
+        print(f"\nS={S}: eager device time {all_us / 1e3:.3f} ms per step, {sum(cnt.values()) // n} kernels per step")
+        for name, us in tot.most_common(a.top):
+            print(f"  {us / n / 1e3:7.3f} ms  {cnt[name] // n:5d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode():
+        main()
