@@ -29,29 +29,64 @@ def pairs(tmp_path_factory):
     return out
 
 
+ROUTE_TIE = 5e-4  # routing decisions closer than this are near-ties (see _agree)
+
+
+def routing_margins(cpu, ids) -> torch.Tensor:
+    """Per position of ``ids`` (fp32 [T]): the smallest gap, over the MoE layers of the CPU reference's forward, between
+    the k-th and the (k + 1)-th choice score of the router (softmax / sigmoid scores, plus the correction bias): how
+    far the reference is from choosing a different expert at that position. Inf without routed layers."""
+    from trapetum.models import torch_ops
+    real, gaps = torch_ops.select_experts, []
+
+    def record(logits, cfg, bias=None):
+        x = logits.float()
+        sc = torch.softmax(x, -1) if cfg.router_scoring == "softmax" else torch.sigmoid(x.double()).float()
+        ch = sc if bias is None else sc + bias.float()
+        top = torch.sort(ch, -1, descending=True).values
+        k = cfg.num_experts_per_tok
+        gaps.append((top[..., k - 1] - top[..., k]).reshape(-1))
+        return real(logits, cfg, bias)
+    torch_ops.select_experts = record
+    try:
+        cpu.logits(ids)
+    finally:
+        torch_ops.select_experts = real
+    return torch.stack(gaps).min(0).values if gaps else torch.full((len(ids),), float("inf"))
+
+
 def _agree(cpu, gpu, n_new=16, tie=1e-2, tol=2e-3):
     """Prompt logits within ``tol``; then teacher-forced along the reference's greedy tokens: each step's logits
     within ``tol`` and the same argmax wherever the reference's top two differ by more than ``tie`` (an fp16 engine
-    may flip a near-tie, after which free-running outputs part ways without either being wrong)."""
+    may flip a near-tie, after which free-running outputs part ways without either being wrong).
+    Routing has near-ties of its own: where the reference's k-th and (k + 1)-th router scores at a step's position
+    are closer than ROUTE_TIE, an fp16 engine may pick the other expert, a jump no tolerance on the logits describes
+    (the H200 measured 2.8e-3 at the one step of a qwen2_moe 4-bit file where that gap was 1.4e-4; the steps before
+    it passed 2e-3). Those steps are not compared; the steps after them are (the flipped position's K/V stays in the
+    cache), and most steps must be compared and decided, so the checks cannot pass vacuously."""
     ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     want = cpu.generate(ids, max_new_tokens=n_new, ignore_eos=True).token_ids
     ref = cpu.logits(ids + want[:-1])  # [T + n_new - 1, V]: row T - 1 + i predicts want[i]
+    margin = routing_margins(cpu, ids + want[:-1])
     eng = gpu.runner
     assert isinstance(eng, GpuEngine)
     got = eng.prefill(ids)
-    decided = 0
+    decided = compared = 0
     for i, t in enumerate(want):
         if i:
             eng.set_position(want[i - 1], len(ids) + i - 1)
             eng.step(greedy=False)
             got = eng.logits
+        if float(margin[len(ids) - 1 + i]) < ROUTE_TIE:
+            continue
+        compared += 1
         r = ref[len(ids) - 1 + i].float()
-        assert rel(got, r) < tol, i
+        assert rel(got, r) < tol, (i, rel(got, r))
         top = torch.topk(r, 2).values
         if float(top[0] - top[1]) > tie:
             assert int(got.float().argmax()) == t, i
             decided += 1
-    assert decided >= n_new // 2  # most steps are decided, so the argmax check cannot pass vacuously
+    assert compared >= 3 * n_new // 4 and decided >= n_new // 2
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -61,10 +96,8 @@ def test_gpu_matches_cpu_reference(pairs, family):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_gpu_4bit_cbk_matches_cpu_reference(tmp_path, family):
-    # 5e-3: the H200 measured 2.8e-3 at the sixth step of qwen2_moe's 4-bit file (session 9; the five before it passed),
-    # where the fp16 files stay under 2e-3
     path = build_cbk(family, tmp_path, iters=5)
-    _agree(trapetum.load(path), trapetum.load(path, device="cuda"), tol=5e-3)
+    _agree(trapetum.load(path), trapetum.load(path, device="cuda"))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -148,7 +181,7 @@ WIDE = dict(hidden_size=128, intermediate_size=128, moe_intermediate_size=128)  
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
 def test_gpu_cuda_expert_gemvs_in_the_engine(tmp_path, family):
     """4-bit experts at in % 128 == 0: every MoE layer's stack tiled and run by the CUDA expert GEMVs
-    (kernels/expert_gemv_mma.py); the CPU reference within 5e-3 teacher-forced, 100 graph replays bitwise and
+    (kernels/expert_gemv_mma.py); the CPU reference within 2e-3 teacher-forced, 100 graph replays bitwise and
     graph == eager, verify rows bitwise equal to decode steps; with the kernel options' cuda off the stacks are
     canonical (the Triton expert kernels)."""
     kw = {k: v for k, v in WIDE.items() if family != "mixtral" or k != "moe_intermediate_size"}
@@ -157,7 +190,7 @@ def test_gpu_cuda_expert_gemvs_in_the_engine(tmp_path, family):
     eng = gpu.runner
     sets = [w.experts for L in eng.model.layers for kind, w in L.blocks if kind == "moe"]
     assert sets and all(s.stack is not None and s.stack.tiled for s in sets)
-    _agree(cpu, gpu, tol=5e-3)
+    _agree(cpu, gpu)
     assert_replays_bitwise_and_graph_equals_eager(gpu, list(range(5, 25)))
     res = check(eng, rows=(1, 2, 4, 8, 16), bases=(6, 56))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
