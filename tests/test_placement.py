@@ -255,3 +255,19 @@ def test_gpu_mem_needs_the_gpu_engine(tmp_path):
     build("llama2", tmp_path)
     with pytest.raises(TrapetumError, match="--gpu-mem: a GPU memory budget applies to the GPU engine"):
         trapetum.load(tmp_path, gpu_mem=4)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["generate", "DIR", "hello", "--gpu-mem", "4"], "--gpu-mem: a GPU memory budget applies to the GPU engine"),
+    (["generate", "DIR", "hello", "--gpu-mem", "-1"], "--gpu-mem: must be a positive number of GB"),
+    (["ppl", "DIR", "--text", "DIR/config.json", "--gpu-mem", "4"], "applies to the GPU engine"),
+    (["serve", "DIR", "--gpu-mem", "4"], "applies to the GPU engine"),
+    (["chat", "DIR", "--gpu-mem", "x"], "--gpu-mem: expected a number of GB"),
+])
+def test_gpu_mem_flag_errors_are_one_line(tmp_path, capsys, argv, fragment):
+    from trapetum import cli
+    build("llama2", tmp_path)
+    capsys.readouterr()
+    code = cli.main([a.replace("DIR", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code in (1, 2) and len(err) == 1 and err[0].startswith("trapetum: error:") and fragment in err[0], err
