@@ -271,3 +271,29 @@ def test_gpu_mem_flag_errors_are_one_line(tmp_path, capsys, argv, fragment):
     code = cli.main([a.replace("DIR", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert code in (1, 2) and len(err) == 1 and err[0].startswith("trapetum: error:") and fragment in err[0], err
+
+
+def test_bytes_per_token_on_each_side():
+    sizes = moe_sizes(embed=2000, experts=6000, rest=3000)  # 3 experts' tensors of one layer; MOE: top-2 of 4
+    row = MOE.hidden_size * 2
+    assert pl.per_token(sizes, MOE, pl.ON_DEVICE) == (3000 + row + 3000, 0)
+    assert pl.per_token(sizes, MOE, pl.Placement(True, True)) == (3000, row + 3000)
+    assert pl.per_token(sizes, MOE, pl.Placement(False, True), tied_dense_embed=True) == (5000, 3000)
+
+
+def test_info_prints_the_plan(tmp_path, capsys):
+    import json
+
+    from trapetum import cli
+    path = build_cbk("qwen2_moe", tmp_path, iters=1)
+    capsys.readouterr()
+    assert cli.main(["info", str(path), "--gpu-mem", "1.0003", "-c", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "placement    --gpu-mem 1.0003, 64 positions: embedding and routed experts in host RAM" in out, out
+    assert "per token    GPU" in out
+    assert cli.main(["info", str(path), "--gpu-mem", "50", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["placement"]
+    assert not p["embed_host"] and not p["experts_host"] and p["host_bytes_per_token"] == 0
+    assert cli.main(["info", str(path), "--gpu-mem", "0.9"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-mem 0.9 GB" in err[0], err

@@ -1,6 +1,7 @@
 """Placement of a checkpoint's tensors between the GPU and host RAM under a GPU memory budget (``--gpu-mem GB``).
 
     plan(sizes, cfg, kv_bytes, budget, margin=MARGIN, tied_dense_embed=False, source="model") -> Placement
+    per_token(sizes, cfg, placement, tied_dense_embed=False) -> (GPU bytes, host bytes) a decode step reads
 
 ``sizes``: canonical tensor name -> bytes of its engine form on the GPU (``engine_bytes``: a dense tensor as fp16,
 a codebook record as its codes plus the fp16 codebook, other records as stored; ``checkpoint_sizes`` reads them
@@ -149,13 +150,42 @@ def plan(sizes: dict[str, int], cfg: ModelConfig, kv: int, budget: int | None, m
                          f"{gb(total - moved)} GB, KV cache {gb(kv)} GB, margin {gb(margin)} GB)")
 
 
+def per_token(sizes: dict[str, int], cfg: ModelConfig, placement: Placement, tied_dense_embed: bool = False
+              ) -> tuple[int, int]:
+    """(GPU bytes, host bytes) of weights one decode step reads: every tensor on its side once, except the
+    embedding table (one row; the whole table when the dense head shares it) and the routed experts (top-k of E
+    per MoE layer, on average k / E of their bytes)."""
+    row = cfg.hidden_size * 2
+    embed = sizes.get(EMBED, 0)
+    experts = sum(n for name, n in sizes.items() if is_routed_expert(name)) if cfg.moe else 0
+    rest = sum(sizes.values()) - embed - experts
+    routed = experts * cfg.num_experts_per_tok // max(cfg.num_experts, 1) if cfg.moe else 0
+    gpu, host = rest, 0
+    if tied_dense_embed:
+        gpu += embed
+    elif placement.embed_host:
+        host += row
+    else:
+        gpu += row
+    if placement.experts_host:
+        host += routed
+    else:
+        gpu += routed
+    return gpu, host
+
+
+def tied_dense(ckpt) -> bool:
+    """Whether the LM head is the checkpoint's dense embedding table (the table then stays on the GPU)."""
+    cfg = ckpt.config
+    return bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ckpt.tensors and isinstance(
+        ckpt.tensors[EMBED], torch.Tensor)
+
+
 def plan_for(ckpt, max_len: int, gpu_mem_gb: float | None, latent: bool = False, margin: int = MARGIN) -> Placement:
     """The plan of checkpoint ``ckpt`` with a KV cache of ``max_len`` positions under ``gpu_mem_gb`` GB (None:
     everything on the GPU, nothing read)."""
     if gpu_mem_gb is None:
         return ON_DEVICE
     cfg = ckpt.config
-    tied = cfg.tie_word_embeddings and "lm_head.weight" not in ckpt.tensors and isinstance(ckpt.tensors[EMBED],
-                                                                                            torch.Tensor)
     return plan(checkpoint_sizes(ckpt), cfg, kv_bytes(cfg, max_len, latent), int(gpu_mem_gb * GIB), margin,
-                tied_dense_embed=tied, source=ckpt.source)
+                tied_dense_embed=tied_dense(ckpt), source=ckpt.source)
