@@ -105,14 +105,14 @@ def test_checkpoint_sizes_from_labels_match_the_records(tmp_path):
 needs_host = pytest.mark.skipif(not hg.available(), reason=f"host kernels unavailable: {hg.error()}")
 
 
-def _experts(E, D, F, bits, seed=0, act="silu"):
+def _experts(E, D, F, bits, seed=0, act="silu", up_bits=None):
     from trapetum.runtime.host_experts import HostExperts
     g = torch.Generator().manual_seed(seed)
     tensors, names = {}, []
     for e in range(E):
         n = {r: f"model.layers.0.mlp.experts.{e}.{r}_proj" for r in ("gate", "up", "down")}
         for r, (o, i) in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
-            rec = random_codebook(o, i, bits, "cpu", g)
+            rec = random_codebook(o, i, up_bits if r == "up" and up_bits else bits, "cpu", g)
             rec.tensors["codebook"] = rec.tensors["codebook"] * 20  # weights of order one
             tensors[n[r] + ".weight"] = rec
         names.append(n)
@@ -140,11 +140,15 @@ def _routing(M, E, k, seed):
 
 
 @needs_host
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("D, F, M", [(3, 53, 1), (53, 97, 3), (97, 3, 16), (64, 257, 20), (257, 1, 5)])
-def test_host_experts_against_the_float64_reference(bits, D, F, M):
-    E, k = 5, 2
-    hx, ck, names = _experts(E, D, F, bits, seed=D + F + bits)
+@pytest.mark.parametrize("bits, up_bits", [(4, None), (8, None), (4, 8)])
+@pytest.mark.parametrize("D, F, M, E", [(3, 53, 1, 5), (53, 97, 3, 5), (97, 3, 16, 5), (64, 257, 20, 5),
+                                        (257, 1, 5, 5), (53, 97, 20, 2)])
+def test_host_experts_against_the_float64_reference(bits, up_bits, D, F, M, E):
+    """Gate and up of one bit width take the fused gate/up call, of two the separate GEMVs; E = 2 with k = 2 gives
+    each expert 20 rows: the dequantized-block matmul of a prompt."""
+    k = 2
+    hx, ck, names = _experts(E, D, F, bits, seed=D + F + bits, up_bits=up_bits)
+    assert all((g is None) == (up_bits is not None) for g in hx.gate_up)
     x = torch.randn(M, D, generator=torch.Generator().manual_seed(M)).half().float()
     w, idx = _routing(M, E, k, D * F)
     got = hx.compute(x, w, idx, torch.empty(M, D))

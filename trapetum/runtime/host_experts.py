@@ -10,9 +10,10 @@ on the GPU (runtime/placement.py decides; runtime/engine_ops.py ``experts`` call
 One pass: the normed rows h, the weights and the expert ids are packed on the device into one fp32 row each
 ([M, D + 2k]; ids < 2**24 are exact in fp32) and copied to a pinned host buffer (one device->host copy per MoE
 layer), the stream synchronized; on the host, the (row, slot) pairs are grouped by expert and each chosen expert
-runs once over its rows: gate and up GEMVs (fp32), a = act(gate) * up computed in float64 and rounded to fp16 (as
-the GPU's fused gate/up epilogue stores it), the down GEMV; slot j's output times its weight, the k slots summed in
-slot order in fp32; the sum is copied back from a pinned buffer (one host->device copy) and rounded to h's dtype.
+runs once over its rows: a = act(gate) * up in one call (kernels/host_ops.py FusedGemv: both GEMVs and the
+activation in C, the codes referenced in place; gate and up of different bit widths: two GEMVs and the activation
+in float64), rounded to fp16 (as the GPU's fused gate/up epilogue stores it), the down GEMV; slot j's output times
+its weight, the k slots summed in slot order in fp32; the sum is copied back from a pinned buffer (one host->device copy) and rounded to h's dtype.
 Up to 16 rows an expert's rows take the batch-invariant GEMV, so row r's result does not depend on the other rows
 of the pass (VERIFY rows equal decode steps bitwise); more rows (a prompt) take the dequantized-block matmul.
 Only the chosen experts' codes are read: k x (gate + up + down) bytes per row. This work cannot be inside a CUDA
@@ -24,6 +25,7 @@ import torch
 
 from ..errors import UnsupportedError
 from ..kernels import host_gemv as hg
+from ..kernels.host_ops import FusedGemv
 from ..schemes.codebook import CODEBOOK
 from ..schemes.codebook_store import expand
 from ..schemes.record import QuantRecord
@@ -63,6 +65,9 @@ class HostExperts:
 
     def __init__(self, experts: list[tuple[hg.HostGemv, hg.HostGemv, hg.HostGemv]], act: str, d: int, f: int):
         self.experts, self.act, self.d, self.f = experts, act, d, f
+        # act(gate) * up in one call where gate and up share a bit width (else None: two GEMVs, act in torch)
+        self.gate_up = [FusedGemv([(g.codes, g.codebook, None), (u.codes, u.codebook, None)], g.bits, d, act)
+                        if g.bits == u.bits else None for g, u, _ in experts]
 
     def __len__(self) -> int:
         return len(self.experts)
@@ -121,7 +126,11 @@ class HostExperts:
             gate, up, down = self.experts[e]
             xe = x.index_select(0, sel // k)
             if n <= hg.GEMV_ROWS:
-                a = self._act(gate(xe, threads), up(xe, threads))
+                gu = self.gate_up[e]
+                if gu is not None:
+                    a = gu(xe, threads=threads).to(torch.float16).to(torch.float32)
+                else:
+                    a = self._act(gate(xe, threads), up(xe, threads))
                 y = down(a, threads)
             else:
                 y = down.matmul(self._act(gate.matmul(xe), up.matmul(xe)))
