@@ -301,3 +301,24 @@ def test_info_prints_the_plan(tmp_path, capsys):
     assert cli.main(["info", str(path), "--gpu-mem", "0.9"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpu-mem 0.9 GB" in err[0], err
+
+
+@needs_host
+def test_offload_benchmark_meters_the_chosen_experts():
+    """eval/bench_offload.py on a tiny DeepSeek-V2-Lite-like random model on the CPU: the host meter counts k
+    distinct experts' bytes per MoE layer per step (one row: its k choices are distinct)."""
+    from trapetum.eval import bench_offload as bo
+    from trapetum.eval.random_model import random_checkpoint
+    ov = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=4, head_dim=48,
+              kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    ck = random_checkpoint("deepseek-v2-lite", "cb4", device="cpu", layers=3, overrides=ov)
+    eng = GpuEngine(ck, bo.PROMPT + 16, device="cpu", placement=pl.Placement(experts_host=True))
+    meter = bo.HostMeter(eng)
+    r = bo.decode(eng, 6, meter)
+    per = eng.model.layers[1].mlp.experts.expert_bytes()
+    assert meter.layers == 2 and meter.bytes == 6 * 2 * 2 * per  # steps x MoE layers x k x one expert's bytes
+    assert r["host_mb_per_token"] == pytest.approx(2 * 2 * per / 1e6) and 0 < r["host_ms"] < r["step_ms"]
+    table = bo.markdown({"shape": "tiny", "layers": 3, "steps": 6, "threads": 1, "placement": "p",
+                         "rows": {"gpu": r, "host-experts": r}})
+    assert "| host-experts |" in table and table.count("\n") == 5

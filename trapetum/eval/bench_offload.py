@@ -12,6 +12,8 @@ decode from position 64 (after a 64-token prompt), ``--steps`` steps timed by th
 (tok/s); on the host-experts engine also the host time (the experts' ``compute``: the host GEMVs, the activation,
 the weighted sum) and the bytes of the chosen experts' codes and codebooks it read, per token: host GB/s = bytes /
 host time; the rest of the step (GPU work, launches, the per-layer copies and syncs) is step time - host time.
+The row "gpu-eager" is the all-on-GPU engine's steps without CUDA graphs: its gap to "gpu" is what eager launches
+cost, the most that graph segments between the host layers could give back to "host-experts".
 ``--threads``: the host kernels' threads (default torch's). Prints a markdown table; ``--out DIR``: results.json.
 """
 from __future__ import annotations
@@ -54,6 +56,11 @@ class HostMeter:
         self.seconds, self.bytes = 0.0, 0
 
 
+def _sync(eng) -> None:
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
+
+
 def decode(eng, steps: int, meter: HostMeter | None) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, eng.cfg.vocab_size, (PROMPT,), generator=g).tolist()
@@ -61,13 +68,13 @@ def decode(eng, steps: int, meter: HostMeter | None) -> dict:
     eng.set_position(int(torch.argmax(logits)), PROMPT)
     for _ in range(4):
         eng.step(True)
-    torch.cuda.synchronize()
+    _sync(eng)
     if meter is not None:
         meter.reset()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step(True)
-    torch.cuda.synchronize()
+    _sync(eng)
     dt = (time.perf_counter() - t) / steps
     out = {"tok_s": 1.0 / dt, "step_ms": dt * 1e3, "gpu_weight_gb": eng.weight_bytes() / 1e9,
            "host_weight_gb": eng.host_weight_bytes() / 1e9}
@@ -87,6 +94,8 @@ def run(shape: str, layers: int | None, steps: int, gpu_mem: float | None) -> di
     results = {"shape": shape, "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "rows": {}}
     eng = GpuEngine(random_checkpoint(shape, "cb4", layers=layers), max_len, device="cuda")
     results["rows"]["gpu"] = decode(eng, steps, None)
+    eng.use_graph = False  # the same engine's steps eager: what the launches cost (graph segments would save it)
+    results["rows"]["gpu-eager"] = decode(eng, steps, None)
     del eng
     torch.cuda.empty_cache()
     ck = random_checkpoint(shape, "cb4", layers=layers)
@@ -102,11 +111,11 @@ def run(shape: str, layers: int | None, steps: int, gpu_mem: float | None) -> di
 def markdown(r: dict) -> str:
     lines = [f"{r['shape']} ({r['layers'] or 'all'} layers), 4-bit, {r['threads']} host threads, greedy decode "
              f"from position {PROMPT}, {r['steps']} steps; host-experts: {r['placement']}", "",
-             "| engine | tok/s | step ms | GPU weights GB | host weights GB | host ms/token | host MB/token | host GB/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine | tok/s | step ms | GPU weights GB | host weights GB | host ms/token | rest ms/token | "
+             "host MB/token | host GB/s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, x in r["rows"].items():
-        h = [f"{x['host_ms']:.2f}", f"{x['host_mb_per_token']:.1f}", f"{x['host_gb_s']:.1f}"] if "host_ms" in x \
-            else ["-", "-", "-"]
+        h = [f"{x['host_ms']:.2f}", f"{x['rest_ms']:.2f}", f"{x['host_mb_per_token']:.1f}",
+             f"{x['host_gb_s']:.1f}"] if "host_ms" in x else ["-"] * 4
         lines.append(f"| {name} | {x['tok_s']:.1f} | {x['step_ms']:.2f} | {x['gpu_weight_gb']:.2f} | "
                      f"{x['host_weight_gb']:.2f} | " + " | ".join(h) + " |")
     return "\n".join(lines)
