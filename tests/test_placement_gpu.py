@@ -90,3 +90,13 @@ def test_gpu_mem_through_load(tmp_path):
     with pytest.raises(pl.PlacementError) as e:
         trapetum.load(path, device="cuda", gpu_mem=0.5)
     assert "\n" not in str(e.value) and "--gpu-mem 0.5 GB" in str(e.value)
+
+
+def test_a_roomy_budget_is_the_default_engine_bit_for_bit(tmp_path):
+    """A budget everything fits in plans nothing to move: the same graphs and the same bits as no budget."""
+    ck = load_checkpoint(build_cbk("qwen2_moe", tmp_path, iters=2))
+    a = GpuEngine(ck, 64, device="cuda")
+    b = GpuEngine(ck, 64, device="cuda", options=Options(gpu_mem_gb=100.0))
+    assert a.placement is pl.ON_DEVICE and not b.placement.offloads and b.use_graph and not b.host_embed
+    assert b.weight_bytes() == a.weight_bytes() and b.host_weight_bytes() == 0
+    _same_steps(a, b, _ids(), bitwise=True)
