@@ -58,7 +58,8 @@ class Model:
     def __init__(self, ckpt: Checkpoint, device: str = "cpu", dtype: torch.dtype | None = None,
                  max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
                  draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-                 draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None):
+                 draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None,
+                 gpu_mem: float | None = None):
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedError("--device cuda: no CUDA GPU is available on this machine")
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -66,6 +67,12 @@ class Model:
         options = options or Options.from_env()
         if precise_prefill is not None:
             options = options.replace(prefill="precise" if precise_prefill else "default")
+        if gpu_mem is not None:
+            if not device.startswith("cuda"):
+                raise TrapetumError("--gpu-mem: a GPU memory budget applies to the GPU engine (--device cuda)")
+            if not gpu_mem > 0:
+                raise TrapetumError(f"--gpu-mem: the budget must be a positive number of GB, got {gpu_mem!r}")
+            options = options.replace(gpu_mem_gb=float(gpu_mem))
         self.options = options
         if threads is not None and threads < 1:
             raise TrapetumError(f"threads must be at least 1, got {threads}")
@@ -113,7 +120,7 @@ class Model:
         else:
             def load_draft(path: str) -> Model:
                 return Model(load_checkpoint(path), device=self.device, max_context=self.context_size,
-                             options=self.options, threads=self.threads)
+                             options=self.options.replace(gpu_mem_gb=None), threads=self.threads)
             drafter, dm = make_drafter(draft, load=load_draft, target_tokenizer=self.tokenizer,
                                        max_len=self.context_size, mask_token=mask_token)
         self.draft_model = dm
@@ -300,7 +307,8 @@ def resolve_sparsity(ckpt: Checkpoint, sparsity: Any):
 def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torch.dtype | None = None,
          max_context: int | None = None, precise_prefill: bool | None = None, options: Options | None = None,
          draft: Any = None, draft_k: int = 4, draft_adaptive: bool = False,
-         draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None) -> Model:
+         draft_mask_token: int | None = None, threads: int | None = None, sparsity: Any = None,
+         gpu_mem: float | None = None) -> Model:
     """Load a model for generation. ``path``: HF directory, .gguf, .cbk, or None for the embedded default.
 
     On CUDA the GPU engine is built from the checkpoint tensor by tensor (its weights held once, in the kernels'
@@ -319,8 +327,13 @@ def load(path: str | os.PathLike | None = None, device: str = "cpu", dtype: torc
 
     ``sparsity`` (activation sparsity, TEAL; models/sparsity.py): None (dense, the default: the dense path, bit for
     bit), "on" (the thresholds of a .cbk's ``sparsity`` section, ``trapetum sparsify``), a side file of
-    thresholds (GGUF / HF models), or a SparsityTable. The drafter of speculative decoding stays dense."""
+    thresholds (GGUF / HF models), or a SparsityTable. The drafter of speculative decoding stays dense.
+
+    ``gpu_mem`` (GPU engine): a GPU memory budget in GB (``Options.gpu_mem_gb``; runtime/placement.py): the
+    embedding table, then the routed experts of a mixture-of-experts model, move to host RAM until the rest and the
+    KV cache fit (the experts then run on the CPU's host kernels); a model that does not fit even so is refused in
+    one line. None (default): everything on the GPU."""
     return Model(load_checkpoint(path), device=device, dtype=dtype, max_context=max_context,
                  precise_prefill=precise_prefill, options=options, draft=draft, draft_k=draft_k,
                  draft_adaptive=draft_adaptive, draft_mask_token=draft_mask_token, threads=threads,
-                 sparsity=sparsity)
+                 sparsity=sparsity, gpu_mem=gpu_mem)

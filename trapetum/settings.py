@@ -36,7 +36,9 @@ caches per-head keys and values ("expanded") or the compressed latent and attend
 runtime/engine_latent.py); ``prefill_graph`` (True): the default prefill of a prompt (last-row logits, CUDA) runs padded
 to a length bucket (runtime/engine.py ``prefill_bucket``), eagerly the first time a bucket is used (always with
 ``graph`` off) and as a CUDA graph captured at its second use (the same kernels and shapes: the same bits), so that prompt
-processing costs its GPU time and not the host's launches.
+processing costs its GPU time and not the host's launches; ``gpu_mem_gb`` (None): the GPU engine's memory budget in
+GB (CLI ``--gpu-mem``; runtime/placement.py moves the embedding table, then the routed experts, to host RAM until
+the rest fits, else refuses; None keeps everything on the GPU).
 """
 from __future__ import annotations
 
@@ -138,6 +140,7 @@ class Options:
     cpu_step: bool = True
     mla: str = "expanded"
     prefill_graph: bool = True
+    gpu_mem_gb: float | None = None
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
     def __post_init__(self):
@@ -148,6 +151,8 @@ class Options:
                 raise ConfigError(f"options.{name}: expected one of {', '.join(choices)}, got {value!r}")
         if self.calib_mem_gb is not None and not self.calib_mem_gb > 0:
             raise ConfigError(f"options.calib_mem_gb: must be positive, got {self.calib_mem_gb!r}")
+        if self.gpu_mem_gb is not None and not self.gpu_mem_gb > 0:
+            raise ConfigError(f"options.gpu_mem_gb (--gpu-mem): must be positive, got {self.gpu_mem_gb!r}")
 
     def replace(self, **changes) -> "Options":
         """A copy with `changes`; ``kernels=dict(...)`` updates fields of the kernel options."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_kernel_options, add_model_option, add_sampling, add_sparsity,
                       apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 HELP = "Type a message and press Enter; /help lists the commands, /exit (or Ctrl-D) quits."
@@ -28,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, help="system prompt (also /system TEXT in the chat)")
     add_device(p)
     add_kernel_options(p)
+    add_gpu_mem(p)
     add_context(p)
     add_sampling(p, temperature=0.7, max_new=512)
     add_draft(p)
@@ -74,7 +75,7 @@ def run(args) -> int:
     from ..chat_template import ChatTemplateError
     with loading(path or "the embedded model", args.device, threads):
         m = load(path, device=args.device, max_context=ctx, sparsity=args.sparsity, options=options_of(args),
-                 **draft_kwargs(args))
+                 gpu_mem=args.gpu_mem, **draft_kwargs(args))
     m.encode_chat([{"role": "user", "content": "x"}])  # fail early if the model has no chat template
     system = args.system
     messages = [{"role": "system", "content": system}] if system else []

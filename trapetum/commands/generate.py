@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_kernel_options, add_model_option, add_sampling, add_sparsity,
                       apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 MAX_PROMPT_BYTES = 64 << 20  # a prompt file or standard input larger than this is refused
@@ -37,6 +37,7 @@ def register(sub) -> None:
                         "prompt, same decode; same as TRAPETUM_PREFILL=precise)")
     add_device(p)
     add_kernel_options(p)
+    add_gpu_mem(p)
     add_context(p)
     add_sampling(p)
     add_draft(p)
@@ -121,7 +122,7 @@ def run(args) -> int:
     from ..api import load
     with loading(model_path or EMBEDDED, args.device, threads):
         m = load(model_path, device=args.device, max_context=ctx, precise_prefill=args.precise_prefill,
-                 sparsity=args.sparsity, options=options_of(args), **draft_kwargs(args))
+                 sparsity=args.sparsity, options=options_of(args), gpu_mem=args.gpu_mem, **draft_kwargs(args))
     events = (m.chat_stream([{"role": "user", "content": prompt}], s) if args.chat else m.stream(prompt, s))
     if not args.chat:
         sys.stdout.write(prompt)

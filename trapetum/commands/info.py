@@ -8,6 +8,10 @@ def register(sub) -> None:
     p = sub.add_parser("info", help="describe a model file", description="Describe a model without running it.")
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    from ._common import add_gpu_mem
+    add_gpu_mem(p)
+    p.add_argument("-c", "--ctx", type=int, default=None, metavar="N",
+                   help="with --gpu-mem: the KV cache's positions (default: the model's context, at most 8192)")
     p.set_defaults(func=run)
 
 
@@ -19,6 +23,21 @@ def _size(n: float) -> str:
     return str(n)
 
 
+def _placement(ckpt, gpu_mem: float, ctx: int | None) -> dict:
+    """The GPU engine's plan under ``gpu_mem`` GB (runtime/placement.py) and the bytes a decode step reads."""
+    from ..api import ENGINE_MAX_LEN
+    from ..errors import TrapetumError
+    from ..runtime import placement as pl
+    if ctx is not None and ctx < 1:
+        raise TrapetumError(f"--ctx must be at least 1, got {ctx}")
+    n = min(ckpt.config.context_length, ctx or ENGINE_MAX_LEN, ENGINE_MAX_LEN)
+    p = pl.plan_for(ckpt, n, gpu_mem)
+    gpu, host = pl.per_token(pl.checkpoint_sizes(ckpt), ckpt.config, p, pl.tied_dense(ckpt))
+    return {"plan": p.describe(), "embed_host": p.embed_host, "experts_host": p.experts_host, "positions": n,
+            "gpu_weight_bytes": p.gpu_bytes, "host_weight_bytes": p.host_bytes, "kv_bytes": p.kv_bytes,
+            "gpu_bytes_per_token": gpu, "host_bytes_per_token": host}
+
+
 def run(args) -> int:
     from ..formats.detect import load_checkpoint
     from ..models.describe import describe  # not api: info needs no decoder nor kernels
@@ -27,6 +46,8 @@ def run(args) -> int:
     if ckpt.source_format == "cbk":
         from ..formats import cbk
         info["sizes"] = cbk.open_cbk(ckpt.source).size_breakdown()
+    if args.gpu_mem is not None:
+        info["placement"] = _placement(ckpt, args.gpu_mem, args.ctx)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -61,6 +82,11 @@ def run(args) -> int:
     print("formats      " + ", ".join(f"{k} x{v}" for k, v in sorted(info["tensor_formats"].items())))
     print(f"memory       {_size(info['memory_fp16_weights_bytes'])} as fp16 weights; KV cache "
           f"{_size(info['kv_cache_fp16_bytes_per_token'] * 1024)} per 1k positions (fp16)")
+    pl = info.get("placement")
+    if pl:
+        print(f"placement    --gpu-mem {args.gpu_mem:g}, {pl['positions']} positions: {pl['plan']}")
+        print(f"per token    GPU {_size(pl['gpu_bytes_per_token'])}, host {_size(pl['host_bytes_per_token'])} of "
+              "weights read per decode step")
     sizes = info.get("sizes")
     if sizes:
         print(f"file         {_size(sizes['file_bytes'])}, {sizes['file_bits_per_weight']:.3f} bits per weight overall")

@@ -30,6 +30,8 @@ def register(sub) -> None:
                         "fp32 reference's accuracy; 2-3x the GEMM work; same as TRAPETUM_PREFILL=precise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sparsity(p)
+    from ._common import add_gpu_mem
+    add_gpu_mem(p)
     p.set_defaults(func=run)
 
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise TrapetumError("--precise-prefill scores in the prefill; --decode scores through the (fp16) decode "
                             "step: use one of them")
     model = load(args.model, device=args.device, dtype=dtype, precise_prefill=args.precise_prefill,
-                 sparsity=args.sparsity)
+                 sparsity=args.sparsity, gpu_mem=args.gpu_mem)
     ids = tokenize_file(model.tokenizer, args.text)
     bos_id = None
     if args.bos:

@@ -91,9 +91,10 @@ def register(subparsers) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
-    from ._common import add_draft, add_sparsity
+    from ._common import add_draft, add_gpu_mem, add_sparsity
     add_draft(p)  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
     add_sparsity(p)  # the same thresholds for every model
+    add_gpu_mem(p)  # the same budget for every model (each its own GPU engine)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)
@@ -123,8 +124,10 @@ def run(args) -> int:
     draft_kw = draft_kwargs(args) if args.draft is not None else {}
     sampling = _sampling(args)
     specs = [ModelSpec.parse(m, d, draft_kw, args.ctx) for m, d in zip(models, devices)]
+    if args.gpu_mem is not None and not all((s.device or "").startswith("cuda") for s in specs):
+        raise TrapetumError("--gpu-mem: a GPU memory budget applies to the GPU engine (--device cuda)")
     for s in specs:
-        s.sparsity = args.sparsity
+        s.sparsity, s.gpu_mem = args.sparsity, args.gpu_mem
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
             raise TrapetumError(f"{s.path}: file not found")

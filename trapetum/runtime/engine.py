@@ -18,6 +18,16 @@ Graphs: one per (mode, rows, greedy), captured on first use and replayed at any 
 ``Options.prefill_graph``, CUDA) runs padded to ``prefill_bucket(T)`` rows (rows past T are zero tokens whose cache
 rows decode overwrites before any read: attention is causal): eagerly at a bucket's first use (and always with
 graphs off), then as a graph captured at its second use, the same kernels on the same shapes, so the same bits.
+Placement (runtime/placement.py; ``placement=``, else planned from ``Options.gpu_mem_gb``; default everything on
+the device, the engine unchanged bit for bit): with the embedding table in host RAM, a forward of rows first reads
+``row_tokens[:M]`` back (one sync), gathers their table rows on the host into a pinned buffer and copies them into
+the static ``embed_rows`` before the graph replay (or the eager pass), so the step stays one captured graph; the
+padded prefill graph is not used (prompts run eagerly). With routed experts in host RAM (runtime/host_experts.py)
+every MoE layer's experts run on the CPU between the layer's GPU work, which a graph cannot hold: such an engine
+runs its steps eagerly (graphs off). Graph segments between host layers would save the launches, not the host
+work: nearly every layer of the models that need this is an MoE layer (DeepSeek-V2-Lite: 26 of 27), so a segment
+is one layer's attention and router, and the per-layer sync stays; left for when eager launches are measured to
+matter against the host GEMVs.
 Implements the Runner protocol (``tokens``).
 """
 from __future__ import annotations
@@ -38,7 +48,9 @@ from ..settings import Options
 from . import engine_latent
 from .engine_model import build_model
 from .engine_ops import EngineOps
+from .host_experts import HostStaging
 from .kv import ContiguousKV
+from .placement import Placement, plan_for
 from .sampling import GenerationSettings, Sampler
 
 EXACT_CHUNKS = (16, 8, 4, 2, 1)  # verify graph sizes of the exact prefill
@@ -65,13 +77,21 @@ class GpuEngine:
     torch fallbacks run, for tests)."""
 
     def __init__(self, ckpt: Checkpoint, max_len: int, *, device: str | torch.device = "cuda",
-                 options: Options | None = None, sparsity=None):
-        """``sparsity``: a SparsityTable (models/sparsity.py) of the model's layers, or None (dense)."""
+                 options: Options | None = None, sparsity=None, placement: Placement | None = None):
+        """``sparsity``: a SparsityTable (models/sparsity.py) of the model's layers, or None (dense). ``placement``:
+        where the tensors live (None: planned from ``options.gpu_mem_gb``; no budget: all on the device)."""
         self.options = options = options or Options()
         cfg = self.cfg = ckpt.config
         dev = self.device = torch.device(device)
-        self.use_graph = options.graph and dev.type == "cuda"
         self.max_len = max_len
+        if placement is None:
+            placement = plan_for(ckpt, max_len, options.gpu_mem_gb, latent=bool(cfg.mla) and options.mla == "latent")
+        self.placement = placement
+        if placement.offloads and options.prefill == "precise":
+            raise UnsupportedError(f"{ckpt.source}: the precise prefill does not run with tensors in host RAM "
+                                   "(--gpu-mem) yet")
+        # host experts run between a layer's GPU work: no graphs (module docstring)
+        self.use_graph = options.graph and dev.type == "cuda" and not placement.experts_host
         if (cfg.moe or cfg.mla) and options.prefill == "precise":
             raise UnsupportedError(f"{ckpt.source}: the precise prefill does not run mixture-of-experts or "
                                    "latent-attention layers yet (TRAPETUM_PREFILL=default or exact)")
@@ -83,7 +103,13 @@ class GpuEngine:
             self.mla_q_index = torch.cat([rope + cfg.qk_nope_head_dim, torch.arange(cfg.qk_nope_head_dim)]).to(dev)
         if options.prefill == "precise":
             from .precise import PreciseOps  # noqa: F401  (checks the model before building it)
-        self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise")
+        self.model = build_model(ckpt, dev, options, precise=options.prefill == "precise", placement=placement)
+        D = cfg.hidden_size
+        self.host_embed = placement.embed_host
+        if self.host_embed:  # the rows of a forward, gathered on the host, uploaded before it (module docstring)
+            self.embed_pinned = torch.empty(MAX_VERIFY_ROWS, D, dtype=torch.float16, pin_memory=dev.type == "cuda")
+            self.embed_rows = torch.empty(MAX_VERIFY_ROWS, D, dtype=torch.float16, device=dev)
+        self.host_staging = HostStaging(D, cfg.num_experts_per_tok, dev) if placement.experts_host else None
         self.sparsity = sparsity
         if sparsity is not None:  # before any graph is captured: the thresholds are constants of the graphs
             check_sparse_kinds(cfg)
@@ -150,7 +176,11 @@ class GpuEngine:
         return self.rope_local if sliding else self.rope
 
     def weight_bytes(self) -> int:
+        """Bytes of the weights on the engine's device (those in host RAM: ``host_weight_bytes``)."""
         return self.model.weight_bytes()
+
+    def host_weight_bytes(self) -> int:
+        return self.model.host_weight_bytes()
 
     # -- the row forwards (DECODE, VERIFY) -----------------------------------------------------
     def _rows(self, mode: Mode, m: int, greedy: bool) -> None:
@@ -163,14 +193,24 @@ class GpuEngine:
         else:
             torch.argmax(logits, dim=-1, out=self.argmax_rows[:m])
 
+    def _upload_rows(self, m: int) -> None:
+        """The table rows of ``row_tokens[:m]`` from the host table into ``embed_rows[:m]`` (host embedding)."""
+        ids = self.row_tokens[:m].cpu()  # the sync: the tokens may come from the previous step's argmax
+        torch.index_select(self.model.embed, 0, ids, out=self.embed_pinned[:m])
+        self.embed_rows[:m].copy_(self.embed_pinned[:m], non_blocking=self.device.type == "cuda")
+
     def _run(self, mode: Mode, m: int, greedy: bool) -> None:
         if not self.use_graph:
+            if self.host_embed:
+                self._upload_rows(m)
             self._rows(mode, m, greedy)
             return
         key = (mode, m, greedy)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(mode, m, greedy)
+        if self.host_embed:
+            self._upload_rows(m)
         g.replay()
 
     def _capture(self, mode: Mode, m: int, greedy: bool) -> torch.cuda.CUDAGraph:
@@ -264,7 +304,7 @@ class GpuEngine:
         prefill, no layer whose prompt pass is data-dependent on the host (mixture of experts: per-expert token
         counts; latent attention), no RoPE whose tables depend on the pass length, the bucket inside the cache."""
         o, cfg = self.options, self.cfg
-        return (self.device.type == "cuda" and o.prefill_graph and o.prefill == "default"
+        return (self.device.type == "cuda" and o.prefill_graph and o.prefill == "default" and not self.host_embed
                 and not cfg.moe and not cfg.mla and not any(r is not None and r.spec.length_dependent for r in self.rotaries)
                 and prefill_bucket(t) <= self.max_len)
 

@@ -6,7 +6,9 @@ dropped, so loading peaks near the engine's own weights).
                  ("mla", MlaWeights), ("mlp", MlpWeights) or ("moe", MoeWeights)]), final_norm (fp32 [D]),
                  head (Projection)
 The roles and their tensor names come from models/schema.py; each projection's form from schemes/registry.py
-(q/k/v and gate/up fused where the scheme allows and ``Options.fuse``).
+(q/k/v and gate/up fused where the scheme allows and ``Options.fuse``). A Placement (runtime/placement.py) may
+keep the embedding table in host RAM (``EngineModel.embed`` on the CPU; a dense head tied to it gets its own copy on
+the device) and every MoE layer's routed experts (``MoeWeights.experts`` a HostExperts, runtime/host_experts.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from ..schemes import registry
 from ..schemes.base import GateUp, Projection, residual16
 from ..settings import Options
 from .engine_experts import stack_experts
+from .host_experts import HostExperts
+from .placement import ON_DEVICE, Placement
 
 
 @dataclass
@@ -87,7 +91,8 @@ class EngineRouter:
 @dataclass
 class MoeWeights:
     """A mixture-of-experts MLP (models/blocks/moe.py); ``experts`` an ExpertSet (runtime/engine_experts.py: the
-    per-expert projections, views of the layer's stacks where the expert GEMVs apply)."""
+    per-expert projections, views of the layer's stacks where the expert GEMVs apply), or a HostExperts (the
+    routed experts in host RAM: runtime/host_experts.py)."""
     norm: torch.Tensor
     router: EngineRouter
     experts: list[ExpertWeights]
@@ -96,7 +101,8 @@ class MoeWeights:
     post_norm: torch.Tensor | None
 
     def projections(self) -> list:
-        out = [self.router.proj] + [w for e in self.experts for w in (e.gate_up, e.down)]
+        routed = [] if getattr(self.experts, "on_host", False) else self.experts
+        out = [self.router.proj] + [w for e in routed for w in (e.gate_up, e.down)]
         if self.shared is not None:
             out += [self.shared.gate_up, self.shared.down]
         return out + ([self.shared_gate] if self.shared_gate is not None else [])
@@ -125,6 +131,7 @@ class EngineModel:
     final_norm: torch.Tensor
     head: Projection
     embed_lo: torch.Tensor | None = None  # precise prefill: fp16((exact - embed) * 2^12) of a non-fp16 source
+    embed_host: bool = False  # the table in host RAM (Placement.embed_host)
 
     def projections(self) -> list:
         out = [self.head]
@@ -134,9 +141,20 @@ class EngineModel:
                     [w.qkv, w.o] if isinstance(w, AttnWeights) else [w.gate_up, w.down])
         return out
 
+    def host_weight_bytes(self) -> int:
+        """Bytes of the weights in host RAM (runtime/placement.py): the embedding table kept there, host experts."""
+        n = self.embed.numel() * self.embed.element_size() if self.embed_host else 0
+        for L in self.layers:
+            for _, w in L.blocks:
+                if getattr(getattr(w, "experts", None), "on_host", False):
+                    n += w.experts.nbytes()
+        return n
+
     def weight_bytes(self) -> int:
-        """Bytes of the engine's weights (a head tied to the embedding table counted once)."""
-        n = self.embed.numel() * self.embed.element_size() + self.final_norm.numel() * self.final_norm.element_size()
+        """Bytes of the engine's weights on its device (a head tied to the embedding table counted once; the
+        tensors in host RAM: ``host_weight_bytes``)."""
+        n = 0 if self.embed_host else self.embed.numel() * self.embed.element_size()
+        n += self.final_norm.numel() * self.final_norm.element_size()
         head = self.head
         shared = getattr(head, "w", None) is not None and head.w.data_ptr() == self.embed.data_ptr()
         n += 0 if shared else head.nbytes()
@@ -150,8 +168,9 @@ class EngineModel:
         return n
 
 
-def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precise: bool = False) -> EngineModel:
-    """The engine's weights for ``ckpt`` on ``device`` (module docstring)."""
+def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precise: bool = False,
+                placement: Placement = ON_DEVICE) -> EngineModel:
+    """The engine's weights for ``ckpt`` on ``device``, where ``placement`` puts them (module docstring)."""
     cfg = ckpt.config
     shapes = expected_shapes(cfg)
     kopts, fuse = options.kernels, options.fuse
@@ -169,7 +188,7 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
         return None if name is None else get(name + ".weight").to(device=device, dtype=torch.float32)
 
     e = get("model.embed_tokens.weight")
-    embed = registry.embedding_table(e, device)
+    embed = registry.embedding_table(e, "cpu" if placement.embed_host else device)
     embed_lo = residual16(e, embed) if precise and isinstance(e, torch.Tensor) else None
     def gate_up(names):
         return registry.gate_up(part(names["gate"]), part(names["up"]), cfg.hidden_act, device, kopts, fuse=fuse,
@@ -198,7 +217,10 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
             router = registry.projection([registry.part(m["router"] + ".weight", router.float())], device, kopts,
                                          precise=precise)
             bias = None if m["router_bias"] is None else get(m["router_bias"]).to(device=device, dtype=torch.float32)
-            experts = stack_experts([ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]])
+            if placement.experts_host:
+                experts = HostExperts.build(ckpt, m["experts"], cfg.hidden_act, ckpt.source)
+            else:
+                experts = stack_experts([ExpertWeights(gate_up(ex), proj(ex["down"])) for ex in m["experts"]])
             shared = ExpertWeights(gate_up(m["shared"]), proj(m["shared"]["down"])) if m["shared"] else None
             mlp = MoeWeights(norm=norm(m["norm"]), router=EngineRouter(router, bias), experts=experts, shared=shared,
                              shared_gate=opt(m["shared_gate"]), post_norm=norm(m["post_norm"]))
@@ -217,4 +239,4 @@ def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precis
             head.lo = embed_lo
     else:
         raise FormatError(f"{ckpt.source}: tensor 'lm_head.weight' is missing and embeddings are not tied")
-    return EngineModel(embed, layers, norm("model.norm"), head, embed_lo)
+    return EngineModel(embed, layers, norm("model.norm"), head, embed_lo, embed_host=placement.embed_host)

@@ -93,9 +93,15 @@ class EngineOps:
     def embed(self, table, batch: ForwardBatch):
         eng = self.eng
         if self.rows:
-            x = torch.index_select(table, 0, batch.tokens)  # [M, D] fp16
+            if eng.host_embed:  # the table in host RAM: the rows were uploaded before this pass (engine._upload_rows)
+                x = eng.embed_rows[:batch.tokens.shape[0]].clone()
+            else:
+                x = torch.index_select(table, 0, batch.tokens)  # [M, D] fp16
             return x.mul_(eng.embed_scale) if eng.embed_scale is not None else x
-        x = table[batch.tokens].float()  # [T, D]
+        if eng.host_embed:
+            x = table[batch.tokens.cpu()].to(eng.device).float()
+        else:
+            x = table[batch.tokens].float()  # [T, D]
         return x * eng.embed_scale if eng.embed_scale is not None else x
 
     def logits(self, head, h):
@@ -163,7 +169,8 @@ class EngineOps:
     # own programs (its bits alone). PREFILL runs each expert over the tokens that chose it
     # (engine_experts.prefill_experts). Otherwise (unstacked schemes, no Triton) every expert runs over every row
     # (batch-invariant GEMVs) and row r adds expert e's output times its weight (0 for the experts it did not
-    # choose), in ascending e, in fp32: E / k times the chosen experts' work.
+    # choose), in ascending e, in fp32: E / k times the chosen experts' work. Routed experts in host RAM
+    # (runtime/host_experts.py): the rows, weights and ids go to the host, the chosen experts run there.
     def route(self, router, h):
         logits = self.project(router.proj, h)  # [M, E] fp16
         cfg = self.cfg
@@ -173,6 +180,8 @@ class EngineOps:
         return select_experts(logits.float(), cfg, router.bias)
 
     def experts(self, experts, h, weights, idx):
+        if getattr(experts, "on_host", False):  # routed experts in host RAM (runtime/host_experts.py)
+            return experts.run(h.contiguous(), weights, idx, self.eng.host_staging)
         stack = getattr(experts, "stack", None)
         if self.rows and stack is not None and expert_gemv.available(h.device):
             return stack.run(h.contiguous(), weights, idx, gather=self.kopts.triton_gather, kopts=self.kopts)

@@ -126,6 +126,9 @@ class GpuBatchRunner:
             raise UnsupportedError("batched decoding on the GPU engine does not run activation sparsity yet")
         if eng.options.prefill == "exact":
             raise UnsupportedError("batched decoding on the GPU engine: the exact prefill is not supported")
+        if eng.placement.offloads:
+            raise UnsupportedError("batched decoding on the GPU engine: tensors in host RAM (--gpu-mem) are not "
+                                   "supported yet")
         self.eng, self.cfg = eng, cfg
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there

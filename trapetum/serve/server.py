@@ -75,6 +75,7 @@ class ModelSpec:
     draft_kw: dict = field(default_factory=dict)
     max_context: int | None = None
     sparsity: str | None = None
+    gpu_mem: float | None = None  # ``trapetum.load``'s GPU memory budget (--gpu-mem), GB
 
     def load(self) -> tuple[str | None, Any]:
         if self.loader is not None:
@@ -83,6 +84,8 @@ class ModelSpec:
         kw = {k: v for k, v in (("device", self.device), ("max_context", self.max_context)) if v is not None}
         if self.sparsity is not None:
             kw["sparsity"] = self.sparsity
+        if self.gpu_mem is not None:
+            kw["gpu_mem"] = self.gpu_mem
         return self.alias, trapetum.load(self.path, **kw, **self.draft_kw)
 
     @staticmethod
