@@ -81,6 +81,17 @@ def test_sweep_refuses_bad_arguments():
         sweep(W.float(), U, book, mid, "torch")
     with pytest.raises(ValueError, match="do not match"):
         sweep(W, U[:4, :4], book, mid, "torch")
+    W, U, book, mid = problem(2, 257, 4, seed=1)
+    with pytest.raises(ValueError, match="up to 256"):
+        sweep(W, U, book, mid, "triton")
+
+
+def test_triton_sweep_wide_block():
+    """A block wider than 128 (the kernel's 8-row programs) up to the limit."""
+    W, U, book, mid = problem(9, 256, 16, seed=4)
+    c1, e1 = sweep_torch(W, U, book, mid)
+    c2, e2 = sweep_triton(W, U, book, mid)
+    assert torch.equal(c1, c2) and torch.equal(e1, e2)
 
 
 @cuda

@@ -32,7 +32,9 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-__all__ = ["sweep_torch", "sweep_triton", "sweep", "midpoints"]
+__all__ = ["sweep_torch", "sweep_triton", "sweep", "midpoints", "MAX_KERNEL_BLOCK"]
+
+MAX_KERNEL_BLOCK = 256  # widest block the kernel takes (its rows x block tiles live in registers); "auto" above: torch
 
 
 def midpoints(book: torch.Tensor) -> torch.Tensor:
@@ -101,9 +103,14 @@ if triton is not None:
 
 
 def sweep_triton(W: torch.Tensor, U: torch.Tensor, book: torch.Tensor, mid: torch.Tensor,
-                 block_r: int = 16):
-    """(codes int64 [R, B], E float64 [R, B]): the kernel (module docstring); equal to ``sweep_torch``."""
+                 block_r: int | None = None):
+    """(codes int64 [R, B], E float64 [R, B]): the kernel (module docstring); equal to ``sweep_torch``.
+    B <= MAX_KERNEL_BLOCK; ``block_r`` rows per program (default 16, 8 for blocks wider than 128)."""
     _check(W, U, book, mid)
+    if W.shape[1] > MAX_KERNEL_BLOCK:
+        raise ValueError(f"gptq sweep: the kernel takes blocks up to {MAX_KERNEL_BLOCK} columns, not {W.shape[1]}")
+    if block_r is None:
+        block_r = 16 if W.shape[1] <= 128 else 8
     if W.stride(1) != 1:
         W = W.contiguous()
     R, B = W.shape
@@ -121,9 +128,11 @@ def sweep_triton(W: torch.Tensor, U: torch.Tensor, book: torch.Tensor, mid: torc
 
 
 def sweep(W: torch.Tensor, U: torch.Tensor, book: torch.Tensor, mid: torch.Tensor, impl: str = "auto"):
-    """``impl``: "torch", "triton" or "auto" (the kernel on CUDA, the loop elsewhere)."""
+    """``impl``: "torch", "triton" or "auto" (the kernel on CUDA for blocks up to MAX_KERNEL_BLOCK columns, the
+    loop elsewhere)."""
     if impl == "auto":
-        impl = "triton" if W.device.type == "cuda" and triton_ok(W.device) else "torch"
+        impl = ("triton" if W.device.type == "cuda" and triton_ok(W.device) and W.shape[1] <= MAX_KERNEL_BLOCK
+                else "torch")
     if impl == "triton":
         if not triton_ok(W.device):
             raise ValueError(f"gptq sweep: Triton cannot run on {W.device}")
