@@ -11,17 +11,18 @@ from trapetum.quant.gptq import gptq_assign, gptq_refine, inverse_cholesky
 
 CASES = [(1, 1, 2), (3, 53, 16), (53, 97, 16), (97, 3, 4), (257, 17, 16), (5, 128, 16), (2, 33, 3)]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel in the Triton interpreter
 
 
 def problem(R, B, K, seed, device="cpu"):
     """A strided W [R, B] (a slice of a wider matrix), U of a random SPD matrix, ascending books [R, K]."""
     g = torch.Generator().manual_seed(seed)
-    W = torch.randn(R, B + 9, generator=g, dtype=torch.float64)[:, 4:4 + B]
+    W = torch.randn(R, B + 9, generator=g, dtype=torch.float64).to(device)[:, 4:4 + B]
     A = torch.randn(B, B, generator=g, dtype=torch.float64)
     H = A @ A.T / B + torch.eye(B, dtype=torch.float64) * 0.1
     U = inverse_cholesky(H, 0.01)
     book = (torch.randn(R, K, generator=g, dtype=torch.float64) * 1.2).sort(1).values
-    return W.to(device), U.to(device), book.to(device), midpoints(book).to(device)
+    return W, U.to(device), book.to(device), midpoints(book).to(device)
 
 
 def reference(W, U, book):
@@ -51,7 +52,7 @@ def test_torch_sweep_matches_elementwise_reference(R, B, K):
 
 @pytest.mark.parametrize("R,B,K", CASES)
 def test_triton_sweep_equals_torch_bit_for_bit(R, B, K):
-    W, U, book, mid = problem(R, B, K, seed=3 * R + B + K)
+    W, U, book, mid = problem(R, B, K, seed=3 * R + B + K, device=DEV)
     c1, e1 = sweep_torch(W, U, book, mid)
     c2, e2 = sweep_triton(W, U, book, mid)
     assert torch.equal(c1, c2) and torch.equal(e1, e2)
@@ -64,9 +65,9 @@ def test_assign_is_the_same_through_either_sweep():
     R, C = 21, 53
     X = torch.randn(4 * C, C, generator=g, dtype=torch.float64) @ (
         torch.eye(C, dtype=torch.float64) + 0.5 * torch.randn(C, C, generator=g, dtype=torch.float64) / C ** 0.5)
-    H = (X.T @ X / X.shape[0]).float()
-    W = torch.randn(R, C, generator=g)
-    book = (torch.randn(R, 16, generator=g) * 1.5).sort(1).values
+    H = (X.T @ X / X.shape[0]).float().to(DEV)
+    W = torch.randn(R, C, generator=g).to(DEV)
+    book = (torch.randn(R, 16, generator=g) * 1.5).sort(1).values.to(DEV)
     a = gptq_assign(W, H, book, block=16, sweep_impl="torch")
     b = gptq_assign(W, H, book, block=16, sweep_impl="triton")
     assert torch.equal(a, b)
@@ -81,14 +82,14 @@ def test_sweep_refuses_bad_arguments():
         sweep(W.float(), U, book, mid, "torch")
     with pytest.raises(ValueError, match="do not match"):
         sweep(W, U[:4, :4], book, mid, "torch")
-    W, U, book, mid = problem(2, 257, 4, seed=1)
+    W, U, book, mid = problem(2, 257, 4, seed=1, device=DEV)
     with pytest.raises(ValueError, match="up to 256"):
         sweep(W, U, book, mid, "triton")
 
 
 def test_triton_sweep_wide_block():
     """A block wider than 128 (the kernel's 8-row programs) up to the limit."""
-    W, U, book, mid = problem(9, 256, 16, seed=4)
+    W, U, book, mid = problem(9, 256, 16, seed=4, device=DEV)
     c1, e1 = sweep_torch(W, U, book, mid)
     c2, e2 = sweep_triton(W, U, book, mid)
     assert torch.equal(c1, c2) and torch.equal(e1, e2)

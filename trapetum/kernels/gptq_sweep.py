@@ -107,6 +107,8 @@ def sweep_triton(W: torch.Tensor, U: torch.Tensor, book: torch.Tensor, mid: torc
     """(codes int64 [R, B], E float64 [R, B]): the kernel (module docstring); equal to ``sweep_torch``.
     B <= MAX_KERNEL_BLOCK; ``block_r`` rows per program (default 16, 8 for blocks wider than 128)."""
     _check(W, U, book, mid)
+    if not triton_ok(W.device):
+        raise ValueError(f"gptq sweep: Triton cannot run on {W.device}")
     if W.shape[1] > MAX_KERNEL_BLOCK:
         raise ValueError(f"gptq sweep: the kernel takes blocks up to {MAX_KERNEL_BLOCK} columns, not {W.shape[1]}")
     if block_r is None:
@@ -134,8 +136,6 @@ def sweep(W: torch.Tensor, U: torch.Tensor, book: torch.Tensor, mid: torch.Tenso
         impl = ("triton" if W.device.type == "cuda" and triton_ok(W.device) and W.shape[1] <= MAX_KERNEL_BLOCK
                 else "torch")
     if impl == "triton":
-        if not triton_ok(W.device):
-            raise ValueError(f"gptq sweep: Triton cannot run on {W.device}")
         return sweep_triton(W, U, book, mid)
     if impl != "torch":
         raise ValueError(f"gptq sweep: impl {impl!r} is not torch, triton or auto")
