@@ -20,7 +20,8 @@ codebooks c (the start), two steps alternate for ``rounds`` rounds:
 
 Each row keeps the round (k-means start included) of lowest objective, so the result is never worse than the
 start under H. Columns that calibration never excited (H_ii = 0) get H_ii = 1 (GPTQ's "dead" columns).
-Cost: the assignment pass is C steps on [R] vectors plus two [R, block] x [block, C] products per block; the refit
+Cost: the assignment pass is C steps on [R] vectors (one Triton launch per block on CUDA: kernels/gptq_sweep.py)
+plus one [R, block] x [block, C] product per block; the refit
 is one [R, C] x [C, C] product per centroid-chunk (R C^2 K multiply-adds), done a few rows at a time.
 """
 from __future__ import annotations
@@ -29,7 +30,10 @@ from typing import Callable
 
 import torch
 
-__all__ = ["hessian_objective", "gptq_assign", "refit_codebooks", "gptq_refine", "prepare_hessian"]
+from ..kernels.gptq_sweep import midpoints, sweep
+
+__all__ = ["hessian_objective", "gptq_assign", "refit_codebooks", "gptq_refine", "prepare_hessian",
+           "inverse_cholesky"]
 
 
 def prepare_hessian(H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
@@ -53,31 +57,34 @@ def hessian_objective(W: torch.Tensor, Q: torch.Tensor, H: torch.Tensor, chunk: 
 
 
 
+def inverse_cholesky(H: torch.Tensor, damp: float = 0.01, device=None) -> torch.Tensor:
+    """Upper Cholesky factor U [C, C] float64 of (H + damp * mean(diag H) * I)^-1 (``prepare_hessian``): U^T U is
+    the damped inverse. One per Hessian: ``gptq_refine`` computes it once for all its rounds."""
+    Hd = prepare_hessian(H, damp).to(device if device is not None else H.device)
+    L = torch.linalg.cholesky(Hd)
+    return torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+
+
 def gptq_assign(W: torch.Tensor, H: torch.Tensor, book: torch.Tensor, *, block: int = 128,
-                damp: float = 0.01) -> torch.Tensor:
+                damp: float = 0.01, U: torch.Tensor | None = None, sweep_impl: str = "auto") -> torch.Tensor:
     """Codes [R, C] (int64) of W [R, C] into ascending per-row codebooks ``book`` [R, K], columns in order with
-    the error fed forward (see the module docstring). H [C, C] as collected (damped here)."""
+    the error fed forward (see the module docstring). H [C, C] as collected (damped here), or ``U`` given
+    (``inverse_cholesky(H, damp)``, on W's device; H and damp are then unused). Inside a block the columns go
+    through ``kernels.gptq_sweep.sweep`` (``sweep_impl``: "auto" = one Triton kernel per block on CUDA, the
+    per-column loop elsewhere; bit for bit the same codes); after it the later columns get the block's
+    errors in one float64 product."""
     R, C = W.shape
     dev = W.device
-    Hd = prepare_hessian(H, damp).to(dev)
-    L = torch.linalg.cholesky(Hd)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # upper factor of H^-1
+    if U is None:
+        U = inverse_cholesky(H, damp, dev)
     Wd = W.double().clone()
-    cb = book.to(dev, torch.float64)
-    mid = ((cb[:, :-1] + cb[:, 1:]) * 0.5).contiguous()  # nearest centroid: searchsorted on the midpoints
+    cb = book.to(dev, torch.float64).contiguous()
+    mid = midpoints(cb)  # nearest centroid: the number of midpoints below the weight
     codes = torch.empty(R, C, dtype=torch.long, device=dev)
     for i1 in range(0, C, block):
         i2 = min(C, i1 + block)
-        W1 = Wd[:, i1:i2].clone()
-        E1 = torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w = W1[:, i:i + 1]
-            a = torch.searchsorted(mid, w.contiguous())
-            codes[:, i1 + i:i1 + i + 1] = a
-            e = (w - torch.gather(cb, 1, a)) / U1[i, i]
-            W1[:, i + 1:].sub_(e * U1[i:i + 1, i + 1:])
-            E1[:, i:i + 1] = e
+        a, E1 = sweep(Wd[:, i1:i2], U[i1:i2, i1:i2].contiguous(), cb, mid, sweep_impl)
+        codes[:, i1:i2] = a
         if i2 < C:
             Wd[:, i2:] -= E1 @ U[i1:i2, i2:]
     return codes
@@ -109,7 +116,8 @@ def refit_codebooks(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, book:
 
 def gptq_refine(W: torch.Tensor, H: torch.Tensor, book: torch.Tensor, codes: torch.Tensor,
                 project: Callable[[torch.Tensor], tuple[torch.Tensor, dict]], stored: dict, *, rounds: int = 2,
-                block: int = 128, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+                block: int = 128, damp: float = 0.01, sweep_impl: str = "auto"
+                ) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
     """From a k-means start (fp16 ascending ``book`` [R, K], ``codes`` [R, C], its ``stored`` tensors), the
     alternation of the module docstring. ``project(centroids float64 [R, K] ascending) -> (decoded fp16
     [R, K], stored tensors)`` is the storage's rounding. Returns (book, codes uint8, stored, info) with each row
@@ -126,8 +134,9 @@ def gptq_refine(W: torch.Tensor, H: torch.Tensor, book: torch.Tensor, codes: tor
     best_book, best_codes = book.clone(), codes.to(torch.uint8).clone()
     best_stored = {k: v.clone() for k, v in stored.items()}
     cur = book
+    U = inverse_cholesky(H, damp, dev)  # the same for every round
     for _ in range(rounds):
-        a = gptq_assign(Wf, H, cur, block=block, damp=damp)
+        a = gptq_assign(Wf, H, cur, block=block, U=U, sweep_impl=sweep_impl)
         c = refit_codebooks(Wf, H, a, cur)
         c, perm = c.sort(1)
         a = torch.argsort(perm, 1).gather(1, a)  # codes follow their centroids
