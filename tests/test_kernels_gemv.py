@@ -413,31 +413,41 @@ GROUPED_CASES = [("plain", 4096, 4096, 4), ("plain", 11008, 4096, 4), ("gate_up"
                  ("plain", 4096, 4096, 8)]
 
 
+GROUPED_ROWS = (17, 31, 32, 48, 63, 64, 65, 100, 128, 256)  # 2..16 groups of 16, the last one full or shorter
+
+
 @requires_cuda
+@pytest.mark.parametrize("gpb", [4, 2, 1], ids=lambda g: f"groups{g}")
 @pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_grouped_rows_bitwise_equal_single_rows_gpu(case):
-    """More than 16 rows on tiled codes (batched decode): one launch over groups of 16 rows, the last one shorter;
-    each row of a 17..100-row call has the bits of its one-row call (with and without residual; gate/up SiLU),
-    and the rows agree with float64."""
+def test_grouped_rows_bitwise_equal_single_rows_gpu(case, gpb):
+    """More than 16 rows on tiled codes (batched decode): one launch over groups of 16 rows, the last one shorter,
+    gpb groups a block sharing each dequantized weight (KernelOptions.grouped_gemv_groups); each row of a
+    17..256-row call has the bits of its one-row call (with and without residual; gate/up SiLU), and the rows
+    agree with float64."""
     kind, k, n, bits = case
     gen = torch.Generator().manual_seed(k + 7 * n + bits)
     codes, cb, f = _row_case(kind, k, n, bits, gen)
     kc = cg.tile_codes(codes)
-    x = torch.randn(100, k, generator=gen).half().cuda()
-    res = torch.randn(100, n, generator=gen).half().cuda() if kind == "plain" else None
+    mx = max(GROUPED_ROWS)
+    x = torch.randn(mx, k, generator=gen).half().cuda()
+    res = torch.randn(mx, n, generator=gen).half().cuda() if kind == "plain" else None
+    ko = KernelOptions(grouped_gemv_groups=gpb)
 
     def call(xm, rm):
         if kind == "plain":
-            return cg.codebook_gemv(xm, kc, cb, bits, rm, tiled=True)
-        return cg.codebook_gemv_gate_up(xm, kc, cb, bits, f, "silu", tiled=True)
+            return cg.codebook_gemv(xm, kc, cb, bits, rm, tiled=True, kopts=ko)
+        return cg.codebook_gemv_gate_up(xm, kc, cb, bits, f, "silu", tiled=True, kopts=ko)
     for r in ((None, res) if res is not None else (None,)):
-        singles = torch.cat([call(x[i:i + 1], None if r is None else r[i:i + 1]) for i in range(100)])
-        for m in (17, 23, 32, 33, 64, 100):
+        singles = torch.cat([call(x[i:i + 1], None if r is None else r[i:i + 1]) for i in range(mx)])
+        for m in GROUPED_ROWS:
             y = call(x[:m], None if r is None else r[:m])
             assert torch.equal(y, singles[:m]), (case, m)
-    ref = (cg.codebook_gemv_reference(x[:33], codes, cb, bits, res[:33]) if kind == "plain"
-           else cg.codebook_gemv_gate_up_reference(x[:33], codes, cb, bits, f, "silu"))
-    assert rel_err(call(x[:33], res[:33] if res is not None else None), ref) < TOL[torch.float16]
+    x2 = x.clone()  # huge values in the rows of the other groups of a block change nothing in rows 0..15
+    x2[16:] = 6e4 * torch.sign(torch.randn(mx - 16, k, generator=gen)).half().cuda()
+    assert torch.equal(call(x2[:64], None)[:16], call(x[:64], None)[:16])
+    ref = (cg.codebook_gemv_reference(x[:65], codes, cb, bits, res[:65]) if kind == "plain"
+           else cg.codebook_gemv_gate_up_reference(x[:65], codes, cb, bits, f, "silu"))
+    assert rel_err(call(x[:65], res[:65] if res is not None else None), ref) < TOL[torch.float16]
 
 
 def test_grouped_rows_shape_rule():

@@ -56,7 +56,7 @@ def test_cuda_kernels_read_activations_with_coherent_loads():
     Activations (x, xp, p.x) and residuals (res, p.res) go through trapetum_pdl::ld_input*, and residuals
     are never indexed directly (a const __restrict__ pointer is read through the read-only path too)."""
     bad = []
-    for f in sorted(CUDA_DIR.glob("*.cu")):
+    for f in sorted([*CUDA_DIR.glob("*.cu"), *CUDA_DIR.glob("*.cuh")]):
         for n, line in enumerate(f.read_text().splitlines(), 1):
             code = line.split("//")[0]
             if re.search(r"__ldg\([^;]*\b(x|xp|res|p\.x|p\.res)\b", code) or re.search(r"\bres\s*\[", code):

@@ -28,7 +28,10 @@ means the default; anything else is a ConfigError naming the variable.
 
 Fields without a variable (API and benchmarks): ``kernels.aqlm_kernel`` ("table"): the 2x8 GEMV of decode and
 verify, "table" or "mma" (the tensor-core kernel; other numerics, so both modes use it; CLI ``--aqlm-kernel``,
-bench_e2e ``--aqlm-kernels``); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
+bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (4): the 4-/8-bit mma GEMV on more than 16 rows
+(batched decode) gives a block 4 groups of 16 rows (one block an SM), 2 (two an SM) or 1 (a block per group), each
+weight dequantized once for the groups of a block (the same bits in every mode; bench_kernels ``--only rows``
+times them); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
@@ -59,6 +62,7 @@ ENGINES = ("gpu", "reference")
 MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
+GROUPED_GEMV_GROUPS = (4, 2, 1)
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -106,6 +110,9 @@ class KernelOptions:
     # tensor cores, additive_mma.cu: other bits, verify M = 8 near one decode step). No variable: pass it.
     aqlm_kernel: str = "table"
     frag_producers: bool = True  # producers of a verify pass's mma-GEMV rows write its fragment order (else it copies)
+    # mma GEMV on more than 16 rows (tiled codes): row groups of 16 per block, each weight dequantized once for the
+    # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel)
+    grouped_gemv_groups: int = 4
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:
@@ -114,6 +121,9 @@ class KernelOptions:
             raise ConfigError(f"kernels.aqlm_layout: expected one of {', '.join(AQLM_LAYOUTS)}, got {self.aqlm_layout!r}")
         if self.aqlm_kernel not in AQLM_KERNELS:
             raise ConfigError(f"kernels.aqlm_kernel: expected one of {', '.join(AQLM_KERNELS)}, got {self.aqlm_kernel!r}")
+        if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
+            raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
+                              f"got {self.grouped_gemv_groups!r}")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:
             raise ConfigError(f"kernels.aqlm_blocks_per_sm: {self.aqlm_blocks_per_sm} outside 1..8")
 

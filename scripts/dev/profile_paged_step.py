@@ -1,6 +1,7 @@
 """Where a batched decode step's device time goes (issue 20): torch.profiler over eager paged DECODE forwards of
 GpuBatchRunner (runtime/paged_engine.py) at S rows, CUDA time summed by kernel name, top N per S; plus the graph
-replay's device ms beside it. Usage: python scripts/dev/profile_paged_step.py MODEL.cbk [--sizes 1,16,64]"""
+replay's device ms beside it; the mma GEMVs' share (kernels named cb_gemv_mma*) per step.
+Usage: python scripts/dev/profile_paged_step.py MODEL.cbk [--sizes 1,16,64] [--grouped-groups 4]"""
 import argparse
 import collections
 
@@ -9,7 +10,7 @@ import torch
 from trapetum.formats.detect import load_checkpoint
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.paged_engine import GpuBatchRunner
-from trapetum.settings import Options
+from trapetum.settings import GROUPED_GEMV_GROUPS, Options
 
 
 def main():
@@ -17,9 +18,11 @@ def main():
     ap.add_argument("cbk")
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--grouped-groups", type=int, choices=GROUPED_GEMV_GROUPS, default=4,
+                    help="KernelOptions.grouped_gemv_groups: row groups of 16 a block of the >16-row mma GEMV")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    eng = GpuEngine(load_checkpoint(a.cbk), 1024, device="cuda", options=Options())
+    eng = GpuEngine(load_checkpoint(a.cbk), 1024, device="cuda", options=Options().replace(kernels={"grouped_gemv_groups": a.grouped_groups}))
     per, plen = 8, 38
     runner = GpuBatchRunner(eng, max(sizes) * per, 16)
     tables = [torch.arange(i * per, (i + 1) * per) for i in range(max(sizes))]
@@ -45,7 +48,9 @@ def main():
                 tot[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
                 cnt[e.name] += 1
         all_us = sum(tot.values()) / n
-        print(f"\nS={S}: eager device time {all_us / 1e3:.3f} ms per step, {sum(cnt.values()) // n} kernels per step")
+        gemv_us = sum(us for name, us in tot.items() if "cb_gemv_mma" in name) / n
+        print(f"\nS={S}: eager device time {all_us / 1e3:.3f} ms per step, {sum(cnt.values()) // n} kernels per step; "
+              f"mma GEMVs {gemv_us / 1e3:.3f} ms")
         for name, us in tot.most_common(a.top):
             print(f"  {us / n / 1e3:7.3f} ms  {cnt[name] // n:5d}x  {name[:110]}")
 

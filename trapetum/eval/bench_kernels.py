@@ -2,6 +2,7 @@
 
     python -m trapetum.eval.bench_kernels --out DIR      (or: trapetum bench kernels --out DIR)
     python -m trapetum.eval.bench_kernels --only rows --rows 1,2,4,8,16 --out DIR
+    python -m trapetum.eval.bench_kernels --only rows --rows 1,16,32,64 --kinds cb4,cb4-g2,cb4-g1,gu4,gu4-g1 --out DIR
 
 Protocol (DESIGN.md "Measuring"): random data (never zeros); every op is captured in a CUDA graph that launches it
 once per buffer set, with enough sets that the bytes touched per replay exceed the 60 MB L2 several times (so
@@ -15,7 +16,10 @@ point) and passed to every call. The single-kernel tables time each kernel with 
 does not get; bench_e2e measures PDL where it belongs, between different kernels). The rows table (``--rows``)
 times M = 1..16 activation rows (speculative verify) of the production GEMVs, each row count relative to M = 1 in
 the same run, with PDL off and, for the codebook GEMVs, on; beside them the codebook kernel as it was before the
-multi-row work (experimental variant 11) and cuBLAS (which is not batch-invariant).
+multi-row work (experimental variant 11) and cuBLAS (which is not batch-invariant). More than 16 rows (batched
+decode, tiled codes: one launch over groups of 16 rows): the production kinds run 4 groups a block
+(``KernelOptions.grouped_gemv_groups``), the kinds ``-g2`` / ``-g1`` 2 groups a block and a block per group
+(session 10); the kinds that cannot take more than 16 rows report an error at those M.
 """
 from __future__ import annotations
 
@@ -261,6 +265,10 @@ ROW_KINDS = {  # kind -> (label, shapes)
     "gu4-old": ("4-bit gate/up, kernel before the multi-row work (exp. v11)", ROWS_GATE_UP),
     "cb8": ("8-bit GEMV (LM head, tiled, production)", ROWS_8BIT),
     "cb8-old": ("8-bit GEMV, kernel before the multi-row work (exp. v11)", ROWS_8BIT),
+    "cb4-g2": ("4-bit GEMV (tiled), M > 16: 2 row groups a block", ROWS_4BIT),
+    "cb4-g1": ("4-bit GEMV (tiled), M > 16: a block per row group (session 10)", ROWS_4BIT),
+    "gu4-g1": ("4-bit gate/up SiLU (tiled), M > 16: a block per row group (session 10)", ROWS_GATE_UP),
+    "cb8-g1": ("8-bit GEMV (LM head, tiled), M > 16: a block per row group (session 10)", ROWS_8BIT),
     "fp16": ("fp16 GEMV (ours)", ROWS_DENSE),
     "fp16-gu": ("fp16 gate/up SiLU (ours)", ROWS_GATE_UP),
     "cublas": ("cuBLAS fp16 matmul (not batch-invariant)", ROWS_DENSE),
@@ -275,9 +283,10 @@ def bench_rows(rows=(1, 2, 4, 8, 16), kopts: KernelOptions = DEFAULT_KERNELS, ki
     for kind in kinds:
         label, shapes = ROW_KINDS[kind]
         pdl_modes = ("off", "all") if kind in ("cb4", "cb4-frag", "gu4", "cb8") else ("off",)
+        groups = {"g2": 2, "g1": 1}.get(kind.rsplit("-", 1)[-1], kopts.grouped_gemv_groups)
         for k, n in shapes:
             for pdl_mode in pdl_modes:
-                ko = dataclasses.replace(kopts, pdl=pdl_mode)
+                ko = dataclasses.replace(kopts, pdl=pdl_mode, grouped_gemv_groups=groups)
                 gen = torch.Generator(device="cuda").manual_seed(k + n)
                 r = {"kernel": label, "kind": kind, "shape": f"{k}x{n}" if not kind.startswith(("gu", "fp16-gu"))
                      else f"{k}x2*{n}", "pdl": pdl_mode, "us": {}}
@@ -447,12 +456,17 @@ def main(argv: list[str] | None = None) -> int:
                         "mma_vN = experimental variant N, triton)")
     p.add_argument("--rows", type=_int_list, default=None,
                    help="comma list of activation row counts (e.g. 1,2,4,8,16): adds the multi-row table")
+    p.add_argument("--kinds", default=None,
+                   help=f"comma list of the multi-row table's kinds (default all: {','.join(ROW_KINDS)})")
     a = p.parse_args(argv)
+    kinds = tuple(x for x in (a.kinds or "").split(",") if x) or None
+    if kinds and any(x not in ROW_KINDS for x in kinds):
+        p.error(f"--kinds: unknown {','.join(x for x in kinds if x not in ROW_KINDS)}; known: {','.join(ROW_KINDS)}")
     kopts = Options.from_env().kernels
     if a.ncu_driver:
         return ncu_driver(kopts)
     res = run_all(a.out, quick=a.quick, only=a.only, backends=tuple(a.backends.split(",")), rows=a.rows, kopts=kopts,
-                  command="python -m trapetum.eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
+                  kinds=kinds, command="python -m trapetum.eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(res["markdown"])
     return 0
 
@@ -485,11 +499,11 @@ BENCH_8BIT = [(4096, 32000)]
 
 def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only: str = "all",
             backends: tuple = GEMV_BACKENDS, rows: tuple[int, ...] | None = None,
-            kopts: KernelOptions | None = None) -> dict:
+            kopts: KernelOptions | None = None, kinds: tuple[str, ...] | None = None) -> dict:
     """Run the benchmarks; write kernels.json / kernels.md under out_dir; return the results.
 
     kopts: the kernel options (None: ``Options.from_env().kernels``); rows: add the multi-row table (``only="rows"``:
-    that table alone, rows default 1,2,4,8,16)."""
+    that table alone, rows default 1,2,4,8,16; kinds: its kinds, default all of ``ROW_KINDS``)."""
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels: needs a CUDA GPU")
     import triton
@@ -501,7 +515,7 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only
     res["copy_GBps"] = copy_bandwidth_GBps()
     res["gemv"], res["rows"], res["gate_up"], res["attention"], res["fused"] = [], [], [], [], []
     if only == "rows":
-        res["rows"] = bench_rows(rows or (1, 2, 4, 8, 16), kopts)
+        res["rows"] = bench_rows(rows or (1, 2, 4, 8, 16), kopts, kinds=kinds or tuple(ROW_KINDS))
         return _finish(res, out_dir)
     shapes4 = BENCH_4BIT[:2] if quick else BENCH_4BIT
     for k, n in shapes4:
@@ -515,7 +529,7 @@ def run_all(out_dir: str | None, *, quick: bool = False, command: str = "", only
                                       kopts=kopts))
         print(json.dumps(res["gemv"][-1]), flush=True)
     if rows:
-        res["rows"] = bench_rows(rows, kopts)
+        res["rows"] = bench_rows(rows, kopts, kinds=kinds or tuple(ROW_KINDS))
     if only == "gemv":
         return _finish(res, out_dir)
     res["gate_up"] = [bench_gate_up(4096, 11008, kopts=kopts)]

@@ -211,7 +211,8 @@ MAX_GROUPED_ROWS = 256  # rows of one mma call on tiled codes (more than 16: gro
 
 def mma_shape_ok(M: int, K: int, bits: int, tiled: bool = False) -> bool:
     """The mma kernel's shapes: bits 4 / 8, 1 <= M <= 16 (tiled codes: <= MAX_GROUPED_ROWS, groups of 16 rows in
-    one launch, each row with the bits of its one-row call), 64 code bytes per row | in (no tail handling)."""
+    one launch, ``kopts.grouped_gemv_groups`` of them a block sharing each dequantized weight, each row with the bits
+    of its one-row call), 64 code bytes per row | in (no tail handling)."""
     return bits in (4, 8) and 1 <= M <= (MAX_GROUPED_ROWS if tiled else 16) and K % (512 // bits) == 0
 
 
@@ -339,7 +340,8 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
-                                    int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0)
+                                    int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0,
+                                    int(kopts.grouped_gemv_groups))
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y, kopts=kopts)
     else:  # one row at a time: the same matrix-vector product whatever M is
@@ -380,7 +382,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
-                                    xf, pt)
+                                    xf, pt, int(kopts.grouped_gemv_groups))
         return Fragments(y, out_frag_bits) if pt else (y.view(f) if squeeze else y)
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, None, y, epi=ACTS[act], f=f, kopts=kopts)

@@ -39,7 +39,7 @@
 // x in place (M = 1 is the decode path: no copy, no extra launch; only the lanes of row 0 load).
 // Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for 4-bit,
 // in % 64 == 0 for 8-bit), 1 <= M <= 16, or <= 256 on tiled codes
-// (more than 16 rows: groups of 16 in one launch, GROUPED), sm_80+.
+// (more than 16 rows: groups of 16 in one launch, cb_gemv_mma_groups_kernel or GROUPED), sm_80+.
 #define TRAPETUM_CBGEMV_MMA_CU 1  // expert_gemv_mma.cu builds on this file
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -121,6 +121,27 @@ struct CodeStream {
   }
 };
 
+// The A fragment (rows g, g+8 of the tile; k pairs) of 16-column k-step j of one chunk for one lane: table lookups
+// of the chunk's code words wa4 (row g) / wb4 (row g+8). It depends on the codes only, never on x or M.
+template <int BITS>
+__device__ __forceinline__ void dequant_tile(uint32_t (&A)[4], const uint32_t (&wa4)[4], const uint32_t (&wb4)[4],
+                                             int j, const uint32_t sb, const uint32_t lane4) {
+  if (BITS == 4) {
+    const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
+    const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
+    A[0] = lds(sb + sel_byte(wa, lane4, k0));
+    A[2] = lds(sb + sel_byte(wa, lane4, k0 + 1));
+    A[1] = lds(sb + 128 + sel_byte(wb, lane4, k0));
+    A[3] = lds(sb + 128 + sel_byte(wb, lane4, k0 + 1));
+  } else {
+    const uint32_t wa = wa4[j], wb = wb4[j];
+    A[0] = __byte_perm(lds(sb + sel_byte(wa, lane4, 0)), lds(sb + sel_byte(wa, lane4, 1)), 0x5410);
+    A[2] = __byte_perm(lds(sb + sel_byte(wa, lane4, 2)), lds(sb + sel_byte(wa, lane4, 3)), 0x5410);
+    A[1] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 0)), lds(sb + 128 + sel_byte(wb, lane4, 1)), 0x5410);
+    A[3] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 2)), lds(sb + 128 + sel_byte(wb, lane4, 3)), 0x5410);
+  }
+}
+
 // One 16-byte code chunk per weight row (rows g and g+8 of the tile) for one lane.
 template <int BITS, int NT>
 __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 qa, const uint4 qb,
@@ -132,20 +153,7 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
     uint32_t A[4];
-    if (BITS == 4) {
-      const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
-      const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
-      A[0] = lds(sb + sel_byte(wa, lane4, k0));
-      A[2] = lds(sb + sel_byte(wa, lane4, k0 + 1));
-      A[1] = lds(sb + 128 + sel_byte(wb, lane4, k0));
-      A[3] = lds(sb + 128 + sel_byte(wb, lane4, k0 + 1));
-    } else {
-      const uint32_t wa = wa4[j], wb = wb4[j];
-      A[0] = __byte_perm(lds(sb + sel_byte(wa, lane4, 0)), lds(sb + sel_byte(wa, lane4, 1)), 0x5410);
-      A[2] = __byte_perm(lds(sb + sel_byte(wa, lane4, 2)), lds(sb + sel_byte(wa, lane4, 3)), 0x5410);
-      A[1] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 0)), lds(sb + 128 + sel_byte(wb, lane4, 1)), 0x5410);
-      A[3] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 2)), lds(sb + 128 + sel_byte(wb, lane4, 3)), 0x5410);
-    }
+    dequant_tile<BITS>(A, wa4, wb4, j, sb, lane4);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) mma16816(acc[nt], A, xw[nt][2 * j], xw[nt][2 * j + 1]);
   }
@@ -154,7 +162,7 @@ __device__ __forceinline__ void compute_chunk(float (&acc)[NT][4], const uint4 q
 // Fixed-order reduction of the 8 warps' partial sums through shared memory, then the epilogue.
 // Element offset of row m, feature k of M rows in fragment order with PT pieces (codebook_layout.frag_index):
 // the layout x_fragments_kernel writes, element by element (the gate/up epilogue writes it for the down GEMV).
-__device__ __forceinline__ size_t frag_index(int m, int k, int M, int PT) {
+__host__ __device__ __forceinline__ size_t frag_index(int m, int k, int M, int PT) {
   const int r = k >> 3, c = r / (4 * PT), t = (r / PT) & 3, i = r % PT;
   return ((((size_t)(c * PT + i) * M + m) * 4 + t) << 3) + (k & 7);
 }
@@ -403,6 +411,8 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 
 }  // namespace trapetum_mma
 
+#include "codebook_gemv_groups.cuh"  // more than 16 rows: cb_gemv_mma_groups_kernel
+
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
 #define TRAPETUM_INST(B, NT, T, XF) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, T, XF>( \
@@ -454,14 +464,45 @@ static void by_epi(const Args& a, int epi, cudaStream_t s, bool pdl) {
   else launch<BITS, NT, 2, TILED, XF, GROUPED>(a, s, pdl);
 }
 
+template <int BITS, int EPI, int GB>
+static void launch_groups(const Args& a, cudaStream_t stream, bool pdl) {
+  auto kern = cb_gemv_mma_groups_kernel<BITS, EPI, GB>;
+  const int smem_bytes = kTabWords * 4;
+  constexpr int kDevices = 64;
+  static bool attr_set[kDevices] = {};  // function attributes are per device
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= kDevices || !attr_set[dev]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    // GB = 2: two blocks an SM (as the 16-row kernel); GB = 4: one block (98 KB asked: the 100 KB configuration)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        GB <= 2 ? Carveout<2, true>::value : 43));
+    if (dev < kDevices) attr_set[dev] = true;
+  }
+  C10_CUDA_CHECK(trapetum_pdl::launch(kern, groups_grid(a.N, a.M, GB), kThreads, smem_bytes, stream, pdl,
+                                      a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
+}
+
+template <int BITS, int GB>
+static void by_epi_groups(const Args& a, int epi, cudaStream_t s, bool pdl) {
+  if (epi == 0) launch_groups<BITS, 0, GB>(a, s, pdl);
+  else if (epi == 1) launch_groups<BITS, 1, GB>(a, s, pdl);
+  else launch_groups<BITS, 2, GB>(a, s, pdl);
+}
+
 // M = 1, 2: x read in place (NT = 1); M = 3..8: fragment-order x, NT = 1; M = 9..16: fragment-order x, NT = 2;
-// M > 16 (tiled codes): groups of 16 rows in one launch (GROUPED, group-wise fragment-order x, NT = 2).
+// M > 16 (tiled codes, group-wise fragment-order x): gpb = 2 / 4: up to gpb groups of 16 rows per block, one
+// dequantization for all of them (cb_gemv_mma_groups_kernel); gpb = 1: a block per group (GROUPED, session 10).
 template <int BITS, bool TILED>
-static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl) {
+static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl, int gpb) {
   if (a.M < kFragRows) by_epi<BITS, TILED, 1, false>(a, epi, s, pdl);
   else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
   else if (a.M <= 16 || !TILED) by_epi<BITS, TILED, 2, true>(a, epi, s, pdl);  // !TILED: M <= 16 (checked)
-  else by_epi<BITS, TILED, 2, true, TILED>(a, epi, s, pdl);
+  else if (gpb == 1) by_epi<BITS, TILED, 2, true, TILED>(a, epi, s, pdl);
+  else if constexpr (TILED) {
+    if (gpb == 2) by_epi_groups<BITS, 2>(a, epi, s, pdl);
+    else by_epi_groups<BITS, 4>(a, epi, s, pdl);
+  }
 }
 }  // namespace trapetum_mma
 
@@ -484,9 +525,11 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 // res [M, N] (read when has_res). pdl: launch with programmatic dependent launch (KernelOptions.pdl_cuda).
 // x_frag: x is already in fragment order (M >= kFragRows; written so by its producer): no copy launch.
 // y_pt (epi 1, 2): 0 = y row-major, else y in the fragment order of PT = y_pt pieces (the consumer's bits).
+// gpb (M > 16, tiled): row groups of 16 per block, 1 (a block per group), 2 or 4 (one dequantization for the groups
+// of a block; KernelOptions.grouped_gemv_groups).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,
-                 int64_t x_frag, int64_t y_pt) {
+                 int64_t x_frag, int64_t y_pt, int64_t gpb) {
   using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
@@ -509,6 +552,7 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f), "y shape");
   TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual shape");
   TORCH_CHECK(!x_frag || (M >= kFragRows && M <= 16), "x_frag: fragment-order x needs 3 to 16 rows");
+  TORCH_CHECK(gpb == 1 || gpb == 2 || gpb == 4, "gpb: row groups per block 1, 2 or 4");
   TORCH_CHECK(y_pt == 0 || (epi != 0 && M <= 16 && (y_pt == 2 || y_pt == 4) && f % (32 * y_pt) == 0), "y_pt");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
@@ -527,9 +571,10 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
     a.x = reinterpret_cast<const half*>(xf.data_ptr<at::Half>());
   }
   const int e = (int)epi;
-  if (bits == 4 && tiled) dispatch<4, true>(a, e, s, use_pdl);
-  else if (bits == 4) dispatch<4, false>(a, e, s, use_pdl);
-  else if (tiled) dispatch<8, true>(a, e, s, use_pdl);
-  else dispatch<8, false>(a, e, s, use_pdl);
+  const int gp = (int)gpb;
+  if (bits == 4 && tiled) dispatch<4, true>(a, e, s, use_pdl, gp);
+  else if (bits == 4) dispatch<4, false>(a, e, s, use_pdl, gp);
+  else if (tiled) dispatch<8, true>(a, e, s, use_pdl, gp);
+  else dispatch<8, false>(a, e, s, use_pdl, gp);
 }
 #endif
