@@ -104,6 +104,9 @@ class KernelOptions:
     # tensor cores, additive_mma.cu: other bits, verify M = 8 near one decode step). No variable: pass it.
     aqlm_kernel: str = "table"
     frag_producers: bool = True  # producers of a verify pass's mma-GEMV rows write its fragment order (else it copies)
+    # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
+    # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
+    sparse_rows: int = 16
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:
@@ -112,6 +115,8 @@ class KernelOptions:
             raise ConfigError(f"kernels.aqlm_layout: expected one of {', '.join(AQLM_LAYOUTS)}, got {self.aqlm_layout!r}")
         if self.aqlm_kernel not in AQLM_KERNELS:
             raise ConfigError(f"kernels.aqlm_kernel: expected one of {', '.join(AQLM_KERNELS)}, got {self.aqlm_kernel!r}")
+        if not 0 <= int(self.sparse_rows) <= 16:
+            raise ConfigError(f"kernels.sparse_rows: {self.sparse_rows} outside 0..16")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:
             raise ConfigError(f"kernels.aqlm_blocks_per_sm: {self.aqlm_blocks_per_sm} outside 1..8")
 

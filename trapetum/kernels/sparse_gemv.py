@@ -22,7 +22,8 @@ request); fp32 accumulation. "torch": per row m, the nonzero inputs' codes gathe
 Contracts: each row m is computed alone (its own nonzeros; a VERIFY pass reads the union of its rows' nonzero
 code rows, each row's result is what it gives alone: batch-invariant); tile sizes depend on K and N only, never
 on M or the data, so results are deterministic. ``sparse_gemv_reference``: float64 dequantize-and-multiply.
-Not wired into the engine yet (NOTES-engine.md, "Activation sparsity: the GPU kernel").
+``sparse_project``: the engine's form (schemes/codebook.py ``CodebookProjection.sparse_gemv``): the threshold
+select fused into the x load, position-0 rows dense, fp16 out with the residual or the gate/up activation fused.
 """
 from __future__ import annotations
 
@@ -55,10 +56,16 @@ def sparse_gemv_reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
 
 
 if HAVE_TRITON:
+    from .codebook_gemv import gated_act
 
     @triton.jit(do_not_specialize=ROW_POINTERS)
-    def _sparse_gemv_kernel(x_ptr, ct_ptr, cb_ptr, y_ptr, N, K, NB, stride_xm, stride_ym,
-                            BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _sparse_gemv_kernel(x_ptr, ct_ptr, cb_ptr, res_ptr, dense_ptr, y_ptr, t, N, K, NB, F,
+                            stride_xm, stride_ym, stride_rm,
+                            BITS: tl.constexpr, SELECT: tl.constexpr, HAS_RES: tl.constexpr, EPI: tl.constexpr,
+                            OUT16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One program: rows [BLOCK_N pid_n, +BLOCK_N) x activation row m. SELECT: x[m, k] kept where |x| > t or
+        # dense[m] != 0, else 0 (the threshold fused into the x load). EPI 0: y[m] = x W^T (+ res[m]), fp16 when
+        # OUT16 else fp32; EPI 1 / 2: rows interleaved 8 gate / 8 up, y[m, 32 pid_n + j] = act(gate_j) * up_j (fp16).
         PER: tl.constexpr = 8 // BITS
         NC: tl.constexpr = 1 << BITS
         MASK: tl.constexpr = NC - 1
@@ -66,16 +73,32 @@ if HAVE_TRITON:
         m = tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
+        if SELECT:
+            dense = tl.load(dense_ptr + m) != 0
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_ptr + m * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+            if SELECT:
+                xv = tl.where((tl.abs(xv) > t) | dense, xv, 0.0)
             live = (xv != 0.0)[:, None] & nmask[None, :]  # [BLOCK_K, BLOCK_N]: codes of zero inputs not read
             byte = tl.load(ct_ptr + rk[:, None] * NB + rn[None, :] // PER, mask=live, other=0)
             idx = (byte.to(tl.int32) >> ((rn[None, :] % PER) * BITS)) & MASK
             w = tl.load(cb_ptr + rn[None, :] * NC + idx, mask=live, other=0.0).to(tl.float32)
             acc += tl.sum(w * xv[:, None], axis=0)
-        tl.store(y_ptr + m * stride_ym + rn, acc, mask=nmask)
+        if EPI == 0:
+            if HAS_RES:
+                acc += tl.load(res_ptr + m * stride_rm + rn, mask=nmask, other=0.0).to(tl.float32)
+            if OUT16:
+                tl.store(y_ptr + m * stride_ym + rn, acc.to(tl.float16), mask=nmask)
+            else:
+                tl.store(y_ptr + m * stride_ym + rn, acc, mask=nmask)
+        else:  # BLOCK_N rows = BLOCK_N / 16 groups of (8 gate, 8 up)
+            G: tl.constexpr = BLOCK_N // 16
+            g, u = tl.split(tl.permute(tl.reshape(acc, [G, 2, 8]), [0, 2, 1]))  # [G, 8] each
+            h = tl.reshape(gated_act(g, u, EPI), [G * 8])
+            ro = pid_n * (G * 8) + tl.arange(0, G * 8)
+            tl.store(y_ptr + m * stride_ym + ro, h.to(tl.float16), mask=ro < F)
 
 
 def _block_k(K: int) -> int:
@@ -112,10 +135,65 @@ def sparse_gemv(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bits:
     if backend == "torch":
         return _torch(x2, ct, codebook, bits, N).view(*x.shape[:-1], N)
     y = torch.empty(x2.shape[0], N, dtype=torch.float32, device=x2.device)
-    grid = (triton.cdiv(N, BLOCK_N), x2.shape[0])
-    _sparse_gemv_kernel[grid](x2, ct, codebook, y, N, K, ct.shape[1], x2.stride(0), y.stride(0), BITS=bits,
-                              BLOCK_N=BLOCK_N, BLOCK_K=_block_k(K), num_warps=4)
+    _launch(x2, ct, codebook, bits, N, y, None, 0.0, None, 0, 0)
     return y.view(*x.shape[:-1], N)
+
+
+def _launch(x2, ct, codebook, bits, N, y, residual, t, dense, epi, f):
+    K = x2.shape[1]
+    grid = (triton.cdiv(N, BLOCK_N), x2.shape[0])
+    res = residual if residual is not None else y
+    _sparse_gemv_kernel[grid](x2, ct, codebook, res, dense if dense is not None else x2, y, t, N, K, ct.shape[1], f,
+                              x2.stride(0), y.stride(0), res.stride(0), BITS=bits, SELECT=dense is not None,
+                              HAS_RES=residual is not None, EPI=epi, OUT16=y.dtype == torch.float16,
+                              BLOCK_N=BLOCK_N, BLOCK_K=_block_k(K), num_warps=4)
+
+
+def threshold_in(t: float, dtype: torch.dtype) -> float:
+    """t as the select compares it: rounded to x's dtype (``x.abs() > t`` of torch on an fp16 x compares in fp16)."""
+    return float(torch.tensor(float(t), dtype=dtype))
+
+
+def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bits: int, N: int, *, threshold: float,
+                   dense_rows: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
+                   act: str | None = None, f: int = 0, backend: str | None = None) -> torch.Tensor:
+    """The engine's sparse projection, thresholding fused: x fp16 [M, K] (the site's input before the select),
+    ``dense_rows`` bool [M] (rows kept whole: positions < DENSE_POSITIONS), xs = where(|x| > threshold | dense, x, 0)
+    (``threshold`` compared in x's dtype, models/sparsity.py's rule). ``act`` None: out fp16 [M, N] =
+    round(xs W^T (+ residual)); ``act`` "silu" | "gelu_tanh": W's rows interleaved 8 gate / 8 up
+    (codebook_layout.interleave_gate_up), out fp16 [M, f] = round(act(gate) * up) in fp32. Each row alone (its
+    bits do not depend on M or on the other rows), one launch, no host sync on CUDA (capturable)."""
+    from .codebook_gemv import ACTS, _act_ref
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M, K = x2.shape
+    if tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8:
+        raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
+                         f"{ct.dtype} {list(ct.shape)}")
+    if act is not None and (act not in ACTS or N % 16):
+        raise ValueError(f"sparse GEMV: act {act!r} needs one of {sorted(ACTS)} and rows in groups of 16")
+    want = (M, f if act is not None else N)
+    if tuple(out.shape) != want or out.dtype != torch.float16 or not out.is_contiguous():
+        raise ValueError(f"sparse GEMV: out must be contiguous float16 {list(want)}, got {out.dtype} {list(out.shape)}")
+    dense = dense_rows.reshape(-1)
+    if dense.numel() != M or dense.dtype != torch.bool:
+        raise ValueError(f"sparse GEMV: dense_rows must be bool with {M} elements")
+    if residual is not None:
+        residual = residual.reshape(M, N).contiguous()
+    t = threshold_in(threshold, x2.dtype)
+    if backend is None:
+        backend = "triton" if triton_ok(x2.device) else "torch"
+    if backend == "torch":
+        xs = torch.where((x2.abs() > t) | dense.view(-1, 1), x2, torch.zeros((), dtype=x2.dtype, device=x2.device))
+        y = _torch(xs, ct, codebook, bits, N)
+        if act is not None:
+            y = y.view(M, -1, 2, 8)
+            y = _act_ref(y[:, :, 0].reshape(M, -1)[:, :f], act) * y[:, :, 1].reshape(M, -1)[:, :f]
+        elif residual is not None:
+            y = y + residual.float()
+        out.copy_(y)
+        return out
+    _launch(x2, ct, codebook, bits, N, out, residual, t, dense.view(torch.uint8), ACTS[act] if act else 0, f)
+    return out
 
 
 def bytes_read(K: int, N: int, bits: int, sparsity: float, x_bytes: int = 2) -> float:
