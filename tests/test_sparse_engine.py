@@ -59,7 +59,7 @@ def reference(x, dense, t, codes, cb, bits, res, act, f):
     return y if res is None else y + res.double()
 
 
-def run(c, backend, rows=None):
+def run(c, backend, rows=None, kernel="compact", splits=None):
     x, dense, t, codes, cb, bits, res, act, f = c
     if rows is not None:
         x, dense, res = x[rows], dense[rows], None if res is None else res[rows]
@@ -67,18 +67,19 @@ def run(c, backend, rows=None):
     ct = sg.input_major_codes(codes, bits, x.shape[1])
     out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16, device=DEV)
     sg.sparse_project(x.to(DEV), ct.to(DEV), cb.to(DEV), bits, N, threshold=t, dense_rows=dense.to(DEV), out=out,
-                      residual=None if res is None else res.to(DEV), act=act, f=f, backend=backend)
+                      residual=None if res is None else res.to(DEV), act=act, f=f, backend=backend, kernel=kernel,
+                      splits=splits)
     return out.cpu()
 
 
-def check_case(seed, backend):
+def check_case(seed, backend, kernel="compact", splits=None):
     c = case(seed)
-    y = run(c, backend)
+    y = run(c, backend, kernel=kernel, splits=splits)
     ref = reference(*c)
     assert rel(y, ref) < 2e-3, (seed, backend)  # one fp16 rounding of the output
-    assert torch.equal(run(c, backend), y)
+    assert torch.equal(run(c, backend, kernel=kernel, splits=splits), y)
     for m in range(y.shape[0]):  # each row its bits alone
-        assert torch.equal(run(c, backend, slice(m, m + 1))[0], y[m]), (seed, m)
+        assert torch.equal(run(c, backend, slice(m, m + 1), kernel=kernel, splits=splits)[0], y[m]), (seed, m)
 
 
 @pytest.mark.parametrize("chunk", range(2))
@@ -88,9 +89,42 @@ def test_sparse_project_torch_against_float64(chunk):
 
 
 @pytest.mark.skipif(not TRITON, reason="Triton cannot run here (no CUDA, no interpreter)")
-def test_sparse_project_interpreter_against_float64():
-    for seed in range(1000, 1000 + (60 if DEV == "cuda" else 10)):
-        check_case(seed, "triton")
+@pytest.mark.parametrize("kernel,splits", [("compact", None), ("compact", 3), ("masked", None)])
+def test_sparse_project_interpreter_against_float64(kernel, splits):
+    """(splits: the compacted kernel's K ranges forced, so that the split sums and their counters run on small K.)"""
+    seeds = range(1000, 1000 + (200 if DEV == "cuda" else 12))
+    assert any(sg.compact_ok(case(s)[4].shape[0], case(s)[5], "compact") for s in seeds)
+    for seed in seeds:
+        check_case(seed, "triton", kernel, splits)
+    assert False not in sg._COMPACT_OK.values()  # the compacted kernel ran, not the masked fallback
+    if kernel == "compact" and sg._COUNTERS:
+        assert all(int(c.abs().sum()) == 0 for c in sg._COUNTERS.values())  # every counter left at zero
+
+
+def test_compact_splits_follow_the_shape():
+    assert sg.compact_splits(4096, 12288) == 6 and sg.compact_splits(11008, 4096) == 16
+    assert sg.compact_splits(200, 4096) == 1 and sg.compact_splits(4096, 22016) == 3
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton cannot run here (no CUDA, no interpreter)")
+def test_compact_kernel_skips_the_codes_of_zero_inputs():
+    """The codes of dropped inputs point at a NaN centroid: the compacted kernel never reaches them."""
+    g = torch.Generator().manual_seed(5)
+    N, K, bits = 128, 200, 4
+    x = torch.randn(2, K, generator=g).half()
+    t = 0.8
+    dense = torch.tensor([True, False])
+    dropped = x[1].abs() <= t
+    idx = torch.randint(0, 15, (N, K), generator=g)
+    idx[:, dropped] = 15
+    cb = torch.randn(N, 16, generator=g).half()
+    cb_nan = cb.clone()
+    cb_nan[:, 15] = float("nan")
+    codes = pack_codes(idx, bits)
+    c1 = (x[1:], dense[1:], t, codes, cb_nan, bits, None, None, 0)
+    y = run(c1, "triton")
+    assert torch.isfinite(y).all()
+    assert rel(y, reference(x[1:], dense[1:], t, codes, cb, bits, None, None, 0)) < 2e-3
 
 
 def test_select_is_the_models_rule():

@@ -107,6 +107,7 @@ class KernelOptions:
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
+    sparse_kernel: str = "compact"  # "compact": work follows the nonzeros (a per-program index list); "masked"
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:
@@ -115,6 +116,8 @@ class KernelOptions:
             raise ConfigError(f"kernels.aqlm_layout: expected one of {', '.join(AQLM_LAYOUTS)}, got {self.aqlm_layout!r}")
         if self.aqlm_kernel not in AQLM_KERNELS:
             raise ConfigError(f"kernels.aqlm_kernel: expected one of {', '.join(AQLM_KERNELS)}, got {self.aqlm_kernel!r}")
+        if self.sparse_kernel not in ("compact", "masked"):
+            raise ConfigError(f"kernels.sparse_kernel: expected compact or masked, got {self.sparse_kernel!r}")
         if not 0 <= int(self.sparse_rows) <= 16:
             raise ConfigError(f"kernels.sparse_rows: {self.sparse_rows} outside 0..16")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:

@@ -6,7 +6,9 @@
 Shapes are in x out (x [1, in] @ W.T). Random 4-bit codes and fp16 codebooks; x random fp16 with a fraction S of
 its entries zero (uniformly placed: the thresholded input of TEAL at sparsity S), one row (decode). Timing:
 bench_kernels.graph_time_us (CUDA graphs over rotating buffer sets larger than L2, median of replays). Printed per
-shape and S: dense us, sparse us, the speed-up, and the sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
+shape and S: dense us (canonical codes; and the tiled mma kernel the engine runs, where the CUDA kernels are
+built), the masked and the compacted sparse kernels' us (KernelOptions.sparse_kernel), the best dense over the
+compacted, and the sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
 HBM bandwidth) so that the gap to it is visible. Nothing is recorded by this module: figures go to BENCHMARKS.md
 with the command that produced them.
 
@@ -24,9 +26,12 @@ from contextlib import contextmanager
 
 import torch
 
+from ..kernels import cuda_ext
 from ..kernels.codebook_gemv import codebook_gemv
+from ..kernels.codebook_layout import tile_codes
 from ..kernels.pack import pack_codes
-from ..kernels.sparse_gemv import bytes_read, input_major_codes, sparse_gemv
+from ..kernels.sparse_gemv import bytes_read, input_major_codes, sparse_gemv, sparse_project
+from ..settings import DEFAULT_KERNELS
 from .bench_kernels import graph_time_us
 
 HBM_BYTES_PER_S = 4.8e12
@@ -42,6 +47,9 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
         ct = input_major_codes(codes.cpu(), bits, K).to(dev)
         cb = torch.randn(N, 1 << bits, generator=g).to(torch.float16).to(dev)
         weight_bytes = codes.numel() + cb.numel() * 2
+        tiled = tile_codes(codes) if cuda_ext.ready(dev, DEFAULT_KERNELS) is not None and codes.shape[1] % 64 == 0 \
+            else None
+        no_dense = torch.zeros(1, dtype=torch.bool, device=dev)
         for s in sparsities:
             x = torch.randn(1, K, generator=g)
             x[torch.rand(1, K, generator=g) < s] = 0
@@ -55,11 +63,22 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
                 c, b = ct.clone(), cb.clone()
                 return lambda: sparse_gemv(x, c, b, bits, N)
 
+            def tiled_op(i, x=x):
+                c, b = tiled.clone(), cb.clone()
+                return lambda: codebook_gemv(x, c, b, bits, tiled=True)
+
+            def compact_op(i, x=x):
+                c, b = ct.clone(), cb.clone()
+                y = torch.empty(1, N, dtype=torch.float16, device=dev)
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y)
+
             d = graph_time_us(dense_op, weight_bytes)
+            dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
+            cp = graph_time_us(compact_op, weight_bytes)
             floor = bytes_read(K, N, bits, s) / HBM_BYTES_PER_S * 1e6
-            out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "sparse_us": sp, "speedup": d / sp,
-                        "sparse_floor_us": floor})
+            out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "tiled_us": dt, "sparse_us": sp,
+                        "compact_us": cp, "speedup": min(d, dt) / cp, "sparse_floor_us": floor})
     return out
 
 
@@ -86,13 +105,15 @@ def _recorded_thresholds(sparsities: list[float], tags: dict[float, tuple[int, s
         EngineOps.sparsify = real
 
 
-def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256) -> dict:
+def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, kernel: str = "compact") -> dict:
     """{"dense": {bin: tok/s}, S: {bin: tok/s}, ..., "dense_again": ...} (module docstring, --e2e)."""
     from ..models.sparsity import SITES, SiteThresholds, SparsityTable
     from ..runtime.engine import GpuEngine
     from .bench_e2e import decode_bins
     from .random_model import random_checkpoint
-    eng = GpuEngine(random_checkpoint(shape, "cb4"), max(bins) + 256, device="cuda")
+    from ..settings import Options
+    eng = GpuEngine(random_checkpoint(shape, "cb4"), max(bins) + 256, device="cuda",
+                    options=Options().replace(kernels={"sparse_kernel": kernel}))
     L = eng.cfg.num_layers
     tags = {(4 * i + j + 1) * 1e-30: (i, site) for i in range(L) for j, site in enumerate(SITES)}
     by_layer = [{site: t for t, (i, site) in tags.items() if i == layer} for layer in range(L)]
@@ -123,6 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--e2e: 0.25,0.4,0.5)")
     p.add_argument("--e2e", action="store_true", help="decode tok/s of a 4-bit engine, dense vs each sparsity")
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
+    p.add_argument("--sparse-kernel", default="compact", choices=("compact", "masked"),
+                   help="--e2e: KernelOptions.sparse_kernel (default compact)")
 
 
 def main(argv=None) -> int:
@@ -137,10 +160,10 @@ def run_args(args: argparse.Namespace) -> int:
         return 1
     if args.e2e:
         sp = [float(s) for s in (args.sparsity or "0.25,0.4,0.5").split(",")]
-        res = e2e(args.model, sp)
+        res = e2e(args.model, sp, kernel=args.sparse_kernel)
         d = {b: (res["dense"][b] + res["dense_again"][b]) / 2 for b in res["dense"]}
         print(f"{args.model} cb4 decode tok/s (random weights; thresholds from random activations at the target S, "
-              f"every site, position 0 dense); dense = mean of the runs before and after")
+              f"every site, position 0 dense; {args.sparse_kernel} kernel); dense = mean of the runs before and after")
         print("| S | tok/s @0-128 | @1024-1152 | vs dense @0 | vs dense @1024 |")
         print("|---|---|---|---|---|")
         for k in ["dense", "dense_again", *sp]:
@@ -149,11 +172,12 @@ def run_args(args: argparse.Namespace) -> int:
         return 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")])
-    print("| in x out | S | dense us | sparse us | speed-up | sparse floor us |")
-    print("|---|---|---|---|---|---|")
+    print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | "
+          "best dense / compact | sparse floor us |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['sparse_us']:.1f} | "
-              f"{r['speedup']:.2f}x | {r['sparse_floor_us']:.1f} |")
+        print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['tiled_us']:.1f} | "
+              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['speedup']:.2f}x | {r['sparse_floor_us']:.1f} |")
     return 0
 
 

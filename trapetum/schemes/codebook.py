@@ -199,7 +199,7 @@ class CodebookProjection(Projection):
     def sparse_gemv(self, x, t, dense, out, residual=None):
         """out fp16 [M, out] = where(|x| > t | dense, x, 0) W^T (+ residual) (+ bias): ``sparse_project``."""
         sparse_project(x, self.ct, self.codebook, self.bits, self.out_features, threshold=t, dense_rows=dense,
-                       out=out, residual=residual)
+                       out=out, residual=residual, kernel=self.kopts.sparse_kernel)
         return self._add_bias(out)
 
     def gemv(self, x, out, residual=None):
@@ -251,7 +251,7 @@ class InterleavedGateUp(GateUp):
         rows."""
         p = self.proj
         return sparse_project(x, p.ct, p.codebook, p.bits, p.out_features, threshold=t, dense_rows=dense, out=out,
-                              act=self.act, f=self.f)
+                              act=self.act, f=self.f, kernel=p.kopts.sparse_kernel)
 
     def halves(self, x, linear):
         w = self.proj.weight16().view(-1, 2, 8, self.proj.in_features)  # [fp/8, gate|up, 8, K]
