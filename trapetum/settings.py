@@ -113,6 +113,10 @@ class KernelOptions:
     # mma GEMV on more than 16 rows (tiled codes): row groups of 16 per block, each weight dequantized once for the
     # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel)
     grouped_gemv_groups: int = 4
+    # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
+    # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
+    sparse_rows: int = 16
+    sparse_kernel: str = "compact"  # "compact": work follows the nonzeros (a per-program index list); "masked"
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:
@@ -124,6 +128,10 @@ class KernelOptions:
         if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
             raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
                               f"got {self.grouped_gemv_groups!r}")
+        if self.sparse_kernel not in ("compact", "masked"):
+            raise ConfigError(f"kernels.sparse_kernel: expected compact or masked, got {self.sparse_kernel!r}")
+        if not 0 <= int(self.sparse_rows) <= 16:
+            raise ConfigError(f"kernels.sparse_rows: {self.sparse_rows} outside 0..16")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:
             raise ConfigError(f"kernels.aqlm_blocks_per_sm: {self.aqlm_blocks_per_sm} outside 1..8")
 

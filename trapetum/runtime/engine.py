@@ -46,7 +46,7 @@ from ..models.rope import deinterleave_index
 from ..models.sparsity import check_sparse_kinds
 from ..settings import Options
 from . import engine_latent
-from .engine_model import build_model
+from .engine_model import build_model, enable_sparse
 from .engine_ops import EngineOps
 from .host_experts import HostStaging
 from .kv import ContiguousKV
@@ -110,13 +110,8 @@ class GpuEngine:
             self.embed_pinned = torch.empty(MAX_VERIFY_ROWS, D, dtype=torch.float16, pin_memory=dev.type == "cuda")
             self.embed_rows = torch.empty(MAX_VERIFY_ROWS, D, dtype=torch.float16, device=dev)
         self.host_staging = HostStaging(D, cfg.num_experts_per_tok, dev) if placement.experts_host else None
-        self.sparsity = sparsity
-        if sparsity is not None:  # before any graph is captured: the thresholds are constants of the graphs
-            check_sparse_kinds(cfg)
-            sparsity.check_model(cfg.num_layers, ckpt.source)
-            for L, t in zip(self.model.layers, sparsity.layers):
-                for _, w in L.blocks:
-                    w.sparsity = t
+        self.source = ckpt.source
+        self.sparsity = None
         self.embed_scale = torch.tensor(cfg.embed_scale, dtype=torch.float16) if cfg.embed_scale is not None else None
         self.rotaries = g, loc = rotaries(cfg)
         # row p of each table rotates as a decode step at p (models/rope.py: YaRN's attention factor folded in;
@@ -154,6 +149,8 @@ class GpuEngine:
         self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_seen: set[int] = set()
+        if sparsity is not None:  # before any graph is captured: the thresholds are constants of the graphs
+            self.set_sparsity(sparsity)
 
     # -- accounting ----------------------------------------------------------------------------
     @property
@@ -174,6 +171,23 @@ class GpuEngine:
         if rope.spec.length_dependent and n > rope.spec.threshold:
             return rope.spec.table(n, seq_len=n, device=self.device)
         return self.rope_local if sliding else self.rope
+
+    def set_sparsity(self, table) -> None:
+        """Thresholds of every layer (a SparsityTable), or None (dense: the blocks' dense path, bitwise). The
+        sparse projections' input-major codes are made on first use and kept; captured graphs are dropped (the
+        thresholds are constants of a graph)."""
+        if table is not None:
+            check_sparse_kinds(self.cfg)
+            table.check_model(self.cfg.num_layers, self.source)
+        for i, L in enumerate(self.model.layers):
+            for _, w in L.blocks:
+                w.sparsity = None if table is None else table.layers[i]
+                if table is not None:
+                    enable_sparse(w)
+        self.sparsity = table
+        self.graphs.clear()
+        self.prefill_graphs.clear()
+        self._prefill_seen.clear()
 
     def weight_bytes(self) -> int:
         """Bytes of the weights on the engine's device (those in host RAM: ``host_weight_bytes``)."""

@@ -168,6 +168,16 @@ class EngineModel:
         return n
 
 
+def enable_sparse(w) -> None:
+    """A sparsity layer's block weights (AttnWeights / MlpWeights): the input-major codes of its site projections
+    (q/k/v, o, gate/up, down) made where their scheme has a sparse GEMV (4/8-bit codebooks); the others keep the
+    select plus their dense kernel (runtime/engine_ops.py)."""
+    for name in ("qkv", "o", "gate_up", "down"):
+        proj = getattr(w, name, None)
+        if hasattr(proj, "enable_sparse"):
+            proj.enable_sparse()
+
+
 def build_model(ckpt: Checkpoint, device: torch.device, options: Options, precise: bool = False,
                 placement: Placement = ON_DEVICE) -> EngineModel:
     """The engine's weights for ``ckpt`` on ``device``, where ``placement`` puts them (module docstring)."""

@@ -32,6 +32,20 @@ from . import engine_latent
 from .engine_experts import prefill_experts
 
 
+class SparseRows:
+    """A DECODE / VERIFY site input whose threshold select is deferred to the projection that reads it
+    (EngineOps.sparsify): x fp16 [M, F], t the layer's threshold, dense bool [M, 1] (rows kept whole)."""
+    __slots__ = ("x", "t", "dense")
+
+    def __init__(self, x, t: float, dense):
+        self.x, self.t, self.dense = x, t, dense
+
+    def select(self):
+        """The thresholded input itself: where(|x| > t | dense, x, 0) (t compared in x's dtype)."""
+        keep = (self.x.abs() > self.t) | self.dense
+        return torch.where(keep, self.x, torch.zeros((), dtype=self.x.dtype, device=self.x.device))
+
+
 class EngineOps:
     def __init__(self, eng, mode: Mode):
         self.eng, self.cfg, self.mode = eng, eng.cfg, mode
@@ -58,20 +72,34 @@ class EngineOps:
 
     def sparsify(self, x, t, batch: ForwardBatch):
         """x [N, F] * (|x| > t) (t compared in x's dtype), rows at positions < DENSE_POSITIONS unchanged
-        (models/sparsity.py): an elementwise select, row by row the same bits, capturable (``batch.start`` may be
-        the graph's position tensor). Torch ops for now: the fused threshold-in-producer kernels and the GEMV that
-        skips zero inputs' codes are GPU work to come (NOTES-engine.md)."""
+        (models/sparsity.py). PREFILL: the select (an elementwise torch op, row by row the same bits). DECODE /
+        VERIFY: ``SparseRows``, the select deferred to the projection that reads it: a codebook projection with
+        input-major codes (``enable_sparse``) and at most ``KernelOptions.sparse_rows`` rows fuses it into its
+        sparse GEMV (the codes of zero inputs not read); any other materializes it (``SparseRows.select``)."""
         if self._dense_rows is None:
             pos = torch.arange(x.shape[0], device=x.device, dtype=torch.int32) + batch.start
             self._dense_rows = (pos < DENSE_POSITIONS).view(-1, 1)
-        keep = (x.abs() > t) | self._dense_rows
-        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        if self.rows:
+            return SparseRows(x, float(t), self._dense_rows)
+        return SparseRows(x, float(t), self._dense_rows).select()
+
+    def _sparse(self, w, x) -> bool:
+        """Whether ``w`` takes the SparseRows ``x`` through its sparse GEMV (else the caller selects, dense path)."""
+        return getattr(w, "sparse_ready", False) and x.x.shape[0] <= self.kopts.sparse_rows
 
     def heads(self, qkv):
         return row_heads(self.cfg, qkv)
 
     # -- projections -------------------------------------------------------------------------
     def project(self, w, x, residual=None):
+        if isinstance(x, SparseRows):
+            if not self._sparse(w, x):
+                x = x.select()
+            else:
+                out = torch.empty(x.x.shape[0], w.out_features, dtype=torch.float16, device=x.x.device)
+                fuse = residual is not None and self.eng.options.fuse
+                w.sparse_gemv(x.x, x.t, x.dense, out, residual=residual if fuse else None)
+                return out if residual is None or fuse else residual + out
         if not self.rows:
             y = w.matmul(x)
             return y if residual is None else residual + y
@@ -82,6 +110,12 @@ class EngineOps:
         return out if residual is None else residual + out
 
     def gate_up(self, w, x, feeds=None):
+        if isinstance(x, SparseRows):
+            if not self._sparse(w, x):
+                x = x.select()
+            else:
+                out = torch.empty(x.x.shape[0], w.f, dtype=torch.float16, device=x.x.device)
+                return w.sparse_gemv(x.x, x.t, x.dense, out)
         if not self.rows:
             return w.matmul(x)
         b = self._frag_bits(feeds, x.shape[0]) if w.writes_fragments else None

@@ -28,6 +28,7 @@ from ..kernels import host_gemv as hg
 from ..kernels.codebook_layout import interleave_gate_up, tile_codes, untile_codes
 from ..kernels.dequant import dequantize as dequantize16
 from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
+from ..kernels.sparse_gemv import SPARSE_BITS, input_major_codes, sparse_project
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
 from .codebook_store import check_compact, expand
@@ -178,6 +179,28 @@ class CodebookProjection(Projection):
         self.rows_per_call = cg.MAX_GROUPED_ROWS if self.tiled else 16  # mma kernel: groups of 16 in one launch
         self.codebook = codebook.to(torch.float16).contiguous()
         self.bias, self.bias_lo = bias, bias_lo
+        self.ct: torch.Tensor | None = None  # input-major codes of the sparse GEMV (enable_sparse)
+
+    @property
+    def sparse_ready(self) -> bool:
+        return self.ct is not None
+
+    def enable_sparse(self) -> bool:
+        """Keep the input-major codes ``ct`` [in, packed_width(out)] (kernels/sparse_gemv.py) beside the dense
+        kernel's codes, for the activation-sparse GEMV of DECODE / VERIFY rows: the code bytes twice (the dense
+        codes still serve PREFILL and passes of more than ``KernelOptions.sparse_rows`` rows). False (nothing
+        kept) for other bit widths."""
+        if self.bits not in SPARSE_BITS:
+            return False
+        if self.ct is None:
+            self.ct = input_major_codes(self.canonical_codes(), self.bits, self.in_features)
+        return True
+
+    def sparse_gemv(self, x, t, dense, out, residual=None):
+        """out fp16 [M, out] = where(|x| > t | dense, x, 0) W^T (+ residual) (+ bias): ``sparse_project``."""
+        sparse_project(x, self.ct, self.codebook, self.bits, self.out_features, threshold=t, dense_rows=dense,
+                       out=out, residual=residual, kernel=self.kopts.sparse_kernel)
+        return self._add_bias(out)
 
     def gemv(self, x, out, residual=None):
         cg.codebook_gemv(x, self.codes, self.codebook, self.bits, residual, out=out, tiled=self.tiled,
@@ -194,7 +217,8 @@ class CodebookProjection(Projection):
         return dequantize16(self.canonical_codes(), self.codebook, self.bits, self.in_features, kopts=self.kopts)
 
     def nbytes(self):
-        return self.codes.numel() + self.codebook.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
+        n = self.codes.numel() + self.codebook.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
+        return n + (0 if self.ct is None else self.ct.numel())
 
 
 class InterleavedGateUp(GateUp):
@@ -214,6 +238,20 @@ class InterleavedGateUp(GateUp):
 
     def reads_fragments(self, m):
         return self.proj.reads_fragments(m)
+
+    @property
+    def sparse_ready(self) -> bool:
+        return self.proj.ct is not None
+
+    def enable_sparse(self) -> bool:
+        return self.proj.enable_sparse()
+
+    def sparse_gemv(self, x, t, dense, out):
+        """out fp16 [M, f] = act(gate) * up of where(|x| > t | dense, x, 0): ``sparse_project`` on the interleaved
+        rows."""
+        p = self.proj
+        return sparse_project(x, p.ct, p.codebook, p.bits, p.out_features, threshold=t, dense_rows=dense, out=out,
+                              act=self.act, f=self.f, kernel=p.kopts.sparse_kernel)
 
     def halves(self, x, linear):
         w = self.proj.weight16().view(-1, 2, 8, self.proj.in_features)  # [fp/8, gate|up, 8, K]
