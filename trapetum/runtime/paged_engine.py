@@ -10,12 +10,16 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
         row sees only positions below its length): PagedEngineOps.
 
-PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs in calls of at
-most ``rows_per_call`` rows (16; the tiled codebook projections: all rows in one launch over groups of 16; row r
-of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue 15);
-RMSNorm, the gate/up activation and the residual adds row by row as in the decode step; RoPE of each row at its
-own position (the engine's tables, rotate-half, in fp32, rounded to fp16) and its K/V written into its sequence's
-blocks; attention by kernels/paged_attention.py (each row over its own blocks, bitwise independent of the batch).
+PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
+into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
+fit ``rows_per_call`` (the tiled codebook projections: up to 256, groups of 16 in one launch; else calls of at most
+16 into row slices of the output; row r of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue
+15); at 3..16 rows the RMSNorm and the gate/up epilogue hand the next GEMV its rows in fragment order, as the
+engine's VERIFY pass does (the same values); RMSNorm and the gate/up activation as the decode step's kernels, row
+by row; per layer one launch for RoPE of q (in place) and k at each row's own position (the engine's tables,
+rotate-half, fp32 rounded to fp16 as fused.rope_kv_append) with the K/V written into each row's block slot, then
+the paged split-KV and merge launches (kernels/paged_attention.py: each row over its own blocks, bitwise independent
+of the batch): 9 launches a layer for a Llama-type layer (2 norms, 4 GEMVs, 3 attention), none of them per row.
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
@@ -34,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from ..kernels.paged_attention import paged_attention
+from ..kernels.paged_attention import paged_attention, paged_rope_append
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.sparsity import DENSE_POSITIONS
@@ -50,34 +54,42 @@ def _groups(n: int, step: int = MAX_VERIFY_ROWS):
 
 
 class PagedEngineOps(EngineOps):
-    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor):
         super().__init__(eng, Mode.DECODE)
         self.kv, self.tables, self.positions = kv, tables, positions  # int32 [S, W], int64 [S]
-        self.lens = (positions + 1).to(torch.int32)
-        bs = kv.block_size
-        self.blk = tables.gather(1, (positions // bs).view(-1, 1)).view(-1).long()
-        self.off = positions % bs
+        self.lens = lens  # int32 [S]: positions + 1
 
     def _frag_bits(self, feeds, m):
-        return None  # rows reach the GEMVs in groups of at most 16 (row-major slices), never in fragment order
+        # the engine's fragment-order hand-over (3 <= m <= 16 rows, one GEMV call): the same values
+        if feeds is None or m > feeds.rows_per_call:
+            return None
+        return super()._frag_bits(feeds, m)
 
     def project(self, w, x, residual=None):
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0], w.rows_per_call):
-            o = torch.empty(b - a, w.out_features, dtype=torch.float16, device=x.device)
-            if residual is not None and self.eng.options.fuse:
-                o = w.gemv(x[a:b].contiguous(), o, residual=residual[a:b].contiguous())
+        m = x.shape[0]
+        out = torch.empty(m, w.out_features, dtype=torch.float16, device=x.device)
+        fuse = residual is not None and self.eng.options.fuse
+        if m <= w.rows_per_call:  # one call, straight into out
+            if fuse:
+                return w.gemv(x, out, residual=residual)
+            w.gemv(x, out)
+            return out if residual is None else residual + out
+        x = x.contiguous()
+        for a, b in _groups(m, w.rows_per_call):  # row slices of contiguous tensors: contiguous
+            if fuse:
+                w.gemv(x[a:b], out[a:b], residual=residual[a:b].contiguous())
             else:
-                o = w.gemv(x[a:b].contiguous(), o)
-                if residual is not None:
-                    o = residual[a:b] + o
-            out[a:b] = o
-        return out
+                w.gemv(x[a:b], out[a:b])
+        return out if residual is None or fuse else residual + out
 
     def gate_up(self, w, x, feeds=None):
-        out = torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0], w.rows_per_call):
-            out[a:b] = w.gemv(x[a:b].contiguous(), torch.empty(b - a, w.f, dtype=torch.float16, device=x.device))
+        m = x.shape[0]
+        if m <= w.rows_per_call:
+            return super().gate_up(w, x, feeds)
+        out = torch.empty(m, w.f, dtype=torch.float16, device=x.device)
+        x = x.contiguous()
+        for a, b in _groups(m, w.rows_per_call):
+            w.gemv(x[a:b], out[a:b])
         return out
 
     def sparsify(self, x, t, batch):
@@ -89,27 +101,13 @@ class PagedEngineOps(EngineOps):
         cap = self.cfg.final_softcap
         return torch.tanh(out / cap) * cap if cap is not None else out
 
-    def _rope(self, x, sliding: bool):
-        """x [S, H, hd] rotated (rotate-half over the first 2 * HALF features) at each row's position -> fp16."""
-        cos, sin = self.eng.rope_local if sliding else self.eng.rope  # fp32 [T_max, HALF]
-        c, s = cos[self.positions][:, None, :], sin[self.positions][:, None, :]
-        half = c.shape[-1]
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:2 * half]
-        out = xf.clone()
-        out[..., :half] = x1 * c + (-x2) * s
-        out[..., half:2 * half] = x2 * c + x1 * s
-        return out.to(torch.float16)
-
     def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         cfg = self.cfg
-        q, k = self._rope(q, p.sliding), self._rope(k, p.sliding)
+        cos, sin = self.eng.rope_local if p.sliding else self.eng.rope  # fp32 [T_max, HALF]
         kb, vb = self.kv.k[p.layer], self.kv.v[p.layer]  # [NB, Hkv, BS, hd]
-        kb[self.blk, :, self.off] = k
-        vb[self.blk, :, self.off] = v.to(torch.float16)
-        out = paged_attention(q.contiguous(), kb, vb, self.tables, self.lens, scale=cfg.scale,
-                              window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap)
-        return out
+        q = paged_rope_append(q, k, v.to(torch.float16), kb, vb, self.tables, self.positions, cos, sin)
+        return paged_attention(q, kb, vb, self.tables, self.lens, scale=cfg.scale,
+                               window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap)
 
     def latent_attend(self, q, c, k_rot, batch, p):  # GpuBatchRunner refuses MLA models
         raise NotImplementedError("batched serving of latent attention on the engine")
@@ -217,9 +215,10 @@ class GpuBatchRunner:
 
     def _forward(self, ids, pos, tab):
         eng, S = self.eng, ids.numel()
+        lens = (pos + 1).to(torch.int32)
         batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
-                             seq_lens=(pos + 1).to(torch.int32), positions=pos)
-        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos), eng.model)
+                             seq_lens=lens, positions=pos)
+        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos, lens), eng.model)
 
     def _capture(self, B: int, ip, tab):
         """Bucket B's graph over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
