@@ -99,16 +99,21 @@ def test_bad_arguments():
 
 @pytest.mark.parametrize("hq,hkv,d,window,softcap", [(4, 4, 64, None, None), (8, 2, 128, 24, None),
                                                      (4, 1, 256, None, 30.0), (6, 3, 64, 40, 20.0)])
-def test_split_programs_change_no_bit(hq, hkv, d, window, softcap):
-    """P split programs per (row, kv head) looping over chunks: against float64, and bitwise the same for every P."""
+def test_chunk_bound_changes_no_bit(hq, hkv, d, window, softcap):
+    """The split grid bounded to the chunks the longest row needs (or any bound above): against float64, and
+    bitwise the output of the whole table's grid."""
     q, k, v, tab, lens = _case(d + hq, 4, hq, hkv, d, 300)
     kw = dict(scale=d ** -0.5, window=window, softcap=softcap)
     ref = pa.paged_attention_reference(q.cpu(), k.cpu(), v.cpu(), tab.cpu(), lens.cpu(), **kw)
-    outs = [pa.paged_attention(q, k, v, tab, lens, programs=P, **kw) for P in (None, 1, 2, 3, 100)]
+    need = -(-int(lens.max()) // (pa.CHUNK_BLOCKS * BS))
+    outs = [pa.paged_attention(q, k, v, tab, lens, max_chunks=c, **kw) for c in (None, need, need + 1, 1000)]
     for s in range(q.shape[0]):
-        assert rel_err(outs[0][s].double().cpu(), ref[s]) < 3e-3, (s, int(lens[s]))
+        assert rel_err(outs[1][s].double().cpu(), ref[s]) < 3e-3, (s, int(lens[s]))
     for o in outs[1:]:
         assert torch.equal(o, outs[0])
+    if need > 1:  # a bound below the longest row drops its chunks: the test can fail
+        short = pa.paged_attention(q, k, v, tab, lens, max_chunks=need - 1, **kw)
+        assert not torch.equal(short, outs[0])
 
 
 def _rope_case(seed, S, hq, hkv, d, half, bs, max_len=200):

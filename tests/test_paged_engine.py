@@ -131,7 +131,7 @@ def test_graph_buckets_replay_the_eager_forward(model):
         tab = torch.stack([runner._table(t) for t in tables[:n]]).to(dev)
         want = runner._forward(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), tab)
         assert torch.equal(got, want), (n, step)
-    assert set(runner.graphs) == {4, 8}
+    assert set(runner.graphs) == {(4, 1), (8, 1)}
 
 
 def test_staged_inputs_are_the_rows_then_padding():
@@ -268,3 +268,12 @@ def test_decode_launches_a_few_kernels_a_layer_under_the_triton_interpreter(mode
     assert per_step <= 8, ops
     if sandwich:
         assert ops.get("add", 0) >= 2 * L, ops
+
+
+def test_chunk_bound_is_a_power_of_two_over_the_longest_row():
+    """``chunk_bound``: the split grid's chunks (64 positions at block size 16) for a step's longest row, rounded
+    up to a power of two (few graphs per bucket), at most the table's."""
+    r = GpuBatchRunner.__new__(GpuBatchRunner)
+    r.kv, r.width = type("K", (), {"block_size": 16})(), 64
+    got = [r.chunk_bound(n) for n in (1, 64, 65, 128, 129, 193, 257, 1024, 5000)]
+    assert got == [1, 1, 2, 2, 4, 4, 8, 16, 16]

@@ -12,10 +12,11 @@ Split-KV: chunk c of sequence s covers positions [c CH, (c + 1) CH), CH = NB * B
 a time with an online softmax (finite _NEG as minus infinity; positions outside [lo, L) masked, their K/V loaded
 as 0, so stale or NaN contents of a block are never used), for the G query heads of its kv head (BLOCK_G =
 max(16, G) rows of one tl.dot tile), and writes (max, sum, unnormalized out) to the workspace. Program (s, kv
-head, j), j < P, computes the visible chunks c = j, j + P, j + 2 P, ... one after another (P = ``programs``: by
-default about 2,048 programs in all, at most the table's chunk count, so a wide table does not launch thousands
-of programs that only exit); a chunk's partials are the same code on the same data whichever program and P, so P
-changes no bit. The merge program (s, query head) folds chunks lo // CH .. ceil(L / CH) - 1 in ascending order.
+head, c) computes chunk c, c < C; programs whose chunk holds no visible position exit. C = ``max_chunks`` (at least
+ceil(L / CH) of every row: the caller's bound, e.g. a power of two over the longest row of a step, so that a wide
+table does not launch thousands of programs that only exit; default: the table's width W BS / CH); C changes no
+bit (it changes only which programs exist and exit). The merge program (s, query head) folds chunks
+lo // CH .. ceil(L / CH) - 1 in ascending order.
 
 RoPE + KV write (``paged_rope_append``, the launch before the attention): per row s at its own position p (int64
 [S]), q rotated in place and k rotated into slot p % BS of block tables[s, p // BS], v copied there; rotate-half
@@ -41,7 +42,6 @@ if HAVE_TRITON:
 
 _NEG = tl.constexpr(-1.0e30) if HAVE_TRITON else -1.0e30
 CHUNK_BLOCKS = 4  # blocks per split-KV chunk (NB)
-SPLIT_PROGRAMS = 2048  # the split grid's default size: about this many programs (module docstring)
 
 
 def paged_attention_torch(q, k_blocks, v_blocks, tables, lens, *, scale, window=None, softcap=None,
@@ -151,31 +151,28 @@ if HAVE_TRITON:
                            kb_ptr + blk * skb_b + kh * skb_h + off * skb_t,
                            vb_ptr + blk * svb_b + kh * svb_h + off * svb_t, c, sn, HALF, D, BLOCK_H, BLOCK_D)
 
-    @triton.jit(do_not_specialize=("P",))
-    def _paged_split(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, m_ptr, l_ptr, o_ptr, G, D, HQ, NCH, P,
+    @triton.jit
+    def _paged_split(q_ptr, k_ptr, v_ptr, tab_ptr, len_ptr, m_ptr, l_ptr, o_ptr, G, D, HQ, NCH,
                      stride_qs, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                      stride_tab, scale, softcap, window, HAS_WIN: tl.constexpr, HAS_CAP: tl.constexpr,
                      BS: tl.constexpr, NB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        # P (not specialized: one compiled kernel whatever P, so P changes no bit) programs per (s, kv head)
         s = tl.program_id(0)
         hk = tl.program_id(1)
-        j = tl.program_id(2)
+        c = tl.program_id(2)
         L = tl.load(len_ptr + s)
         lo = 0
         if HAS_WIN:
             lo = tl.maximum(L - window, 0)
-        c_lo = lo // (NB * BS)
-        c0 = j + tl.cdiv(tl.maximum(c_lo - j, 0), P) * P  # the first chunk >= c_lo of this program
-        rg = tl.arange(0, BLOCK_G)
-        rd = tl.arange(0, BLOCK_D)
-        rt = tl.arange(0, BS)
-        hq = hk * G + rg
-        gmask = rg < G
-        dmask = rd < D
-        q = tl.load(q_ptr + s * stride_qs + hq[:, None] * stride_qh + rd[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)
-        for c in range(c0, tl.cdiv(L, NB * BS), P):
-            p0 = c * (NB * BS)
+        p0 = c * (NB * BS)
+        if (p0 < L) & (p0 + NB * BS > lo):
+            rg = tl.arange(0, BLOCK_G)
+            rd = tl.arange(0, BLOCK_D)
+            rt = tl.arange(0, BS)
+            hq = hk * G + rg
+            gmask = rg < G
+            dmask = rd < D
+            q = tl.load(q_ptr + s * stride_qs + hq[:, None] * stride_qh + rd[None, :],
+                        mask=gmask[:, None] & dmask[None, :], other=0.0)
             m = tl.full([BLOCK_G], _NEG, tl.float32)
             l = tl.zeros([BLOCK_G], tl.float32)
             o = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -237,10 +234,10 @@ def _block(n: int) -> int:
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
                     lens: torch.Tensor, *, scale: float, window: int | None = None, softcap: float | None = None,
                     out: torch.Tensor | None = None, chunk_blocks: int = CHUNK_BLOCKS,
-                    programs: int | None = None) -> torch.Tensor:
-    """Module docstring; returns out fp16 [S, Hq * D]. programs: P, the split programs per (row, kv head) (None:
-    ceil(SPLIT_PROGRAMS / (S Hkv)), at most the chunk count; any P >= 1 gives the same bits). Without Triton on
-    q's device: the torch form in fp32, rounded to fp16 (rows independent too)."""
+                    max_chunks: int | None = None) -> torch.Tensor:
+    """Module docstring; returns out fp16 [S, Hq * D]. max_chunks: C, the split grid's chunks per (row, kv head)
+    (None: all of the table's; a C below some row's ceil(L / CH) is the caller's error, not checked: lens may be
+    on the device). Without Triton on q's device: the torch form in fp32, rounded to fp16 (rows independent too)."""
     S, Hq, D = q.shape
     NBLK, Hkv, BS, Dk = k_blocks.shape
     if Dk != D or tuple(v_blocks.shape) != tuple(k_blocks.shape) or Hq % Hkv:
@@ -268,10 +265,8 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
     o = torch.empty(S * Hq * nch, bd, dtype=torch.float32, device=q.device)
     win = int(window) if window else 0
     cap = float(softcap) if softcap is not None else 1.0
-    if programs is None:
-        programs = -(-SPLIT_PROGRAMS // (S * Hkv))
-    P = max(1, min(int(programs), nch))
-    _paged_split[(S, Hkv, P)](q, k_blocks, v_blocks, tables, lens, m, l, o, G, D, Hq, nch, P,
+    grid_c = nch if max_chunks is None else max(1, min(int(max_chunks), nch))
+    _paged_split[(S, Hkv, grid_c)](q, k_blocks, v_blocks, tables, lens, m, l, o, G, D, Hq, nch,
                                 q.stride(0), q.stride(1), k_blocks.stride(0), k_blocks.stride(1), k_blocks.stride(2),
                                 v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2), tables.stride(0),
                                 float(scale), cap, win, HAS_WIN=bool(window), HAS_CAP=softcap is not None,

@@ -23,8 +23,9 @@ of the batch): 9 launches a layer for a Llama-type layer (2 norms, 4 GEMVs, 3 at
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
-CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows),
-captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows) and
+chunk bound (``chunk_bound``: the paged split's grid over a power of two of 64-position chunks that holds the
+step's longest row, so that a wide table launches no mass of programs that only exit), captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
 rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent). A
 step's inputs are written on the host into the bucket's page-locked buffers (numpy, no torch op per row) and
 uploaded in two asynchronous copies: no host sync in ``decode`` (the scheduler's one read of the tokens is the
@@ -38,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from ..kernels.paged_attention import paged_attention, paged_rope_append
+from ..kernels.paged_attention import CHUNK_BLOCKS, paged_attention, paged_rope_append
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.sparsity import DENSE_POSITIONS
@@ -54,10 +55,12 @@ def _groups(n: int, step: int = MAX_VERIFY_ROWS):
 
 
 class PagedEngineOps(EngineOps):
-    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor):
+    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                 chunks: int | None = None):
         super().__init__(eng, Mode.DECODE)
         self.kv, self.tables, self.positions = kv, tables, positions  # int32 [S, W], int64 [S]
         self.lens = lens  # int32 [S]: positions + 1
+        self.chunks = chunks  # the split grid's chunk bound (paged_attention's max_chunks), None: the table's
 
     def _frag_bits(self, feeds, m):
         # the engine's fragment-order hand-over (3 <= m <= 16 rows, one GEMV call): the same values
@@ -107,7 +110,8 @@ class PagedEngineOps(EngineOps):
         kb, vb = self.kv.k[p.layer], self.kv.v[p.layer]  # [NB, Hkv, BS, hd]
         q = paged_rope_append(q, k, v.to(torch.float16), kb, vb, self.tables, self.positions, cos, sin)
         return paged_attention(q, kb, vb, self.tables, self.lens, scale=cfg.scale,
-                               window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap)
+                               window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap,
+                               max_chunks=self.chunks)
 
     def latent_attend(self, q, c, k_rot, batch, p):  # GpuBatchRunner refuses MLA models
         raise NotImplementedError("batched serving of latent attention on the engine")
@@ -128,7 +132,7 @@ class GpuBatchRunner:
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens and positions, tables, logits)
+        self.graphs: dict[tuple, tuple] = {}  # (bucket, chunks) -> (graph, tokens and positions, tables, logits)
         self._host: dict[int, tuple] = {}   # bucket -> its host input buffers (``_stage``)
         self._staged = None                 # a CUDA event after the last upload from them
         self._pool = None
@@ -174,13 +178,14 @@ class GpuBatchRunner:
         S = len(tokens)
         graph = eng.use_graph and S <= BUCKETS[-1]
         B = next(b for b in BUCKETS if b >= S) if graph else S
+        C = self.chunk_bound(max(positions) + 1)
         ip, tab = self._stage(B, tables, tokens, positions, reuse=graph)
         if not graph:
             ip, tab = ip.to(eng.device), tab.to(eng.device)
-            return self._forward(ip[0], ip[1], tab)
-        entry = self.graphs.get(B)
+            return self._forward(ip[0], ip[1], tab, C)
+        entry = self.graphs.get((B, C))
         if entry is None:
-            entry = self.graphs[B] = self._capture(B, ip, tab)
+            entry = self.graphs[B, C] = self._capture(B, C, ip, tab)
         g, ip_b, tab_b, logits = entry
         ip_b.copy_(ip, non_blocking=True)
         tab_b.copy_(tab, non_blocking=True)
@@ -213,15 +218,22 @@ class GpuBatchRunner:
             t[i, :blocks.numel()] = blocks.cpu().numpy()
         return ip, tab
 
-    def _forward(self, ids, pos, tab):
+    def chunk_bound(self, length: int) -> int:
+        """The split grid's chunks for rows of at most ``length`` positions: a power of two >= ceil(length / CH),
+        at most the table's (a graph per bucket and bound; the bound changes no bit: kernels/paged_attention.py)."""
+        ch = CHUNK_BLOCKS * self.kv.block_size
+        need = -(-int(length) // ch)
+        return min(1 << max(0, need - 1).bit_length(), -(-self.width * self.kv.block_size // ch))
+
+    def _forward(self, ids, pos, tab, chunks=None):
         eng, S = self.eng, ids.numel()
         lens = (pos + 1).to(torch.int32)
         batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
                              seq_lens=lens, positions=pos)
-        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos, lens), eng.model)
+        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos, lens, chunks), eng.model)
 
-    def _capture(self, B: int, ip, tab):
-        """Bucket B's graph over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
+    def _capture(self, B: int, C: int, ip, tab):
+        """Bucket B's graph (split grid of C chunks) over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
         from the host rows ``ip``, ``tab`` first (the warm-up forwards write the real rows' K/V: the same bits)."""
         dev = self.eng.device
         ip_b = ip.to(dev)
@@ -230,13 +242,13 @@ class GpuBatchRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # compile the kernels, settle allocations
-                self._forward(ip_b[0], ip_b[1], tab_b)
+                self._forward(ip_b[0], ip_b[1], tab_b, C)
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            logits = self._forward(ip_b[0], ip_b[1], tab_b)
+            logits = self._forward(ip_b[0], ip_b[1], tab_b, C)
         return g, ip_b, tab_b, logits
 
     def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
