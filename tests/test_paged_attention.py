@@ -204,3 +204,19 @@ def test_rope_append_bad_arguments():
         pa.paged_rope_append(qd, kd, vd, kb, vb, tab, pos, cos.double(), sin)
     with pytest.raises(ValueError, match="do not match"):
         pa.paged_rope_append(qd, vd, kd[:, :1], kb, vb, tab, pos, cos, sin)
+
+
+@pytest.mark.parametrize("S,bits", [(3, 4), (5, 8), (16, 4)])
+def test_fragment_order_output_is_the_same_values(S, bits):
+    """frag_bits: the merge writes the rows in the GEMV's fragment order: exactly to_fragments of the row-major
+    output (the o-projection GEMV then skips its own copy)."""
+    from trapetum.kernels.codebook_layout import Fragments, to_fragments
+    q, k, v, tab, lens = _case(S + bits, S, 4, 2, 32, 100)
+    kw = dict(scale=32 ** -0.5, window=30, softcap=None)
+    plain = pa.paged_attention(q, k, v, tab, lens, **kw)
+    fr = pa.paged_attention(q, k, v, tab, lens, frag_bits=bits, **kw)
+    assert isinstance(fr, Fragments) and fr.bits == bits
+    assert torch.equal(fr.data, to_fragments(plain, bits))
+    with pytest.raises(ValueError, match="fragment order"):
+        pa.paged_attention(q[:, :, :16].contiguous(), k[..., :16].contiguous(), v[..., :16].contiguous(), tab, lens,
+                           scale=0.25, frag_bits=4)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .codebook_layout import Fragments, frag_pieces, to_fragments
 from .triton_util import HAVE_TRITON, triton_ok
 
 if HAVE_TRITON:
@@ -118,6 +119,7 @@ def paged_attention_reference(q, k_blocks, v_blocks, tables, lens, *, scale, win
 
 
 if HAVE_TRITON:
+    from .codebook_layout import frag_offset
     from .fused import rope_append_kv
 
     @triton.jit
@@ -200,9 +202,10 @@ if HAVE_TRITON:
             tl.store(l_ptr + idx, l, mask=gmask)
             tl.store(o_ptr + idx[:, None] * BLOCK_D + rd[None, :], o, mask=gmask[:, None])
 
-    @triton.jit
-    def _paged_merge(len_ptr, m_ptr, l_ptr, o_ptr, out_ptr, D, HQ, NCH, stride_os, window,
-                     HAS_WIN: tl.constexpr, CH: tl.constexpr, BLOCK_D: tl.constexpr):
+    @triton.jit(do_not_specialize=("S",))  # the row count: one compiled merge whatever the batch
+    def _paged_merge(len_ptr, m_ptr, l_ptr, o_ptr, out_ptr, D, HQ, NCH, stride_os, window, S,
+                     HAS_WIN: tl.constexpr, CH: tl.constexpr, BLOCK_D: tl.constexpr, FRAG_PT: tl.constexpr):
+        # FRAG_PT > 0: out is the S rows [S, HQ D] in the fragment order of that many pieces (codebook_layout)
         s = tl.program_id(0)
         h = tl.program_id(1)
         L = tl.load(len_ptr + s)
@@ -224,7 +227,11 @@ if HAVE_TRITON:
             lt = lt * a + lc * bb
             ot = ot * a + oc * bb
             mt = mn
-        tl.store(out_ptr + s * stride_os + h * D + rd, (ot / lt).to(tl.float16), mask=rd < D)
+        if FRAG_PT > 0:
+            dst = out_ptr + frag_offset(s, h * D + rd, S, FRAG_PT)
+        else:
+            dst = out_ptr + s * stride_os + h * D + rd
+        tl.store(dst, (ot / lt).to(tl.float16), mask=rd < D)
 
 
 def _block(n: int) -> int:
@@ -234,10 +241,12 @@ def _block(n: int) -> int:
 def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, tables: torch.Tensor,
                     lens: torch.Tensor, *, scale: float, window: int | None = None, softcap: float | None = None,
                     out: torch.Tensor | None = None, chunk_blocks: int = CHUNK_BLOCKS,
-                    max_chunks: int | None = None) -> torch.Tensor:
+                    max_chunks: int | None = None, frag_bits: int | None = None) -> torch.Tensor | Fragments:
     """Module docstring; returns out fp16 [S, Hq * D]. max_chunks: C, the split grid's chunks per (row, kv head)
     (None: all of the table's; a C below some row's ceil(L / CH) is the caller's error, not checked: lens may be
-    on the device). Without Triton on q's device: the torch form in fp32, rounded to fp16 (rows independent too)."""
+    on the device). frag_bits (4 or 8): ``Fragments`` of out in the fragment order of the GEMV of those bits that
+    reads it (the same values at other addresses; out contiguous, Hq D % (32 pieces) == 0). Without Triton on q's
+    device: the torch form in fp32, rounded to fp16 (rows independent too)."""
     S, Hq, D = q.shape
     NBLK, Hkv, BS, Dk = k_blocks.shape
     if Dk != D or tuple(v_blocks.shape) != tuple(k_blocks.shape) or Hq % Hkv:
@@ -250,11 +259,19 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
         raise ValueError(f"paged attention: the block size must be a power of two >= 16, got {BS}")
     if out is None:
         out = torch.empty(S, Hq * D, dtype=torch.float16, device=q.device)
+    pt = 0
+    if frag_bits is not None:
+        pt = frag_pieces(frag_bits)
+        if (Hq * D) % (32 * pt) or not out.is_contiguous():
+            raise ValueError(f"paged attention: fragment order needs a contiguous out and Hq * D % {32 * pt} == 0")
     if S == 0:
         return out
     if not triton_ok(q.device):
         out.copy_(paged_attention_torch(q, k_blocks, v_blocks, tables, lens, scale=scale, window=window,
                                         softcap=softcap).to(torch.float16))
+        if pt:
+            out.copy_(to_fragments(out.clone(), frag_bits))
+            return Fragments(out, frag_bits)
         return out
     G = Hq // Hkv
     bd = _block(D)
@@ -271,9 +288,9 @@ def paged_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Ten
                                 v_blocks.stride(0), v_blocks.stride(1), v_blocks.stride(2), tables.stride(0),
                                 float(scale), cap, win, HAS_WIN=bool(window), HAS_CAP=softcap is not None,
                                 BS=BS, NB=chunk_blocks, BLOCK_G=_block(G), BLOCK_D=bd)
-    _paged_merge[(S, Hq)](lens, m, l, o, out, D, Hq, nch, out.stride(0), win, HAS_WIN=bool(window), CH=ch,
-                          BLOCK_D=bd)
-    return out
+    _paged_merge[(S, Hq)](lens, m, l, o, out, D, Hq, nch, out.stride(0), win, S, HAS_WIN=bool(window), CH=ch,
+                          BLOCK_D=bd, FRAG_PT=pt)
+    return Fragments(out, frag_bits) if pt else out
 
 
 def paged_rope_append(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_blocks: torch.Tensor,

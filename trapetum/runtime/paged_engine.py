@@ -14,8 +14,8 @@ PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-
 into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
 fit ``rows_per_call`` (the tiled codebook projections: up to 256, groups of 16 in one launch; else calls of at most
 16 into row slices of the output; row r of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue
-15); at 3..16 rows the RMSNorm and the gate/up epilogue hand the next GEMV its rows in fragment order, as the
-engine's VERIFY pass does (the same values); RMSNorm and the gate/up activation as the decode step's kernels, row
+15); at 3..16 rows the RMSNorm, the attention merge and the gate/up epilogue hand the next GEMV its rows in
+fragment order, as the engine's VERIFY pass does (the same values); RMSNorm and the gate/up activation as the decode step's kernels, row
 by row; per layer one launch for RoPE of q (in place) and k at each row's own position (the engine's tables,
 rotate-half, fp32 rounded to fp16 as fused.rope_kv_append) with the K/V written into each row's block slot, then
 the paged split-KV and merge launches (kernels/paged_attention.py: each row over its own blocks, bitwise independent
@@ -111,7 +111,7 @@ class PagedEngineOps(EngineOps):
         q = paged_rope_append(q, k, v.to(torch.float16), kb, vb, self.tables, self.positions, cos, sin)
         return paged_attention(q, kb, vb, self.tables, self.lens, scale=cfg.scale,
                                window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap,
-                               max_chunks=self.chunks)
+                               max_chunks=self.chunks, frag_bits=self._frag_bits(feeds, q.shape[0]))
 
     def latent_attend(self, q, c, k_rot, batch, p):  # GpuBatchRunner refuses MLA models
         raise NotImplementedError("batched serving of latent attention on the engine")
