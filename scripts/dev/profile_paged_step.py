@@ -59,7 +59,8 @@ def main():
             for _ in range(n):
                 runner.decode(tables[:S], *step)
             torch.cuda.synchronize()
-        dev = sum(e.device_time_total for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        dev = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                  for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
         t0 = torch.cuda.Event(enable_timing=True)
         t1 = torch.cuda.Event(enable_timing=True)
         t0.record()
