@@ -131,7 +131,7 @@ def test_graph_buckets_replay_the_eager_forward(model):
         tab = torch.stack([runner._table(t) for t in tables[:n]]).to(dev)
         want = runner._forward(torch.tensor(toks, device=dev), torch.tensor(pos, device=dev), tab)
         assert torch.equal(got, want), (n, step)
-    assert set(runner.graphs) == {4, 8}
+    assert set(runner.graphs) == {(4, 1), (8, 1)}
 
 
 def test_staged_inputs_are_the_rows_then_padding():
@@ -209,3 +209,71 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
         assert got == alone, blocks
         assert all(len(rows[i]) == len(alone_rows[i]) and all(torch.equal(a, b) for a, b in zip(rows[i], alone_rows[i]))
                    for i in alone_rows), blocks
+
+
+@pytest.mark.skipif(ON_GPU, reason="counts the interpreter's launches (the GPU count: scripts/dev/profile_paged_step.py)")
+def test_decode_launches_a_few_kernels_a_layer_under_the_triton_interpreter(model):
+    """A decode forward of 3 rows launches per layer 2 RMSNorms (4 with sandwich norms), 4 GEMVs and 3 attention
+    kernels (RoPE + K/V write, split, merge), nothing per row; the torch ops beside them are per step (embedding,
+    lengths, the head's cast and softcap) or, with sandwich norms, the 2 residual adds a layer."""
+    import triton.runtime.interpreter as interp
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from trapetum.runtime.engine import GpuEngine
+    eng = GpuEngine(model.checkpoint, 64, device="cpu", options=Options())
+    runner = GpuBatchRunner(eng, 12, 16)
+    tables = [torch.tensor([4, 1]), torch.tensor([0, 9]), torch.tensor([6, 2])]
+    for t, n in zip(tables, (17, 5, 11)):
+        runner.prefill(t, list(range(3, 3 + n)), 0)
+    depth, launches, ops = [0], {}, {}
+    run = interp.InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        launches[self.fn.__name__] = launches.get(self.fn.__name__, 0) + 1
+        depth[0] += 1
+        try:
+            return run(self, *a, **k)
+        finally:
+            depth[0] -= 1
+
+    free = {"view", "slice", "as_strided", "detach", "alias", "_unsafe_view", "select", "unsqueeze", "t",
+            "transpose", "expand", "lift_fresh"}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if depth[0] or name in free or name.startswith(("empty", "resolve")):
+                return out
+            if isinstance(out, torch.Tensor) and any(isinstance(a, torch.Tensor) and a.data_ptr() == out.data_ptr()
+                                                     and a.dtype == out.dtype for a in args):
+                return out  # a no-op (a cast to its own dtype, a view)
+            ops[name] = ops.get(name, 0) + 1
+            return out
+
+    interp.InterpretedFunction.run = counted
+    try:
+        with Count():
+            runner.decode(tables, [5, 6, 7], [17, 5, 11])
+    finally:
+        interp.InterpretedFunction.run = run
+    cfg = model.config
+    L, sandwich = cfg.num_layers, cfg.sandwich_norms
+    norms = 4 if sandwich else 2
+    assert launches["_rmsnorm_kernel"] == norms * L + 1, launches
+    assert (launches["_paged_rope_kv"], launches["_paged_split"], launches["_paged_merge"]) == (L, L, L), launches
+    gemvs = sum(n for k, n in launches.items() if k not in ("_rmsnorm_kernel", "_paged_rope_kv", "_paged_split",
+                                                           "_paged_merge"))
+    assert gemvs == 4 * L + 1, launches
+    per_step = sum(ops.values()) - (2 * L if sandwich else 0)
+    assert per_step <= 8, ops
+    if sandwich:
+        assert ops.get("add", 0) >= 2 * L, ops
+
+
+def test_chunk_bound_is_a_power_of_two_over_the_longest_row():
+    """``chunk_bound``: the split grid's chunks (64 positions at block size 16) for a step's longest row, rounded
+    up to a power of two (few graphs per bucket), at most the table's."""
+    r = GpuBatchRunner.__new__(GpuBatchRunner)
+    r.kv, r.width = type("K", (), {"block_size": 16})(), 64
+    got = [r.chunk_bound(n) for n in (1, 64, 65, 128, 129, 193, 257, 1024, 5000)]
+    assert got == [1, 1, 2, 2, 4, 4, 8, 16, 16]

@@ -33,14 +33,15 @@ def main():
     for S in sizes:
         ip, tab = runner._stage(S, tables[:S], [prompt[-1]] * S, [plen] * S, reuse=False)
         ip, tab = ip.cuda(), tab.cuda()
+        C = runner.chunk_bound(plen + 1)  # the split grid the step's graph launches
         for _ in range(3):
-            runner._forward(ip[0], ip[1], tab)
+            runner._forward(ip[0], ip[1], tab, C)
         torch.cuda.synchronize()
         from torch.profiler import ProfilerActivity, profile
         n = 5
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
-                runner._forward(ip[0], ip[1], tab)
+                runner._forward(ip[0], ip[1], tab, C)
             torch.cuda.synchronize()
         tot, cnt = collections.Counter(), collections.Counter()
         for e in prof.events():
@@ -49,10 +50,30 @@ def main():
                 cnt[e.name] += 1
         all_us = sum(tot.values()) / n
         gemv_us = sum(us for name, us in tot.items() if "cb_gemv_mma" in name) / n
-        print(f"\nS={S}: eager device time {all_us / 1e3:.3f} ms per step, {sum(cnt.values()) // n} kernels per step; "
-              f"mma GEMVs {gemv_us / 1e3:.3f} ms")
+        k = sum(cnt.values()) // n
+        print(f"\nS={S}: eager device time {all_us / 1e3:.3f} ms per step, {k} kernels per step "
+              f"({k / eng.cfg.num_layers:.1f} per layer); mma GEMVs {gemv_us / 1e3:.3f} ms")
         for name, us in tot.most_common(a.top):
             print(f"  {us / n / 1e3:7.3f} ms  {cnt[name] // n:5d}x  {name[:110]}")
+        step = ([prompt[-1]] * S, [plen] * S)
+        for _ in range(3):  # capture the bucket's graph, then replay it
+            runner.decode(tables[:S], *step)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                runner.decode(tables[:S], *step)
+            torch.cuda.synchronize()
+        dev = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                  for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(20):
+            runner.decode(tables[:S], *step)
+        t1.record()
+        torch.cuda.synchronize()
+        print(f"S={S}: graph replay kernels' device time {dev / n / 1e3:.3f} ms per step; "
+              f"decode() wall {t0.elapsed_time(t1) / 20:.3f} ms per step (20 steps back to back)")
 
 
 if __name__ == "__main__":

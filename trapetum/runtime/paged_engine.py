@@ -10,17 +10,22 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
         row sees only positions below its length): PagedEngineOps.
 
-PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs in calls of at
-most ``rows_per_call`` rows (16; the tiled codebook projections: all rows in one launch over groups of 16; row r
-of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue 15);
-RMSNorm, the gate/up activation and the residual adds row by row as in the decode step; RoPE of each row at its
-own position (the engine's tables, rotate-half, in fp32, rounded to fp16) and its K/V written into its sequence's
-blocks; attention by kernels/paged_attention.py (each row over its own blocks, bitwise independent of the batch).
+PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
+into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
+fit ``rows_per_call`` (the tiled codebook projections: up to 256, groups of 16 in one launch; else calls of at most
+16 into row slices of the output; row r of an M-row GEMV is bitwise the M = 1 result: the verify contract of issue
+15); at 3..16 rows the RMSNorm, the attention merge and the gate/up epilogue hand the next GEMV its rows in
+fragment order, as the engine's VERIFY pass does (the same values); RMSNorm and the gate/up activation as the decode step's kernels, row
+by row; per layer one launch for RoPE of q (in place) and k at each row's own position (the engine's tables,
+rotate-half, fp32 rounded to fp16 as fused.rope_kv_append) with the K/V written into each row's block slot, then
+the paged split-KV and merge launches (kernels/paged_attention.py: each row over its own blocks, bitwise independent
+of the batch): 9 launches a layer for a Llama-type layer (2 norms, 4 GEMVs, 3 attention), none of them per row.
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
-CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows),
-captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows) and
+chunk bound (``chunk_bound``: the paged split's grid over a power of two of 64-position chunks that holds the
+step's longest row, so that a wide table launches no mass of programs that only exit), captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
 rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent). A
 step's inputs are written on the host into the bucket's page-locked buffers (numpy, no torch op per row) and
 uploaded in two asynchronous copies: no host sync in ``decode`` (the scheduler's one read of the tokens is the
@@ -34,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
-from ..kernels.paged_attention import paged_attention
+from ..kernels.paged_attention import CHUNK_BLOCKS, paged_attention, paged_rope_append
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
 from ..models.sparsity import DENSE_POSITIONS
@@ -50,34 +55,44 @@ def _groups(n: int, step: int = MAX_VERIFY_ROWS):
 
 
 class PagedEngineOps(EngineOps):
-    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, eng, kv: PagedKV, tables: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                 chunks: int | None = None):
         super().__init__(eng, Mode.DECODE)
         self.kv, self.tables, self.positions = kv, tables, positions  # int32 [S, W], int64 [S]
-        self.lens = (positions + 1).to(torch.int32)
-        bs = kv.block_size
-        self.blk = tables.gather(1, (positions // bs).view(-1, 1)).view(-1).long()
-        self.off = positions % bs
+        self.lens = lens  # int32 [S]: positions + 1
+        self.chunks = chunks  # the split grid's chunk bound (paged_attention's max_chunks), None: the table's
 
     def _frag_bits(self, feeds, m):
-        return None  # rows reach the GEMVs in groups of at most 16 (row-major slices), never in fragment order
+        # the engine's fragment-order hand-over (3 <= m <= 16 rows, one GEMV call): the same values
+        if feeds is None or m > feeds.rows_per_call:
+            return None
+        return super()._frag_bits(feeds, m)
 
     def project(self, w, x, residual=None):
-        out = torch.empty(x.shape[0], w.out_features, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0], w.rows_per_call):
-            o = torch.empty(b - a, w.out_features, dtype=torch.float16, device=x.device)
-            if residual is not None and self.eng.options.fuse:
-                o = w.gemv(x[a:b].contiguous(), o, residual=residual[a:b].contiguous())
+        m = x.shape[0]
+        out = torch.empty(m, w.out_features, dtype=torch.float16, device=x.device)
+        fuse = residual is not None and self.eng.options.fuse
+        if m <= w.rows_per_call:  # one call, straight into out
+            if fuse:
+                return w.gemv(x, out, residual=residual)
+            w.gemv(x, out)
+            return out if residual is None else residual + out
+        x = x.contiguous()
+        for a, b in _groups(m, w.rows_per_call):  # row slices of contiguous tensors: contiguous
+            if fuse:
+                w.gemv(x[a:b], out[a:b], residual=residual[a:b].contiguous())
             else:
-                o = w.gemv(x[a:b].contiguous(), o)
-                if residual is not None:
-                    o = residual[a:b] + o
-            out[a:b] = o
-        return out
+                w.gemv(x[a:b], out[a:b])
+        return out if residual is None or fuse else residual + out
 
     def gate_up(self, w, x, feeds=None):
-        out = torch.empty(x.shape[0], w.f, dtype=torch.float16, device=x.device)
-        for a, b in _groups(x.shape[0], w.rows_per_call):
-            out[a:b] = w.gemv(x[a:b].contiguous(), torch.empty(b - a, w.f, dtype=torch.float16, device=x.device))
+        m = x.shape[0]
+        if m <= w.rows_per_call:
+            return super().gate_up(w, x, feeds)
+        out = torch.empty(m, w.f, dtype=torch.float16, device=x.device)
+        x = x.contiguous()
+        for a, b in _groups(m, w.rows_per_call):
+            w.gemv(x[a:b], out[a:b])
         return out
 
     def sparsify(self, x, t, batch):
@@ -89,27 +104,14 @@ class PagedEngineOps(EngineOps):
         cap = self.cfg.final_softcap
         return torch.tanh(out / cap) * cap if cap is not None else out
 
-    def _rope(self, x, sliding: bool):
-        """x [S, H, hd] rotated (rotate-half over the first 2 * HALF features) at each row's position -> fp16."""
-        cos, sin = self.eng.rope_local if sliding else self.eng.rope  # fp32 [T_max, HALF]
-        c, s = cos[self.positions][:, None, :], sin[self.positions][:, None, :]
-        half = c.shape[-1]
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:2 * half]
-        out = xf.clone()
-        out[..., :half] = x1 * c + (-x2) * s
-        out[..., half:2 * half] = x2 * c + x1 * s
-        return out.to(torch.float16)
-
     def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):
         cfg = self.cfg
-        q, k = self._rope(q, p.sliding), self._rope(k, p.sliding)
+        cos, sin = self.eng.rope_local if p.sliding else self.eng.rope  # fp32 [T_max, HALF]
         kb, vb = self.kv.k[p.layer], self.kv.v[p.layer]  # [NB, Hkv, BS, hd]
-        kb[self.blk, :, self.off] = k
-        vb[self.blk, :, self.off] = v.to(torch.float16)
-        out = paged_attention(q.contiguous(), kb, vb, self.tables, self.lens, scale=cfg.scale,
-                              window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap)
-        return out
+        q = paged_rope_append(q, k, v.to(torch.float16), kb, vb, self.tables, self.positions, cos, sin)
+        return paged_attention(q, kb, vb, self.tables, self.lens, scale=cfg.scale,
+                               window=cfg.sliding_window if p.sliding else None, softcap=cfg.attn_softcap,
+                               max_chunks=self.chunks, frag_bits=self._frag_bits(feeds, q.shape[0]))
 
     def latent_attend(self, q, c, k_rot, batch, p):  # GpuBatchRunner refuses MLA models
         raise NotImplementedError("batched serving of latent attention on the engine")
@@ -133,7 +135,7 @@ class GpuBatchRunner:
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, tokens and positions, tables, logits)
+        self.graphs: dict[tuple, tuple] = {}  # (bucket, chunks) -> (graph, tokens and positions, tables, logits)
         self._host: dict[int, tuple] = {}   # bucket -> its host input buffers (``_stage``)
         self._staged = None                 # a CUDA event after the last upload from them
         self._pool = None
@@ -179,13 +181,14 @@ class GpuBatchRunner:
         S = len(tokens)
         graph = eng.use_graph and S <= BUCKETS[-1]
         B = next(b for b in BUCKETS if b >= S) if graph else S
+        C = self.chunk_bound(max(positions) + 1)
         ip, tab = self._stage(B, tables, tokens, positions, reuse=graph)
         if not graph:
             ip, tab = ip.to(eng.device), tab.to(eng.device)
-            return self._forward(ip[0], ip[1], tab)
-        entry = self.graphs.get(B)
+            return self._forward(ip[0], ip[1], tab, C)
+        entry = self.graphs.get((B, C))
         if entry is None:
-            entry = self.graphs[B] = self._capture(B, ip, tab)
+            entry = self.graphs[B, C] = self._capture(B, C, ip, tab)
         g, ip_b, tab_b, logits = entry
         ip_b.copy_(ip, non_blocking=True)
         tab_b.copy_(tab, non_blocking=True)
@@ -218,14 +221,22 @@ class GpuBatchRunner:
             t[i, :blocks.numel()] = blocks.cpu().numpy()
         return ip, tab
 
-    def _forward(self, ids, pos, tab):
-        eng, S = self.eng, ids.numel()
-        batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
-                             seq_lens=(pos + 1).to(torch.int32), positions=pos)
-        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos), eng.model)
+    def chunk_bound(self, length: int) -> int:
+        """The split grid's chunks for rows of at most ``length`` positions: a power of two >= ceil(length / CH),
+        at most the table's (a graph per bucket and bound; the bound changes no bit: kernels/paged_attention.py)."""
+        ch = CHUNK_BLOCKS * self.kv.block_size
+        need = -(-int(length) // ch)
+        return min(1 << max(0, need - 1).bit_length(), -(-self.width * self.kv.block_size // ch))
 
-    def _capture(self, B: int, ip, tab):
-        """Bucket B's graph over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
+    def _forward(self, ids, pos, tab, chunks=None):
+        eng, S = self.eng, ids.numel()
+        lens = (pos + 1).to(torch.int32)
+        batch = ForwardBatch(Mode.DECODE, ids, 0, S, seq_slots=torch.arange(S, dtype=torch.int32, device=eng.device),
+                             seq_lens=lens, positions=pos)
+        return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos, lens, chunks), eng.model)
+
+    def _capture(self, B: int, C: int, ip, tab):
+        """Bucket B's graph (split grid of C chunks) over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
         from the host rows ``ip``, ``tab`` first (the warm-up forwards write the real rows' K/V: the same bits)."""
         dev = self.eng.device
         ip_b = ip.to(dev)
@@ -234,13 +245,13 @@ class GpuBatchRunner:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):  # compile the kernels, settle allocations
-                self._forward(ip_b[0], ip_b[1], tab_b)
+                self._forward(ip_b[0], ip_b[1], tab_b, C)
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self._pool):
-            logits = self._forward(ip_b[0], ip_b[1], tab_b)
+            logits = self._forward(ip_b[0], ip_b[1], tab_b, C)
         return g, ip_b, tab_b, logits
 
     def replay(self, table: torch.Tensor, tokens: list[int], start: int) -> None:
