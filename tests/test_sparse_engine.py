@@ -76,7 +76,10 @@ def check_case(seed, backend, kernel="compact", splits=None):
     c = case(seed)
     y = run(c, backend, kernel=kernel, splits=splits)
     ref = reference(*c)
-    assert rel(y, ref) < 2e-3, (seed, backend)  # one fp16 rounding of the output
+    # one fp16 rounding of the output; below fp16's normal range (6.1e-5) a rounding is absolute, at most half a
+    # subnormal step (2^-25 per element): the H200 met a 1x1 output of 3.3e-7 (seed 1031), 9% off after that rounding
+    err = float((y.double() - ref.double().cpu()).norm())
+    assert err < 2e-3 * float(ref.double().norm()) + 2.0 ** -24 * y.numel() ** 0.5, (seed, backend)
     assert torch.equal(run(c, backend, kernel=kernel, splits=splits), y)
     for m in range(y.shape[0]):  # each row its bits alone
         assert torch.equal(run(c, backend, slice(m, m + 1), kernel=kernel, splits=splits)[0], y[m]), (seed, m)

@@ -28,10 +28,10 @@ means the default; anything else is a ConfigError naming the variable.
 
 Fields without a variable (API and benchmarks): ``kernels.aqlm_kernel`` ("table"): the 2x8 GEMV of decode and
 verify, "table" or "mma" (the tensor-core kernel; other numerics, so both modes use it; CLI ``--aqlm-kernel``,
-bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (4): the 4-/8-bit mma GEMV on more than 16 rows
-(batched decode) gives a block 4 groups of 16 rows (one block an SM), 2 (two an SM) or 1 (a block per group), each
+bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (1): the 4-/8-bit mma GEMV on more than 16 rows
+(batched decode) gives a block 1 group of 16 rows (a block per group), 2 (two an SM) or 4 (one block an SM), each
 weight dequantized once for the groups of a block (the same bits in every mode; bench_kernels ``--only rows``
-times them); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
+times them; 1 is the default because 4 measured slower in the 64-row paged step on the H200); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
@@ -111,8 +111,9 @@ class KernelOptions:
     aqlm_kernel: str = "table"
     frag_producers: bool = True  # producers of a verify pass's mma-GEMV rows write its fragment order (else it copies)
     # mma GEMV on more than 16 rows (tiled codes): row groups of 16 per block, each weight dequantized once for the
-    # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel)
-    grouped_gemv_groups: int = 4
+    # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel, the
+    # default: at 4 the 7B 64-row paged step's GEMVs took 10.3 ms against 8.3 ms, NOTES-kernels.md session 11)
+    grouped_gemv_groups: int = 1
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16

@@ -1,7 +1,7 @@
 """Where a batched decode step's device time goes (issue 20): torch.profiler over eager paged DECODE forwards of
 GpuBatchRunner (runtime/paged_engine.py) at S rows, CUDA time summed by kernel name, top N per S; plus the graph
 replay's device ms beside it; the mma GEMVs' share (kernels named cb_gemv_mma*) per step.
-Usage: python scripts/dev/profile_paged_step.py MODEL.cbk [--sizes 1,16,64] [--grouped-groups 4]"""
+Usage: python scripts/dev/profile_paged_step.py MODEL.cbk [--sizes 1,16,64] [--grouped-groups 1]"""
 import argparse
 import collections
 
@@ -18,7 +18,7 @@ def main():
     ap.add_argument("cbk")
     ap.add_argument("--sizes", default="1,16,64")
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--grouped-groups", type=int, choices=GROUPED_GEMV_GROUPS, default=4,
+    ap.add_argument("--grouped-groups", type=int, choices=GROUPED_GEMV_GROUPS, default=1,
                     help="KernelOptions.grouped_gemv_groups: row groups of 16 a block of the >16-row mma GEMV")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]

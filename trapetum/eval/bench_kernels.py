@@ -2,7 +2,7 @@
 
     python -m trapetum.eval.bench_kernels --out DIR      (or: trapetum bench kernels --out DIR)
     python -m trapetum.eval.bench_kernels --only rows --rows 1,2,4,8,16 --out DIR
-    python -m trapetum.eval.bench_kernels --only rows --rows 1,16,32,64 --kinds cb4,cb4-g2,cb4-g1,gu4,gu4-g1 --out DIR
+    python -m trapetum.eval.bench_kernels --only rows --rows 1,16,32,64 --kinds cb4,cb4-g4,cb4-g2,gu4 --out DIR
 
 Protocol (DESIGN.md "Measuring"): random data (never zeros); every op is captured in a CUDA graph that launches it
 once per buffer set, with enough sets that the bytes touched per replay exceed the 60 MB L2 several times (so
@@ -17,9 +17,9 @@ does not get; bench_e2e measures PDL where it belongs, between different kernels
 times M = 1..16 activation rows (speculative verify) of the production GEMVs, each row count relative to M = 1 in
 the same run, with PDL off and, for the codebook GEMVs, on; beside them the codebook kernel as it was before the
 multi-row work (experimental variant 11) and cuBLAS (which is not batch-invariant). More than 16 rows (batched
-decode, tiled codes: one launch over groups of 16 rows): the production kinds run 4 groups a block
-(``KernelOptions.grouped_gemv_groups``), the kinds ``-g2`` / ``-g1`` 2 groups a block and a block per group
-(session 10); the kinds that cannot take more than 16 rows report an error at those M.
+decode, tiled codes: one launch over groups of 16 rows): the production kinds run the default of
+``KernelOptions.grouped_gemv_groups`` (1: a block per group), the kinds ``-g4`` / ``-g2`` / ``-g1`` 4 and 2 groups
+a block and a block per group; the kinds that cannot take more than 16 rows report an error at those M.
 """
 from __future__ import annotations
 
@@ -265,6 +265,7 @@ ROW_KINDS = {  # kind -> (label, shapes)
     "gu4-old": ("4-bit gate/up, kernel before the multi-row work (exp. v11)", ROWS_GATE_UP),
     "cb8": ("8-bit GEMV (LM head, tiled, production)", ROWS_8BIT),
     "cb8-old": ("8-bit GEMV, kernel before the multi-row work (exp. v11)", ROWS_8BIT),
+    "cb4-g4": ("4-bit GEMV (tiled), M > 16: 4 row groups a block", ROWS_4BIT),
     "cb4-g2": ("4-bit GEMV (tiled), M > 16: 2 row groups a block", ROWS_4BIT),
     "cb4-g1": ("4-bit GEMV (tiled), M > 16: a block per row group (session 10)", ROWS_4BIT),
     "gu4-g1": ("4-bit gate/up SiLU (tiled), M > 16: a block per row group (session 10)", ROWS_GATE_UP),
@@ -283,7 +284,7 @@ def bench_rows(rows=(1, 2, 4, 8, 16), kopts: KernelOptions = DEFAULT_KERNELS, ki
     for kind in kinds:
         label, shapes = ROW_KINDS[kind]
         pdl_modes = ("off", "all") if kind in ("cb4", "cb4-frag", "gu4", "cb8") else ("off",)
-        groups = {"g2": 2, "g1": 1}.get(kind.rsplit("-", 1)[-1], kopts.grouped_gemv_groups)
+        groups = {"g4": 4, "g2": 2, "g1": 1}.get(kind.rsplit("-", 1)[-1], kopts.grouped_gemv_groups)
         for k, n in shapes:
             for pdl_mode in pdl_modes:
                 ko = dataclasses.replace(kopts, pdl=pdl_mode, grouped_gemv_groups=groups)
