@@ -409,6 +409,7 @@ _MUTATIONS = [
 
 
 @pytest.mark.skipif(ON_GPU, reason="host-only (CPU) check; it runs in the CPU test session, not on device time")
+@pytest.mark.slow  # 31 s of nvcc/g++ builds of mutated kernels; the host check itself stays in the default tier
 def test_2x8_host_check_catches_mutations(tmp_path):
     """Each altered kernel (built and run concurrently) must fail the host check."""
     src = (_CUDA_SRC / "additive_gemv.cu").read_text()

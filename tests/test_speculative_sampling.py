@@ -127,7 +127,7 @@ def test_plain_sampling_matches_the_enumeration(models, exact, runs):
 
 
 @pytest.mark.parametrize("runs", RUNS)
-@pytest.mark.parametrize("kind", ["draft", "ngram"])
+@pytest.mark.parametrize("kind", [pytest.param("draft", marks=pytest.mark.slow), "ngram"])  # draft: 70 s on the CPU
 def test_speculative_sampling_matches_plain(models, exact, kind, runs):
     m, other = models
     drafter = DraftModelDrafter(ReferenceRows(other.decoder)) if kind == "draft" else NgramDrafter(max_n=4, min_n=1)
@@ -160,6 +160,7 @@ def residual_from_p(sampler, logits, greedy_rows, drafts, q):
     return Verdict(em.tolist(), n, em)
 
 
+@pytest.mark.slow  # 21 s: the power check of the distribution test (it must fail on a wrong residual)
 def test_a_wrong_residual_is_detected(models, exact, monkeypatch):
     m, other = models
     monkeypatch.setattr(loop, "judge", residual_from_p)

@@ -96,6 +96,8 @@ def test_verify_rejects_bad_rows(models):
         eng.verify([3, 4], 31)
 
 
+@pytest.mark.slow  # 74 s on the 2-core CPU; the interpreter engine tests of tests/test_engine.py and the verify kernels' own
+# interpreter tests stay in the default tier, and the GPU runs this contract compiled (tests/test_verify_gpu.py)
 def test_engine_verify_under_triton_interpreter(tmp_path):
     """The real Triton kernels (interpreted): verify rows bitwise equal to decode steps, fixed-chunk and adaptive-split
     attention configs, chunk boundaries crossed (64-position blocks), GQA."""

@@ -69,20 +69,23 @@ def add_model_option(p: argparse.ArgumentParser) -> None:
                    help="the model (instead of the first positional argument)")
 
 
-def _gpu_gb(text: str) -> float:
-    import math
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GB, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of GB, got {text}")
-    return v
+def positive_amount(unit: str):
+    """An argparse type: a finite positive number of ``unit`` (GB, GiB), else a one-line usage error."""
+    def parse(text: str) -> float:
+        import math
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
+        return v
+    return parse
 
 
 def add_gpu_mem(p: argparse.ArgumentParser) -> None:
     """The GPU engine's memory budget (runtime/placement.py)."""
-    p.add_argument("--gpu-mem", type=_gpu_gb, default=None, metavar="GB",
+    p.add_argument("--gpu-mem", type=positive_amount("GB"), default=None, metavar="GB",
                    help="GPU engine: use at most GB GiB of GPU memory; the embedding table, then a mixture-of-experts "
                         "model's routed experts, move to host RAM (the experts run on the CPU) until the rest fits "
                         "(default: everything on the GPU)")

@@ -7,6 +7,7 @@ import os
 import sys
 
 from ..errors import TrapetumError
+from ._common import positive_amount
 
 
 def _positive(text: str) -> int:
@@ -16,16 +17,6 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
-
-
-def _gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB, got {text!r}") from None
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
     return v
 
 
@@ -57,12 +48,12 @@ def register(subparsers) -> None:
                         "request gets exactly the tokens it gets alone); 1: one request at a time (default 16; "
                         "models without a drafter, on the CPU; on the GPU engine with --gpu-batch)")
     p.add_argument("--gpu-batch", action="store_true",
-                   help="experimental: batch on the GPU engine too (runtime/paged_engine.py; not yet run on a GPU)")
+                   help="batch on the GPU engine too (runtime/paged_engine.py: paged KV cache, CUDA graphs per batch size)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=_positive, default=None, metavar="N",
                     help="KV cache of the batch: N blocks of 16 positions per model (default: room for --max-batch "
                          "full contexts, at most 1 GiB on the CPU, half the free GPU memory with --gpu-batch)")
-    kv.add_argument("--kv-mem", type=_gib, default=None, metavar="GB",
+    kv.add_argument("--kv-mem", type=positive_amount("GiB"), default=None, metavar="GB",
                     help="KV cache of the batch: GB GiB per model (instead of --kv-blocks)")
     p.add_argument("--prefill-budget", type=_positive, default=None, metavar="N",
                    help="prompt positions the batch prefills per step, each prefill forward counting as at least "
