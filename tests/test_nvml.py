@@ -118,3 +118,12 @@ def test_main_without_nvml_says_so_in_one_line(capsys):
     assert err.strip() == "bench_energy: NVML unavailable: cannot load libnvidia-ml.so.1 (not found)"
     assert bench_energy.main(["--runs", "llama2-7b:fp8"], open_meter=no_meter) == 1
     assert "--runs" in capsys.readouterr().err
+
+
+def test_bench_energy_is_a_cli_subcommand(capsys):
+    """``trapetum bench energy`` runs this benchmark: a bad --runs is a one-line error and exit 1 (before NVML or the
+    GPU are touched, or with NVML's own one-line error where it is missing)."""
+    from trapetum import cli
+    assert cli.main(["bench", "energy", "--runs", "llama2-7b:fp8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_energy: ") and "\n" not in err

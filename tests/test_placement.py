@@ -322,3 +322,11 @@ def test_offload_benchmark_meters_the_chosen_experts():
     table = bo.markdown({"shape": "tiny", "layers": 3, "steps": 6, "threads": 1, "placement": "p",
                          "rows": {"gpu": r, "host-experts": r}})
     assert "| host-experts |" in table and table.count("\n") == 5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal; the GPU runs the benchmark")
+def test_bench_offload_is_a_cli_subcommand(capsys):
+    """``trapetum bench offload`` runs eval/bench_offload.py: without a GPU a one-line error and exit 1."""
+    from trapetum import cli
+    assert cli.main(["bench", "offload", "--layers", "1", "--steps", "1"]) == 1
+    assert capsys.readouterr().err.strip() == "bench_offload: needs a CUDA GPU"

@@ -31,6 +31,16 @@ def _sparse_arguments(p) -> None:
     add_arguments(p)
 
 
+def _energy_arguments(p) -> None:
+    from ..eval.bench_energy import add_arguments
+    add_arguments(p)
+
+
+def _offload_arguments(p) -> None:
+    from ..eval.bench_offload import add_arguments
+    add_arguments(p)
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks (GPU; 'bench cli' on any machine)")
     sub = p.add_subparsers(dest="bench_what", metavar="WHAT")
@@ -73,6 +83,12 @@ def register(subparsers) -> None:
     sa = sub.add_parser("sparse", populate=_sparse_arguments,
                         help="dense vs sparse-input codebook GEMV with the bytes floor (GPU)")
     sa.set_defaults(func=_sparse)
+    en = sub.add_parser("energy", populate=_energy_arguments,
+                        help="GPU power (W) and J/token during decode, fp16 / 4-bit / 2x8 shapes in one run (NVML)")
+    en.set_defaults(func=_energy)
+    of = sub.add_parser("offload", populate=_offload_arguments,
+                        help="MoE decode with the routed experts in host RAM against all on the GPU (tok/s, host GB/s)")
+    of.set_defaults(func=_offload)
     sp = sub.add_parser("spec", populate=_spec_arguments,
                         help="speculative decoding end to end, plain and speculative in one process "
                              "(modeled acceptance on random models, real acceptance on real ones)")
@@ -96,6 +112,16 @@ def _cpu(args) -> int:
 
 def _sparse(args) -> int:
     from ..eval.bench_sparse import run_args
+    return run_args(args)
+
+
+def _energy(args) -> int:
+    from ..eval.bench_energy import run_args
+    return run_args(args)
+
+
+def _offload(args) -> int:
+    from ..eval.bench_offload import run_args
     return run_args(args)
 
 

@@ -3,6 +3,8 @@
     python -m trapetum.eval.bench_energy [--runs llama2-7b:fp16,llama2-7b:cb4,llama2-7b:aqlm-2x8,llama2-70b:aqlm-2x8]
                                          [--seconds 3] [--position 0]
 
+(the same as ``trapetum bench energy ...``)
+
 Each run builds the engine from a random checkpoint of the shape and format (eval/random_model.py), warms the
 decode graph up, then times greedy CUDA-graph decode steps from ``--position`` (batches of 32 steps, repeated
 for at least ``--seconds``) with NVML (eval/nvml.py: the energy counter, else power samples). Printed per run:
@@ -57,12 +59,20 @@ def parse_runs(text: str) -> list[tuple[str, str]]:
     return runs
 
 
-def main(argv=None, open_meter=Nvml.open) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The benchmark's options (also those of ``trapetum bench energy``)."""
     p.add_argument("--runs", default=DEFAULT_RUNS, help="SHAPE:FORMAT,... (default %(default)s)")
     p.add_argument("--seconds", type=float, default=3.0, help="decode window per run, seconds (default 3)")
     p.add_argument("--position", type=int, default=0, help="first decode position (default 0)")
-    a = p.parse_args(argv)
+
+
+def main(argv=None, open_meter=Nvml.open) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_args(p.parse_args(argv), open_meter)
+
+
+def run_args(a: argparse.Namespace, open_meter=Nvml.open) -> int:
     try:
         runs = parse_runs(a.runs)
         meter = open_meter()

@@ -4,6 +4,8 @@ real shape (eval/random_model.py), built twice in one process, and the host side
     python -m trapetum.eval.bench_offload [--shape deepseek-v2-lite] [--layers N] [--steps 64] [--threads T]
                                           [--gpu-mem GB] [--out DIR]
 
+(the same as ``trapetum bench offload ...``)
+
 Both engines are built from the same 4-bit checkpoint (``cb4``: 4-bit codebook projections, 8-bit head, generated
 on the GPU, seeded by name): "gpu" all on the device (CUDA graphs), "host-experts" with every MoE layer's routed
 experts in host RAM (runtime/host_experts.py; eager steps), placed by ``--gpu-mem GB`` through the planner
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -121,17 +124,26 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's options (also those of ``trapetum bench offload``)."""
     ap.add_argument("--shape", default="deepseek-v2-lite")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only (default all)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="host kernel threads (default torch's)")
     ap.add_argument("--gpu-mem", type=float, default=None, help="plan with this budget (default: force the experts)")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run_args(ap.parse_args(argv))
+
+
+def run_args(a: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        raise SystemExit("bench_offload: needs a CUDA GPU")
+        print("bench_offload: needs a CUDA GPU", file=sys.stderr)
+        return 1
     if a.threads:
         torch.set_num_threads(a.threads)
     with torch.inference_mode():

@@ -98,16 +98,24 @@ if HAVE_TRITON:
             tl.store(dst, (xv * r * (wv + offset)).to(tl.float16), mask=rn < N)
 
     @triton.jit
+    def rope_rotate(src, dst, c, s, HALF, BLOCK_H: tl.constexpr):
+        """Rotate-half RoPE of one head's first 2 * HALF features from src into dst (may be src: in place), in
+        fp32, rounded to fp16; c, s: the position's cos/sin [BLOCK_H] (masked lanes 1, 0). The one expression of
+        the rotation for every kernel that writes a rotated q or k (rope_append_kv, the fused kernels' q heads,
+        kernels/paged_attention.py), so that they give the same bits."""
+        ri = tl.arange(0, BLOCK_H)
+        hm = ri < HALF
+        x1 = tl.load(src + ri, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + ri, mask=hm, other=0.0).to(tl.float32)
+        tl.store(dst + ri, (x1 * c - x2 * s).to(tl.float16), mask=hm)
+        tl.store(dst + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
+
+    @triton.jit
     def rope_append_kv(k_row, v_row, kc_row, vc_row, c, s, HALF, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
         """Rotate one head's k (k_row) into kc_row and copy its v (v_row) into vc_row; c, s: the position's
         cos/sin [BLOCK_H] (masked lanes 1, 0). Shared with the fused attention kernel (attention.py), so
         that both write the same bits into the cache."""
-        ri = tl.arange(0, BLOCK_H)
-        hm = ri < HALF
-        x1 = tl.load(k_row + ri, mask=hm, other=0.0).to(tl.float32)
-        x2 = tl.load(k_row + HALF + ri, mask=hm, other=0.0).to(tl.float32)
-        tl.store(kc_row + ri, (x1 * c - x2 * s).to(tl.float16), mask=hm)
-        tl.store(kc_row + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
+        rope_rotate(k_row, kc_row, c, s, HALF, BLOCK_H)
         rd = tl.arange(0, BLOCK_D)
         pm = (rd >= 2 * HALF) & (rd < D)  # pass-through part of a partial rotary
         tl.store(kc_row + rd, tl.load(k_row + rd, mask=pm, other=0.0), mask=pm)
@@ -161,10 +169,7 @@ if HAVE_TRITON:
         s = tl.load(sin_ptr + p * HALF + ri, mask=hm, other=0.0)
         if h < HQ:
             base = q_ptr + t * sq_t + h * sq_h
-            x1 = tl.load(base + ri, mask=hm, other=0.0).to(tl.float32)
-            x2 = tl.load(base + HALF + ri, mask=hm, other=0.0).to(tl.float32)
-            tl.store(base + ri, (x1 * c - x2 * s).to(tl.float16), mask=hm)
-            tl.store(base + HALF + ri, (x2 * c + x1 * s).to(tl.float16), mask=hm)
+            rope_rotate(base, base, c, s, HALF, BLOCK_H)
         else:
             kh = h - HQ
             rope_append_kv(k_ptr + t * sk_t + kh * sk_h, v_ptr + t * sv_t + kh * sv_h,

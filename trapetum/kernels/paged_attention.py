@@ -120,7 +120,7 @@ def paged_attention_reference(q, k_blocks, v_blocks, tables, lens, *, scale, win
 
 if HAVE_TRITON:
     from .codebook_layout import frag_offset
-    from .fused import rope_append_kv
+    from .fused import rope_append_kv, rope_rotate
 
     @triton.jit
     def _tanh(x):  # as attention.py's (kept here: imported from there, the interpreter did not resolve it)
@@ -141,10 +141,7 @@ if HAVE_TRITON:
         sn = tl.load(sin_ptr + p * HALF + ri, mask=hm, other=0.0)
         if h < HQ:
             base = q_ptr + s * sq_s + h * sq_h
-            x1 = tl.load(base + ri, mask=hm, other=0.0).to(tl.float32)
-            x2 = tl.load(base + HALF + ri, mask=hm, other=0.0).to(tl.float32)
-            tl.store(base + ri, (x1 * c - x2 * sn).to(tl.float16), mask=hm)
-            tl.store(base + HALF + ri, (x2 * c + x1 * sn).to(tl.float16), mask=hm)
+            rope_rotate(base, base, c, sn, HALF, BLOCK_H)
         else:
             kh = h - HQ
             blk = tl.load(tab_ptr + s * stride_tab + p // BS).to(tl.int64)
