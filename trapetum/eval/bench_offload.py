@@ -319,7 +319,9 @@ def run(shape: str, fmt: str = "cb4", layers: int | None = None, steps: int = 32
             r["rows"]["gpu-eager"] = dict(decode(eng, steps, None, per_layer), placed="-", build_s=build_s)
         del eng
         _release(dev)
-    eng, build_s = _build(random_checkpoint(shape, fmt, dev, layers, overrides), max_len, dev, **kw)
+    # a table kept in host RAM comes from the checkpoint on the CPU, as from a mmapped file (random_checkpoint)
+    host_names = (pl.EMBED,) if place.embed_host else ()
+    eng, build_s = _build(random_checkpoint(shape, fmt, dev, layers, overrides, host_names), max_len, dev, **kw)
     if (eng.placement.embed_host, eng.placement.experts_host) != (place.embed_host, place.experts_host):
         raise BenchError(f"the engine placed {eng.placement.describe()}, the benchmark planned {place.describe()}")
     name = _offload_name(eng.placement)

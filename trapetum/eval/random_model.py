@@ -144,9 +144,12 @@ def random_sizes(shape: str, fmt: str, layers: int | None = None, overrides: dic
 
 
 def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = None,
-                      overrides: dict | None = None) -> Checkpoint:
+                      overrides: dict | None = None, host_names: tuple[str, ...] = ()) -> Checkpoint:
     """(``layers``: fewer layers than the model has, for tests at the real per-layer shapes; ``overrides``:
-    ModelConfig fields that replace the shape's, e.g. a tokenizer's ``vocab_size`` or a tiny test shape.)"""
+    ModelConfig fields that replace the shape's, e.g. a tokenizer's ``vocab_size`` or a tiny test shape;
+    ``host_names``: dense tensors handed out on the CPU, as a file's mmapped tensors are, so that a table the engine
+    keeps in host RAM takes no GPU memory while the model is built; generated on ``device`` all the same, so the
+    values do not change.)"""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: one of {', '.join(FORMATS)}, got {fmt!r}")
     cfg = shape_config(shape, layers, overrides)
@@ -158,7 +161,8 @@ def random_checkpoint(shape: str, fmt: str, device="cuda", layers: int | None = 
             if kind == "vector":
                 return (torch.zeros if name.endswith("e_score_correction_bias") else torch.ones)(shp, device=device)
             if kind == "fp16":
-                return torch.randn(shp, device=device, dtype=torch.float16, generator=g) * 0.02
+                t = torch.randn(shp, device=device, dtype=torch.float16, generator=g) * 0.02
+                return t.cpu() if name in host_names else t
             if kind in ("cb4", "cb8"):
                 return random_codebook(shp[0], shp[1], int(kind[2]), device, g)
             return random_aqlm(shp[0], shp[1], fmt, device, g)
