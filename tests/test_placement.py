@@ -319,9 +319,8 @@ def test_offload_benchmark_meters_the_chosen_experts():
     per = eng.model.layers[1].mlp.experts.expert_bytes()
     assert meter.layers == 2 and meter.bytes == 6 * 2 * 2 * per  # steps x MoE layers x k x one expert's bytes
     assert r["host_mb_per_token"] == pytest.approx(2 * 2 * per / 1e6) and 0 < r["host_ms"] < r["step_ms"]
-    table = bo.markdown({"shape": "tiny", "layers": 3, "steps": 6, "threads": 1, "placement": "p",
-                         "rows": {"gpu": r, "host-experts": r}})
-    assert "| host-experts |" in table and table.count("\n") == 5
+    assert sorted(meter.layer_bytes) == [1, 2] and sum(meter.layer_bytes.values()) == meter.bytes
+    # (the whole benchmark at tiny widths, its table and extrapolation: tests/test_offload_shapes.py)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal; the GPU runs the benchmark")

@@ -100,3 +100,27 @@ def test_a_roomy_budget_is_the_default_engine_bit_for_bit(tmp_path):
     assert a.placement is pl.ON_DEVICE and not b.placement.offloads and b.use_graph and not b.host_embed
     assert b.weight_bytes() == a.weight_bytes() and b.host_weight_bytes() == 0
     _same_steps(a, b, _ids(), bitwise=True)
+
+
+def test_offload_benchmark_at_tiny_widths():
+    """eval/bench_offload.py on the GPU at tiny widths (the H200 runs of BENCHMARKS.md at full width): a
+    DeepSeek-V3-like slice with per-layer times (the profiling hook syncs between layers; the extrapolation is
+    printed), and a dense 2x8 model under a budget that moves the embedding (steps still graphs, the same tokens,
+    the GPU peak reported)."""
+    from tests.test_offload_shapes import TINY_DENSE, TINY_V3
+    from trapetum.eval import bench_offload as bo
+    from trapetum.eval.random_model import random_sizes, shape_config
+    with torch.inference_mode():
+        r = bo.run("deepseek-v3", "cb4", layers=3, steps=4, per_layer=True, device="cuda", overrides=TINY_V3)
+    assert list(r["rows"]) == ["gpu", "gpu-eager", "host-experts"] and r["extrapolation"]["moe"] == 4
+    assert r["rows"]["gpu-eager"]["same_tokens"] == "4/4"  # graphs and eager steps: the same kernels
+    assert all(r["rows"][n]["gpu_peak_gib"] > 0 for n in ("gpu", "host-experts"))
+    assert "EXTRAPOLATED" in bo.markdown(r)
+    cfg = shape_config("llama2-70b", overrides=TINY_DENSE)
+    sizes = random_sizes("llama2-70b", "aqlm-2x8", overrides=TINY_DENSE)
+    need = bo.needs(sizes, cfg, pl.kv_bytes(cfg, bo.PROMPT + bo.WARMUP + 4 + 16), tied=False)
+    mid = (need["everything on the GPU"] + need["embedding in host RAM"]) / 2
+    with torch.inference_mode():
+        r = bo.run("llama2-70b", "aqlm-2x8", steps=4, gpu_mem=mid, device="cuda", overrides=TINY_DENSE)
+    row = r["rows"]["embed-host"]
+    assert r["placed"].startswith("planned") and row["same_tokens"] == "4/4" and row["gpu_peak_gib"] < mid

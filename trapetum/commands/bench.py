@@ -87,7 +87,8 @@ def register(subparsers) -> None:
                         help="GPU power (W) and J/token during decode, fp16 / 4-bit / 2x8 shapes in one run (NVML)")
     en.set_defaults(func=_energy)
     of = sub.add_parser("offload", populate=_offload_arguments,
-                        help="MoE decode with the routed experts in host RAM against all on the GPU (tok/s, host GB/s)")
+                        help="routed experts (MoE) or the embedding (dense) in host RAM against all on the GPU: "
+                              "tok/s, host GB/s, GPU peak; --per-layer: per-layer times and the extrapolation")
     of.set_defaults(func=_offload)
     sp = sub.add_parser("spec", populate=_spec_arguments,
                         help="speculative decoding end to end, plain and speculative in one process "

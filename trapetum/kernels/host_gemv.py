@@ -149,6 +149,24 @@ def supports(bits: int) -> bool:
     return bits in HOST_BITS
 
 
+def check_weight(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int) -> int:
+    """The weight's arguments of ``codebook_gemv_host`` checked (ValueError naming the one that is wrong), without
+    running a GEMV; its output rows N."""
+    if bits not in HOST_BITS:
+        raise ValueError(f"host GEMV: {bits}-bit codes are not supported (supported: {HOST_BITS})")
+    K, N = int(in_features), int(codes.shape[0])
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != packed_width(K, bits) \
+            or codes.stride(1) != 1:
+        raise ValueError(f"host GEMV: codes must be uint8 [{N}, {packed_width(K, bits)}] with unit column stride, "
+                         f"got {codes.dtype} {tuple(codes.shape)}")
+    if codebook.dtype != torch.float16 or tuple(codebook.shape) != (N, 1 << bits) or not codebook.is_contiguous():
+        raise ValueError(f"host GEMV: codebook must be contiguous fp16 [{N}, {1 << bits}], got "
+                         f"{codebook.dtype} {tuple(codebook.shape)}")
+    if codes.device.type != "cpu" or codebook.device.type != "cpu":
+        raise ValueError("host GEMV: tensors must be on the CPU")
+    return N
+
+
 def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
                        in_features: int | None = None, *, threads: int | None = None, out: torch.Tensor | None = None,
                        path: str | None = None) -> torch.Tensor:
@@ -158,20 +176,11 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Ten
     lib = _load()
     if lib is None:
         raise RuntimeError(f"host kernels unavailable: {_err}")
-    if bits not in HOST_BITS:
-        raise ValueError(f"host GEMV: {bits}-bit codes are not supported (supported: {HOST_BITS})")
     K = int(in_features if in_features is not None else x.shape[-1])
-    N = int(codes.shape[0])
+    N = check_weight(codes, codebook, bits, K)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"host GEMV: x must be [M, {K}], got {tuple(x.shape)}")
-    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] != packed_width(K, bits) \
-            or codes.stride(1) != 1:
-        raise ValueError(f"host GEMV: codes must be uint8 [{N}, {packed_width(K, bits)}] with unit column stride, "
-                         f"got {codes.dtype} {tuple(codes.shape)}")
-    if codebook.dtype != torch.float16 or tuple(codebook.shape) != (N, 1 << bits) or not codebook.is_contiguous():
-        raise ValueError(f"host GEMV: codebook must be contiguous fp16 [{N}, {1 << bits}], got "
-                         f"{codebook.dtype} {tuple(codebook.shape)}")
-    if any(t.device.type != "cpu" for t in (x, codes, codebook)):
+    if x.device.type != "cpu":
         raise ValueError("host GEMV: tensors must be on the CPU")
     if x.dtype != torch.float32 or x.stride(1) != 1:
         x = x.to(torch.float32).contiguous()
@@ -200,7 +209,7 @@ class HostGemv:
         if lib is None:
             raise RuntimeError(f"host kernels unavailable: {_err}")
         K = int(in_features)
-        codebook_gemv_host(torch.zeros(1, K), codes, codebook, bits, K, threads=1)  # checks the arguments
+        check_weight(codes, codebook, bits, K)
         self.codes, self.codebook, self.bits, self.in_features = codes, codebook, bits, K
         self.out_features = int(codes.shape[0])
         self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant

@@ -52,7 +52,7 @@ class FusedGemv:
             raise ValueError(f"host ops: {bits}-bit codes are not supported (supported: {hg.HOST_BITS})")
         K = int(in_features)
         for codes, cb, _ in parts:  # the single-weight checks (shapes, dtypes, strides)
-            hg.codebook_gemv_host(torch.zeros(1, K), codes, cb, bits, K, threads=1)
+            hg.check_weight(codes, cb, bits, K)
         self.act = 0 if act is None else ACTS[act]
         if self.act and (len(parts) != 2 or parts[0][0].shape[0] != parts[1][0].shape[0]):
             raise ValueError("host ops: an activation takes two weights (gate, up) of equal rows")

@@ -144,6 +144,7 @@ class GpuEngine:
         self.argmax_rows = torch.zeros(MAX_VERIFY_ROWS, dtype=torch.long, device=dev)
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.layer_hook = None  # profiling: decoder_forward's on_layer for the row forwards (they then run eagerly)
         # padded prefill (prefill_bucket): the prompt rows, the real last row, graphs with their logits per bucket
         self.prefill_tokens: torch.Tensor | None = None
         self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
@@ -199,7 +200,7 @@ class GpuEngine:
     # -- the row forwards (DECODE, VERIFY) -----------------------------------------------------
     def _rows(self, mode: Mode, m: int, greedy: bool) -> None:
         batch = ForwardBatch.rows(mode, self.row_tokens[:m], self.pos)
-        logits = decoder_forward(batch, EngineOps(self, mode), self.model)  # self.logits_rows[:m]
+        logits = decoder_forward(batch, EngineOps(self, mode), self.model, on_layer=self.layer_hook)  # logits_rows[:m]
         if mode is Mode.DECODE:
             if greedy:
                 torch.argmax(logits, dim=-1, out=self.token)
@@ -210,11 +211,17 @@ class GpuEngine:
     def _upload_rows(self, m: int) -> None:
         """The table rows of ``row_tokens[:m]`` from the host table into ``embed_rows[:m]`` (host embedding)."""
         ids = self.row_tokens[:m].cpu()  # the sync: the tokens may come from the previous step's argmax
+        self._gather_rows(ids)
+
+    def _gather_rows(self, ids: torch.Tensor) -> None:
+        """The host side of ``_upload_rows``: table rows ``ids`` (int64 [m] on the CPU) gathered into the pinned
+        buffer, queued for upload into ``embed_rows[:m]``."""
+        m = ids.numel()
         torch.index_select(self.model.embed, 0, ids, out=self.embed_pinned[:m])
         self.embed_rows[:m].copy_(self.embed_pinned[:m], non_blocking=self.device.type == "cuda")
 
     def _run(self, mode: Mode, m: int, greedy: bool) -> None:
-        if not self.use_graph:
+        if not self.use_graph or self.layer_hook is not None:  # a profiling hook runs eagerly (decoder_forward)
             if self.host_embed:
                 self._upload_rows(m)
             self._rows(mode, m, greedy)

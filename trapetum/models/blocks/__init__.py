@@ -48,12 +48,18 @@ def layer_forward(x, batch, ops, layer):
     return x
 
 
-def decoder_forward(batch, ops, model):
+def decoder_forward(batch, ops, model, on_layer=None):
     """Logits fp32 of the rows ``batch.logits`` selects: embedding, the layers, final norm, LM head.
-    ``model`` gives ``embed``, ``layers``, ``final_norm``, ``head`` in the backend's form."""
+    ``model`` gives ``embed``, ``layers``, ``final_norm``, ``head`` in the backend's form. ``on_layer(i)``
+    (profiling, None otherwise): called with -1 after the embedding and with i after layer i (eval/bench_offload.py
+    syncs and reads the clock there; it must not run inside a CUDA graph capture)."""
     x = ops.embed(model.embed, batch)
-    for layer in model.layers:
+    if on_layer is not None:
+        on_layer(-1)
+    for i, layer in enumerate(model.layers):
         x = layer_forward(x, batch, ops, layer)
+        if on_layer is not None:
+            on_layer(i)
     if batch.logits == "last":
         x = x[..., -1:, :] if batch.last_row is None else x.index_select(-2, batch.last_row)
     return ops.logits(model.head, ops.norm(x, model.final_norm, feeds=model.head))
