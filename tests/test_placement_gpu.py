@@ -55,18 +55,23 @@ def test_host_experts_give_the_on_device_tokens(tmp_path, family):
     assert res and all(r["ok"] for r in res), [r for r in res if not r["ok"]]
 
 
+@pytest.mark.parametrize("prefill_graph", [True, False])
 @pytest.mark.parametrize("family", ["llama2", "qwen2", "gemma2"])
-def test_embedding_on_the_host_keeps_the_graphs_and_the_bits(tmp_path, family):
-    """Steps captured as graphs on both; eager unpadded prompts on both (Options.prefill_graph off: the host-table
-    engine does not pad), so every logit is the same bits."""
+def test_embedding_on_the_host_keeps_the_graphs_and_the_bits(tmp_path, family, prefill_graph):
+    """Steps captured as graphs on both; prompts padded on both (the host-table engine's padded prompt runs
+    eagerly, the device engine's as its graph) or unpadded on both (Options.prefill_graph off), so every logit is
+    the same bits."""
     build(family, tmp_path)
     ck = load_checkpoint(tmp_path)
-    o = Options(prefill_graph=False)
+    o = Options(prefill_graph=prefill_graph)
     ref = GpuEngine(ck, 64, device="cuda", options=o)
     eng = GpuEngine(ck, 64, device="cuda", options=o, placement=pl.Placement(embed_host=True))
     assert eng.use_graph and eng.host_embed and eng.embed_pinned.is_pinned()
     _same_steps(ref, eng, _ids(), bitwise=True)
     assert eng.graphs  # the steps replayed a captured graph
+    for _ in range(3):  # the device engine's prompt: eager, then captured, then replayed; the host table's eager
+        assert torch.equal(ref.prefill(_ids()[:-4]), eng.prefill(_ids()[:-4]))
+    assert bool(ref.prefill_graphs) == prefill_graph and not eng.prefill_graphs
     rows_ref, rows = ref.verify(_ids()[:5], 3).clone(), eng.verify(_ids()[:5], 3)
     assert torch.equal(rows, rows_ref)
 

@@ -21,8 +21,9 @@ graphs off), then as a graph captured at its second use, the same kernels on the
 Placement (runtime/placement.py; ``placement=``, else planned from ``Options.gpu_mem_gb``; default everything on
 the device, the engine unchanged bit for bit): with the embedding table in host RAM, a forward of rows first reads
 ``row_tokens[:M]`` back (one sync), gathers their table rows on the host into a pinned buffer and copies them into
-the static ``embed_rows`` before the graph replay (or the eager pass), so the step stays one captured graph; the
-padded prefill graph is not used (prompts run eagerly). With routed experts in host RAM (runtime/host_experts.py)
+the static ``embed_rows`` before the graph replay (or the eager pass), so the step stays one captured graph; a
+prompt runs padded as on the device (the same shapes, so the same bits and the same greedy tokens as the
+all-on-device engine) but always eagerly: its rows are gathered on the host in the pass (EngineOps.embed). With routed experts in host RAM (runtime/host_experts.py)
 every MoE layer's experts run on the CPU between the layer's GPU work, which a graph cannot hold: such an engine
 runs its steps eagerly (graphs off). Graph segments between host layers would save the launches, not the host
 work: nearly every layer of the models that need this is an MoE layer (DeepSeek-V2-Lite: 26 of 27), so a segment
@@ -325,7 +326,7 @@ class GpuEngine:
         prefill, no layer whose prompt pass is data-dependent on the host (mixture of experts: per-expert token
         counts; latent attention), no RoPE whose tables depend on the pass length, the bucket inside the cache."""
         o, cfg = self.options, self.cfg
-        return (self.device.type == "cuda" and o.prefill_graph and o.prefill == "default" and not self.host_embed
+        return (self.device.type == "cuda" and o.prefill_graph and o.prefill == "default"
                 and not cfg.moe and not cfg.mla and not any(r is not None and r.spec.length_dependent for r in self.rotaries)
                 and prefill_bucket(t) <= self.max_len)
 
@@ -344,8 +345,9 @@ class GpuEngine:
         self.prefill_tokens[T:tp].zero_()
         self.prefill_last.fill_(T - 1)
         entry = self.prefill_graphs.get(tp)
-        if entry is None and (not self.use_graph or tp not in self._prefill_seen):
-            # graphs off, or a bucket's first use: eager (a one-off prompt pays no capture)
+        if entry is None and (not self.use_graph or self.host_embed or tp not in self._prefill_seen):
+            # graphs off, the table in host RAM (a host gather in the pass), or a bucket's first use: eager (a
+            # one-off prompt pays no capture)
             self._prefill_seen.add(tp)
             return self._prefill_pass(tp)[0]
         if entry is None:
