@@ -20,7 +20,8 @@ def test_importing_the_cli_imports_no_torch():
 def test_help_imports_no_torch():
     code = ("import sys, trapetum.cli as c\n"
             "for argv in (['--help'], ['generate', '--help'], ['chat', '--help'], ['serve', '--help'], "
-            "['quantize', '--help'], ['bench', '--help']):\n"
+            "['quantize', '--help'], ['bench', '--help'], ['info', '--help'], ['verify', '--help'], "
+            "['bench', 'cpu', '--help'], ['bench', 'offload', '--help'], ['bench', 'cli', '--help']):\n"
             "    assert c.main(argv) == 0, argv\n"
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules), file=sys.stderr)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

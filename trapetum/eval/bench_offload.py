@@ -26,10 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from .random_model import random_checkpoint
-
 PROMPT = 64
 
 
@@ -45,6 +41,8 @@ class HostMeter:
                     self.layers += 1
 
     def _wrap(self, hx):
+        import torch  # here and below, not at the top: `trapetum bench offload --help` imports no torch
+
         inner, per = hx.compute, hx.expert_bytes()
 
         def compute(x, weights, idx, out, threads=None):
@@ -60,11 +58,15 @@ class HostMeter:
 
 
 def _sync(eng) -> None:
+    import torch
+
     if eng.device.type == "cuda":
         torch.cuda.synchronize(eng.device)
 
 
 def decode(eng, steps: int, meter: HostMeter | None) -> dict:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, eng.cfg.vocab_size, (PROMPT,), generator=g).tolist()
     logits = eng.prefill(prompt)
@@ -90,9 +92,12 @@ def decode(eng, steps: int, meter: HostMeter | None) -> dict:
 
 
 def run(shape: str, layers: int | None, steps: int, gpu_mem: float | None) -> dict:
+    import torch
+
     from ..runtime.engine import GpuEngine
     from ..runtime.placement import Placement
     from ..settings import Options
+    from .random_model import random_checkpoint
     max_len = PROMPT + steps + 16
     results = {"shape": shape, "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "rows": {}}
     eng = GpuEngine(random_checkpoint(shape, "cb4", layers=layers), max_len, device="cuda")
@@ -141,6 +146,8 @@ def main(argv=None) -> int:
 
 
 def run_args(a: argparse.Namespace) -> int:
+    import torch
+
     if not torch.cuda.is_available():
         print("bench_offload: needs a CUDA GPU", file=sys.stderr)
         return 1
