@@ -194,8 +194,9 @@ class CbkHeader:
             raise FormatError(f"{self.path} has .cbk version {version}; this build reads {versions_text()}")
         table = {n: (t.dtype, t.shape, t.begin - self.header_bytes, t.end - self.header_bytes)
                  for n, t in self.tensors_table.items()}
-        if md.get("trapetum_sha256") not in (header_digest(md["trapetum"], table),
-                                             header_digest(md["trapetum"], table, with_offsets=True)):
+        want = md.get("trapetum_sha256")  # the older form (with offsets) only when the current one differs
+        if want != header_digest(md["trapetum"], table) and want != header_digest(md["trapetum"], table,
+                                                                                  with_offsets=True):
             fail("metadata checksum mismatch: the header was edited or is corrupt")
         for key in ("config", "layers", "dense", "checksums"):
             if key not in meta:
