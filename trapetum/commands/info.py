@@ -39,13 +39,13 @@ def _placement(ckpt, gpu_mem: float, ctx: int | None) -> dict:
 
 
 def run(args) -> int:
-    from ..formats.detect import load_checkpoint
+    from ..formats.detect import describe_checkpoint, load_checkpoint
     from ..models.describe import describe  # not api: info needs no decoder nor kernels
-    ckpt = load_checkpoint(args.model)
+    # without --gpu-mem, the description (no torch: tests/test_cli_startup.py); the placement reads the tensors
+    ckpt = describe_checkpoint(args.model) if args.gpu_mem is None else load_checkpoint(args.model)
     info = describe(ckpt)
     if ckpt.source_format == "cbk":
-        from ..formats import cbk
-        info["sizes"] = cbk.open_cbk(ckpt.source).size_breakdown()
+        info["sizes"] = ckpt.meta["sizes"]
     if args.gpu_mem is not None:
         info["placement"] = _placement(ckpt, args.gpu_mem, args.ctx)
     if args.json:

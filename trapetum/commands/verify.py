@@ -16,10 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """OK line on stdout; a file that is not a .cbk (or cannot be opened) is one error line; each problem that
     verify finds in a .cbk is an error line, then a summary, all on stderr; exit 1 on any problem."""
-    from ..formats.cbk import CbkFile
+    from ..formats.cbk_contents import verify_file  # torch only when numpy cannot show the contents sound
 
-    cbk = CbkFile(args.file)  # FormatError (one line, naming the file) when it is no readable .cbk
-    problems = cbk.verify()
+    cbk, problems = verify_file(args.file)  # FormatError (one line, naming the file) when it is no readable .cbk
     if problems:
         for line in problems:
             print(f"trapetum: error: {line}", file=sys.stderr)

@@ -27,11 +27,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from ..errors import TrapetumError
-from ..kernels import host_gemv as hg
 
 PROMPT = "The history of the printing press begins"
 PATH_OPTIONS = {"torch": {"host_kernels": False}, "host": {"cpu_step": False}, "step": {}}
@@ -39,6 +35,8 @@ PATH_OPTIONS = {"torch": {"host_kernels": False}, "host": {"cpu_step": False}, "
 
 def read_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
     """GB/s of a numpy float32 sum over ``mb`` MB, split over ``threads`` threads (best of ``reps``)."""
+    import numpy as np  # here and below, not at the top: `trapetum bench cpu --help` imports neither
+
     a = np.ones(mb * (1 << 20) // 4, dtype=np.float32)
     parts = np.array_split(a, threads)
     best = float("inf")
@@ -56,6 +54,8 @@ def host_gemvs(decoder) -> list:
 
 def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, float]:
     """(GB/s, ms) of one pass over ``gemvs`` with M = 1 (best of ``reps``)."""
+    import torch
+
     xs = [torch.randn(1, g.in_features) for g in gemvs]
     nbytes = sum(g.codes.numel() + g.codebook.numel() * 2 for g in gemvs)
     for g, x in zip(gemvs, xs):
@@ -115,7 +115,10 @@ def main(argv=None) -> int:
 
 
 def run_args(a: argparse.Namespace) -> int:
+    import torch
+
     import trapetum
+    from ..kernels import host_gemv as hg
     from ..settings import Options
 
     threads = [int(t) for t in a.threads.split(",")]

@@ -44,16 +44,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import TrapetumError
-from ..models.config import ModelConfig
-from ..runtime import placement as pl
-from .random_model import FORMATS, random_checkpoint, random_sizes, shape_config
+
+if TYPE_CHECKING:  # torch, the runtime and the random models are imported where used: `bench offload --help`
+    from ..models.config import ModelConfig  # imports no torch (tests/test_cli_startup.py)
+    from ..runtime import placement as pl
 
 PROMPT = 64
 WARMUP = 4
-GIB = pl.GIB
+GIB = 1 << 30  # = runtime.placement.GIB
 
 
 class BenchError(TrapetumError):
@@ -78,6 +79,7 @@ class HostMeter:
             self._wrap_embed(eng)
 
     def _wrap(self, i: int, hx) -> None:
+        import torch
         inner, per = hx.compute, hx.expert_bytes()
 
         def compute(x, weights, idx, out, threads=None):
@@ -114,6 +116,7 @@ class HostMeter:
 
 
 def _sync(eng) -> None:
+    import torch
     if eng.device.type == "cuda":
         torch.cuda.synchronize(eng.device)
 
@@ -175,6 +178,7 @@ def by_kind(per: dict) -> dict:
 def extrapolate(per: dict, full: ModelConfig, full_sizes: dict[str, int]) -> dict | None:
     """The whole model's step from a slice's ``layer_times`` (module docstring); None when the slice lacks a layer
     kind the full model has."""
+    from ..runtime import placement as pl
     kinds = by_kind(per)
     counts = {"dense": full.mlp_types.count("dense"), "moe": full.mlp_types.count("moe")}
     if any(c and k not in kinds for k, c in counts.items()):
@@ -189,6 +193,7 @@ def extrapolate(per: dict, full: ModelConfig, full_sizes: dict[str, int]) -> dic
 
 
 def decode(eng, steps: int, meter: HostMeter | None, per_layer: bool = False) -> dict:
+    import torch
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, eng.cfg.vocab_size, (PROMPT,), generator=g).tolist()
     logits = eng.prefill(prompt)
@@ -229,6 +234,7 @@ def _available_host_bytes() -> int | None:
 
 
 def _build(ck, max_len: int, device, **kw) -> tuple:
+    import torch
     from ..runtime.engine import GpuEngine
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -240,6 +246,7 @@ def _build(ck, max_len: int, device, **kw) -> tuple:
 
 
 def _memory(device) -> dict:
+    import torch
     if device.type != "cuda":
         return {}
     free, total = torch.cuda.mem_get_info(device)
@@ -248,6 +255,7 @@ def _memory(device) -> dict:
 
 
 def _release(device) -> None:
+    import torch
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -255,6 +263,7 @@ def _release(device) -> None:
 
 def needs(sizes: dict[str, int], cfg: ModelConfig, kv: int, tied: bool) -> dict[str, float]:
     """GiB of GPU memory each placement of the planner's order needs (weights + KV + margin)."""
+    from ..runtime import placement as pl
     total = sum(sizes.values())
     embed = 0 if tied else sizes.get(pl.EMBED, 0)
     experts = sum(n for k, n in sizes.items() if pl.is_routed_expert(k)) if cfg.moe else 0
@@ -275,6 +284,9 @@ def run(shape: str, fmt: str = "cb4", layers: int | None = None, steps: int = 32
         ctx: int | None = None, per_layer: bool = False, gpu: bool = True, device="cuda",
         overrides: dict | None = None) -> dict:
     """The rows of the module docstring (``overrides``: ModelConfig fields, for tests at tiny sizes)."""
+    import torch
+    from ..runtime import placement as pl
+    from .random_model import random_checkpoint, random_sizes, shape_config
     from ..settings import Options
     dev = torch.device(device)
     cfg = shape_config(shape, layers, overrides)
@@ -387,7 +399,8 @@ def markdown(r: dict) -> str:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The benchmark's options (also those of ``trapetum bench offload``)."""
     ap.add_argument("--shape", default="deepseek-v2-lite", help="a shape of eval/random_model.py SHAPES")
-    ap.add_argument("--format", default="cb4", choices=FORMATS, help="weights (cb4: 4-bit, 8-bit head; default)")
+    ap.add_argument("--format", default="cb4", help="weights: a format of eval/random_model.py FORMATS "
+                    "(cb4: 4-bit, 8-bit head; default)")
     ap.add_argument("--layers", type=int, default=None, help="the first N layers only (default all)")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="host kernel threads (default torch's)")
@@ -406,6 +419,11 @@ def main(argv=None) -> int:
 
 
 def run_args(a: argparse.Namespace) -> int:
+    import torch
+    from .random_model import FORMATS
+    if a.format not in FORMATS:
+        print(f"bench_offload: --format: one of {', '.join(FORMATS)}, got {a.format!r}", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
         print("bench_offload: needs a CUDA GPU", file=sys.stderr)
         return 1

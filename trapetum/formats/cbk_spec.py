@@ -9,8 +9,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-import torch
-
 from ..models.config import ModelConfig
 from ..schemes.record import QuantRecord
 from ..models.schema import expected_names, expected_shapes
@@ -27,22 +25,22 @@ MAX_ELEMENTS = 2**62
 IO_CHUNK = 64 * 2**20  # bytes per step when a file's or tensor's bytes are hashed or copied
 HEX64 = re.compile(r"[0-9a-f]{64}")  # a sha256 hex digest, as the checksums are stored
 
-DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, attr) for name, attr in [
-        ("BOOL", "bool"), ("U8", "uint8"), ("I8", "int8"), ("I16", "int16"), ("U16", "uint16"),
-        ("I32", "int32"), ("U32", "uint32"), ("I64", "int64"), ("U64", "uint64"), ("F16", "float16"),
-        ("BF16", "bfloat16"), ("F32", "float32"), ("F64", "float64"),
-        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")] if hasattr(torch, attr)}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# The tensor dtypes a .cbk stores, as safetensors names them: bytes per element, and the torch dtype's name (the torch
+# reader, cbk.py, maps them to torch dtypes; this module imports no torch, so that the header reader does not).
+_DTYPE_TABLE: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"), "U8": (1, "uint8"), "I8": (1, "int8"), "I16": (2, "int16"), "U16": (2, "uint16"),
+    "I32": (4, "int32"), "U32": (4, "uint32"), "I64": (8, "int64"), "U64": (8, "uint64"), "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"), "F32": (4, "float32"), "F64": (8, "float64"),
+    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2")}
+DTYPE_SIZES: dict[str, int] = {name: size for name, (size, _) in _DTYPE_TABLE.items()}
+TORCH_DTYPES: dict[str, str] = {name: attr for name, (_, attr) in _DTYPE_TABLE.items()}  # "F16" -> "float16"
+_NAME_OF_TORCH = {f"torch.{attr}": name for name, attr in TORCH_DTYPES.items()}  # str(torch dtype) -> name
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-
-
-_ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
 def itemsize(dtype_name: str) -> int:
     """Bytes per element of a dtype named as safetensors names it ("F16" -> 2); KeyError if unknown."""
-    return _ITEMSIZE[dtype_name]
+    return DTYPE_SIZES[dtype_name]
 
 
 def one_line(x: Any, limit: int = 120) -> str:
@@ -62,10 +60,12 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorSpec":
-        if t.dtype not in DTYPE_NAMES:
+    def of(cls, t: Any) -> "TensorSpec":
+        """The spec of a torch tensor."""
+        name = _NAME_OF_TORCH.get(str(t.dtype))
+        if name is None:
             raise ValueError(f"dtype {t.dtype} cannot be stored in a .cbk file")
-        return cls(DTYPE_NAMES[t.dtype], tuple(int(d) for d in t.shape))
+        return cls(name, tuple(int(d) for d in t.shape))
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +117,7 @@ def versions_text() -> str:
 def file_version(layers: Mapping[str, Any]) -> int:
     """The version a file with these layers (canonical name -> meta dict with "scheme" and "params") is written
     as: 1 unless a layer uses a version-2 feature (``needs_v2``)."""
-    from ..schemes.codebook_store import needs_v2
+    from ..schemes.codebook_storage import needs_v2
     return VERSION if any(needs_v2(d.get("scheme"), d.get("params")) for d in layers.values()) else 1
 
 

@@ -20,7 +20,7 @@ from ..models.config import ModelConfig
 from ..schemes.record import QuantRecord
 from ..tokenizer import Tokenizer
 from .cbk_spec import (
-    IO_CHUNK, DTYPES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, LayerEntry, QuantSpec, TensorSpec, check_model, file_version,
+    IO_CHUNK, DTYPE_SIZES, FORMAT_NAME, MAX_DIMS, MAX_HEADER_BYTES, LayerEntry, QuantSpec, TensorSpec, check_model, file_version,
     header_digest, itemsize, one_line)
 
 _MOVE_CHUNK = 16 * 2**20  # bytes per step when commit moves the data to grow the header
@@ -138,7 +138,7 @@ class CbkWriter:
             raise ValueError("declare every tensor before the first put")
         if stored in self.specs:
             raise ValueError(f"tensor name {stored!r} is declared twice")
-        if spec.dtype not in DTYPES:
+        if spec.dtype not in DTYPE_SIZES:
             raise ValueError(f"unknown dtype {spec.dtype!r} for {stored!r}")
         if not stored or stored == "__metadata__":
             raise ValueError(f"bad tensor name {stored!r}")

@@ -45,3 +45,16 @@ def load_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
         return load_gguf(p)
     from .cbk import open_cbk
     return open_cbk(p).to_checkpoint()
+
+
+def describe_checkpoint(path: str | os.PathLike | None = None) -> Checkpoint:
+    """What ``trapetum info`` describes, read without torch where the format allows: a .cbk's header
+    (``CbkHeader.description()``: config, formats, shapes, meta, no readable tensors); a GGUF's header
+    (``load_gguf``: its tensors are dequantized, with torch, on access only); anything else as ``load_checkpoint``.
+    Validated as strictly as a load."""
+    p = Path(path) if path is not None else Path(default_model_path())
+    if detect_format(p) == "cbk":
+        from .cbk_header import CbkHeader
+        with CbkHeader(p) as h:
+            return h.description()
+    return load_checkpoint(p)

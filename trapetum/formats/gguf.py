@@ -18,17 +18,19 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError, FormatError, TrapetumError, UnsupportedError
 from ..models.config import LIMITS, ModelConfig
 from ..models.checkpoint import Checkpoint, LazyTensors
-from ..models.rope import yarn_softmax_mscale
+from ..models.rope_scale import yarn_softmax_mscale
 from ..models.schema import expected_names, expected_shapes
 from . import gguf_moe
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 FP16_MAX = 65504.0
@@ -464,23 +466,33 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], torch.Tensor]:
+def _dequantize(t: Any, where: str) -> np.ndarray:
+    """The tensor's values as a writable C-contiguous float32 array of the stored (GGUF) layout; FormatError when
+    they cannot be dequantized or hold NaN, infinite or out-of-fp16-range values."""
     import gguf.quants
 
+    try:
+        a = gguf.quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized: {e}") from None
+    a = np.asarray(a, dtype=np.float32)
+    if not a.flags.writeable or not a.flags.c_contiguous:  # F32 comes back as a view of the mapped file
+        a = np.array(a, dtype=np.float32, order="C")
+    # NaN weights, or weights past the fp16 range the GPU engine stores them in, make NaN logits: refused
+    # here, naming the tensor (no real checkpoint comes near: weights are within a few hundred)
+    if a.size and not float(np.abs(a).max()) <= FP16_MAX:
+        raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) holds NaN, infinite or "
+                          f"out-of-range values (beyond +-{FP16_MAX:g})")
+    return a
+
+
+def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], torch.Tensor]:
+    """The tensor's loader: a float32 torch tensor of ``shape`` (torch is imported on the first load, so that reading
+    the header, ``trapetum info``, needs none)."""
     def load() -> torch.Tensor:
-        try:
-            a = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized: {e}") from None
-        a = np.asarray(a, dtype=np.float32)
-        if not a.flags.writeable or not a.flags.c_contiguous:  # F32 comes back as a view of the mapped file
-            a = np.array(a, dtype=np.float32, order="C")
-        # NaN weights, or weights past the fp16 range the GPU engine stores them in, make NaN logits: refused
-        # here, naming the tensor (no real checkpoint comes near: weights are within a few hundred)
-        if a.size and not float(np.abs(a).max()) <= FP16_MAX:
-            raise FormatError(f"{where}: tensor {t.name} ({t.tensor_type.name}) holds NaN, infinite or "
-                              f"out-of-range values (beyond +-{FP16_MAX:g})")
-        return torch.from_numpy(a).reshape(shape)
+        import torch
+
+        return torch.from_numpy(_dequantize(t, where)).reshape(shape)
     return load
 
 
@@ -500,8 +512,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     arch = _get(meta, "general.architecture", str, where, required=True)
     by_name = {t.name: t for t in gf.tensors}
     raw_shapes = {t.name: t.shape for t in gf.tensors}
-    config_tensors = {n: _dequantizer(by_name[n], raw_shapes[n], where) for n in CONFIG_TENSORS if n in by_name}
-    config_tensors = {n: (lambda f=f: f().numpy()) for n, f in config_tensors.items()}
+    config_tensors = {n: (lambda t=by_name[n]: _dequantize(t, where).reshape(t.shape))
+                      for n in CONFIG_TENSORS if n in by_name}
     cfg = config_from_gguf(meta, raw_shapes, config_tensors, where)
 
     getters: dict[str, Callable[[], torch.Tensor]] = {}

@@ -23,11 +23,12 @@ and ``attn_v_b`` [H, v, r], joined back here.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 MOE_ARCHS: dict[str, dict[str, Any]] = {
     "qwen2moe": {"family": "qwen2_moe", "qkv_bias": True, "norm_topk": False},
@@ -157,6 +158,8 @@ def join_kv_b(pending: dict, cfg, where: str) -> dict[str, tuple[Callable[[], to
                               f"kv_lora_rank] = {[H, vd, r]}")
 
         def kv_b(kl=kl, vl=vl):
+            import torch  # on access only: reading the header needs no torch
+
             return torch.cat([kl().transpose(1, 2), vl()], dim=1).reshape(H * (nope + vd), r).contiguous()
         out[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = (kv_b, (H * (nope + vd), r))
     return out

@@ -11,7 +11,10 @@ Padding columns are packed as index 0 and dropped on unpack.
 """
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 
@@ -34,6 +37,8 @@ def _check_bits(bits: int) -> None:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes: integer [R, C] with values in [0, 2**bits) -> packed uint8 [R, packed_width(C, bits)]."""
+    import torch  # here, not at the top: packed_width serves the torch-free .cbk check (formats/cbk_contents.py)
+
     _check_bits(bits)
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [out, in], got shape {tuple(codes.shape)}")
@@ -58,6 +63,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int, in_features: int) -> torch.Tensor:
     """packed uint8 [R, packed_width(in_features, bits)] -> uint8 indices [R, in_features]."""
+    import torch
+
     _check_bits(bits)
     R = packed.shape[0]
     if packed.dim() != 2 or packed.shape[1] != packed_width(in_features, bits):

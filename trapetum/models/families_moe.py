@@ -23,7 +23,7 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
-from .rope import yarn_softmax_mscale
+from .rope_scale import yarn_softmax_mscale
 
 
 def _show(v: Any) -> str:

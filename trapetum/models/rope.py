@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedError
+from .rope_scale import yarn_mscale
 
 LENGTH_DEPENDENT = ("longrope", "dynamic")
 
@@ -37,28 +38,13 @@ def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_softmax_mscale(scaling: dict | None) -> float:
-    """DeepSeek's extra softmax-scale factor of a YaRN config: mscale(factor, mscale_all_dim)^2 (1 without it)."""
-    if not scaling or scaling.get("rope_type", "default") == "default" or not scaling.get("mscale_all_dim"):
-        return 1.0
-    f, m = scaling.get("factor"), scaling.get("mscale_all_dim")
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in (f, m)):
-        return 1.0  # not numbers: ModelConfig.validate refuses the scaling, naming the field
-    m = _mscale(float(f), float(m))
-    return m * m
-
-
 def _yarn(dim: int, theta: float, s: dict, max_pos: int) -> tuple[torch.Tensor, float]:
     orig = float(s["original_max_position_embeddings"])
     factor = float(s["factor"]) if s.get("factor") is not None else max_pos / orig
     af = s.get("attention_factor")
     if af is None:
         m, mall = s.get("mscale"), s.get("mscale_all_dim")
-        af = _mscale(factor, m) / _mscale(factor, mall) if m and mall else _mscale(factor)
+        af = yarn_mscale(factor, m) / yarn_mscale(factor, mall) if m and mall else yarn_mscale(factor)
     beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
     def corr_dim(rot):

@@ -50,7 +50,7 @@ import torch
 from ..errors import ConfigError
 from ..formats.cbk import CbkFile, CbkWriter, sha256_file
 from ..formats.cbk_write import check_output_path
-from ..formats.cbk_spec import DTYPES, QuantSpec, TensorSpec
+from ..formats.cbk_spec import DTYPE_SIZES, QuantSpec, TensorSpec
 from ..formats.detect import load_checkpoint
 from ..models.checkpoint import Checkpoint, LazyTensors
 from ..models.schema import expected_shapes, layer_projections
@@ -282,7 +282,7 @@ def plan_quantization(ckpt: Checkpoint, recipe: Recipe, *, layers: bool = True) 
         if ckpt.source_format in ("cbk", "aqlm"):
             return True
         fmt = formats.get(key)
-        return ckpt.source_format not in ("hf", "gguf") and fmt is not None and fmt not in DTYPES
+        return ckpt.source_format not in ("hf", "gguf") and fmt is not None and fmt not in DTYPE_SIZES
     jobs: list[_Job] = []
 
     def shape_of(key: str) -> tuple[int, ...]:

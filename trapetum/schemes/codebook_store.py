@@ -27,22 +27,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import FormatError
+from .codebook_storage import ROLES, STORAGES, needs_v2, storage_of
 from .record import QuantRecord
 
 __all__ = ["STORAGES", "ROLES", "storage_of", "needs_v2", "decode_u8", "decode_shared", "expand", "check_compact"]
-
-STORAGES = ("f16", "u8", "shared")
-ROLES = {"f16": ("codebook",), "u8": ("codebook_u8", "codebook_range"), "shared": ("codebook_shared", "row_scale")}
-
-
-def storage_of(params: dict) -> object:
-    """The record's codebook storage: "f16" when ``params`` has no "codebook" key (what version 1 wrote)."""
-    return params.get("codebook", "f16") if isinstance(params, dict) else "f16"
-
-
-def needs_v2(scheme: str, params: dict) -> bool:
-    """Whether a layer needs .cbk version 2 (a compact codebook storage)."""
-    return scheme == "codebook" and storage_of(params) != "f16"
 
 
 def decode_u8(q: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,10 @@ Loaders (``.cbk``) put a ``QuantRecord`` where a checkpoint would hold a dense w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
