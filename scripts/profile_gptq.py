@@ -81,8 +81,9 @@ def main() -> None:
         other = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(other)
         runs.insert(0, ("module", other, "module"))
-    timed_refine(gptq, W[:8], H, book[:8], codes[:8], {k: v[:8] for k, v in stored.items()},
-                 runs[-1][2] if runs[-1][2] != "module" else "auto", sync)  # warm-up (compiles the kernel)
+    w = min(R, 64)  # warm-up (compiles the kernel): 64 rows, Triton's specialization of R % 16 == 0 as 4096
+    timed_refine(gptq, W[:w], H, book[:w], codes[:w], {k: v[:w] for k, v in stored.items()},
+                 runs[-1][2] if runs[-1][2] != "module" else "auto", sync)
     outs = []
     for i, (name, mod, sweep) in enumerate(runs):
         if a.profile and i == len(runs) - 1:
