@@ -252,3 +252,36 @@ def test_cuda_refine_equals_session11_bit_for_bit(shape):
         proj = lambda c: project_centroids(c, storage)  # noqa: E731
         same_refine(gptq_refine(W, H, book, res.codes.cpu(), proj, stored),
                     refine_session11(W, H, book, res.codes.cpu(), proj, stored))
+
+
+def _fixed_fit(W, bits, imp, **kw):
+    """fit_rows stand-in: a fixed fp16 book and seeded codes (the test is about what quantize_matrix does next)."""
+    R, C = W.shape
+    K = 1 << bits
+    g = torch.Generator().manual_seed(R * 1000 + C)
+    book = (torch.randn(R, K, generator=g) * 0.02).sort(1).values.to(torch.float16)
+    codes = torch.randint(0, K, (R, C), generator=g).to(torch.uint8)
+    return book, codes, {"codebook": book}, {"bits": bits, "codebook": "f16"}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_quantize_matrix_packs_its_codes(monkeypatch, bits):
+    """The packed codes are pack_codes of the fit's codes over every row chunk (the chunks of 2^21 elements: 698
+    rows x 3001 columns make a short last chunk), and the error is that of book[codes]; on CUDA, with W there, the
+    bytes are the CPU's and the errors agree."""
+    from trapetum.kernels.pack import pack_codes
+    from trapetum.quant import quantize as Q
+    from trapetum.quant.recipe import Recipe
+    monkeypatch.setattr(Q, "fit_rows", _fixed_fit)
+    W = torch.randn(1500, 3001, generator=torch.Generator().manual_seed(bits)) * 0.02
+    book, codes, _, _ = _fixed_fit(W, bits, None)
+    imp = torch.rand(3001) + 0.1
+    rec, err = Q.quantize_matrix(W, bits, imp, Recipe(bits=bits), "cpu", None)
+    assert torch.equal(rec.tensors["codes"], pack_codes(codes, bits))
+    d = deq(book, codes) - W.double()
+    assert err["rel_err"] == pytest.approx(float(d.norm() / W.double().norm()), rel=1e-9)
+    if torch.cuda.is_available():
+        rec2, err2 = Q.quantize_matrix(W.cuda(), bits, imp.cuda(), Recipe(bits=bits), "cuda", None)
+        assert rec2.tensors["codes"].device.type == "cpu" and torch.equal(rec2.tensors["codes"], rec.tensors["codes"])
+        assert err2["rel_err"] == pytest.approx(err["rel_err"], rel=1e-9)
+        assert err2["rel_err_weighted"] == pytest.approx(err["rel_err_weighted"], rel=1e-9)
