@@ -24,7 +24,8 @@ from trapetum.quant.kmeans import kmeans_rows
 
 def timed_refine(mod, W, H, book, codes, stored, sweep, sync):
     T = {}
-    saved = {n: getattr(mod, n) for n in ("gptq_assign", "refit_codebooks", "hessian_objective")}
+    saved = {n: getattr(mod, n) for n in ("gptq_assign", "refit_codebooks", "hessian_objective", "inverse_cholesky")
+             if hasattr(mod, n)}
 
     def wrap(n, f):
         def g(*a, **k):
@@ -47,6 +48,7 @@ def timed_refine(mod, W, H, book, codes, stored, sweep, sync):
     finally:
         for n, f in saved.items():
             setattr(mod, n, f)
+    T["rest"] = T["total"] - sum(v for k, v in T.items() if k != "total")  # codes' round trips, sorting, project
     return out, {k: round(v, 3) for k, v in T.items()}
 
 
@@ -74,12 +76,14 @@ def main() -> None:
     codes = res.codes.cpu()
     runs = [("branch", gptq, s) for s in a.sweeps.split(",")]
     if a.module:
-        spec = importlib.util.spec_from_file_location("gptq_other", a.module)
+        # a submodule of trapetum.quant, so that its relative imports (..kernels) resolve
+        spec = importlib.util.spec_from_file_location("trapetum.quant.gptq_other", a.module)
         other = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(other)
         runs.insert(0, ("module", other, "module"))
-    timed_refine(gptq, W[:8], H, book[:8], codes[:8], {k: v[:8] for k, v in stored.items()},
-                 runs[-1][2] if runs[-1][2] != "module" else "auto", sync)  # warm-up (compiles the kernel)
+    w = min(R, 64)  # warm-up (compiles the kernel): 64 rows, Triton's specialization of R % 16 == 0 as 4096
+    timed_refine(gptq, W[:w], H, book[:w], codes[:w], {k: v[:w] for k, v in stored.items()},
+                 runs[-1][2] if runs[-1][2] != "module" else "auto", sync)
     outs = []
     for i, (name, mod, sweep) in enumerate(runs):
         if a.profile and i == len(runs) - 1:

@@ -160,3 +160,129 @@ def test_gptq_needs_calibration():
         Recipe(gptq=True, calib="none").validate()
     with pytest.raises(ConfigError, match="use --codebook u8 or f16"):
         Recipe(gptq=True, codebook="shared").validate()
+
+
+def refit_session11(W, H, codes, book, ridge=1e-9, rows=256):
+    """Session 11's refit (torch.linalg.solve, the start book copied to the device per chunk)."""
+    R, C = W.shape
+    K = book.shape[1]
+    dev = W.device
+    Hd = H.to(dev, torch.float64)
+    out = torch.empty(R, K, dtype=torch.float64, device=dev)
+    scale = float(torch.diagonal(Hd).mean()) * C / K
+    eye = torch.eye(K, dtype=torch.float64, device=dev)
+    for r0 in range(0, R, rows):
+        a = codes[r0:r0 + rows].to(dev, torch.long)
+        O = torch.zeros(a.shape[0], C, K, dtype=torch.float64, device=dev).scatter_(2, a.unsqueeze(2), 1.0)
+        HO = torch.einsum("ij,njk->nik", Hd, O)
+        M = torch.einsum("nik,nil->nkl", O, HO)
+        b = torch.einsum("ni,nik->nk", W[r0:r0 + rows].to(dev, torch.float64), HO)
+        lam = ridge * scale
+        c0 = book[r0:r0 + rows].to(dev, torch.float64)
+        out[r0:r0 + rows] = torch.linalg.solve(M + lam * eye, (b + lam * c0).unsqueeze(2)).squeeze(2)
+    return out
+
+
+def refine_session11(W, H, book, codes, project, stored, rounds=2, block=128, damp=0.01):
+    """Session 11's gptq_refine: the codes through the host every round (masked copies on the CPU)."""
+    from trapetum.quant.gptq import inverse_cholesky
+    dev = W.device
+
+    def dq(b, a):
+        return torch.gather(b.to(dev, torch.float64), 1, a.to(dev, torch.long))
+
+    best_obj = hessian_objective(W, dq(book, codes), H)
+    start = float(best_obj.sum())
+    best_book, best_codes = book.clone(), codes.to(torch.uint8).clone()
+    best_stored = {k: v.clone() for k, v in stored.items()}
+    cur = book
+    U = inverse_cholesky(H, damp, dev)
+    for _ in range(rounds):
+        a = gptq_assign(W, H, cur, block=block, U=U)
+        c = refit_session11(W, H, a, cur)
+        c, perm = c.sort(1)
+        a = torch.argsort(perm, 1).gather(1, a)
+        cur, st = project(c.cpu())
+        obj = hessian_objective(W, dq(cur, a), H)
+        better = (obj < best_obj).cpu()
+        if bool(better.any()):
+            best_book[better] = cur[better]
+            best_codes[better] = a.cpu()[better].to(torch.uint8)
+            for k, v in st.items():
+                best_stored[k][better] = v[better]
+            best_obj = torch.minimum(best_obj, obj)
+    return best_book, best_codes, best_stored, {"objective_start": start, "objective": float(best_obj.sum())}
+
+
+def same_refine(got, ref):
+    assert torch.equal(got[0], ref[0]) and got[1].dtype == torch.uint8 and torch.equal(got[1], ref[1])
+    assert got[1].device.type == "cpu" and got[0].device.type == "cpu"
+    assert got[2].keys() == ref[2].keys() and all(torch.equal(got[2][k], ref[2][k]) for k in ref[2])
+    assert got[3] == ref[3]
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(300, 200)])
+@pytest.mark.parametrize("storage", ["f16", "u8"])
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_refine_equals_session11_bit_for_bit(shape, storage, rounds):
+    """The codes kept on W's device and merged by torch.where (and solve_ex in the refit) change no bit of the
+    books, codes, stored tensors or objectives of session 11's host bookkeeping; codes given as int64 or uint8."""
+    W, H = problem(*shape, seed=5 + sum(shape))
+    res = kmeans_rows(W, 16, torch.diagonal(H))
+    book, stored = project_centroids(res.codebook, storage)
+    proj = lambda c: project_centroids(c, storage)  # noqa: E731
+    ref = refine_session11(W, H, book, res.codes, proj, stored, rounds=rounds)
+    for codes in (res.codes, res.codes.long()):
+        same_refine(gptq_refine(W, H, book, codes, proj, stored, rounds=rounds), ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(512, 1024), (1100, 640), (4096, 11008)])
+def test_cuda_refine_equals_session11_bit_for_bit(shape):
+    """On the GPU (the codes' round trips removed, the Triton sweep): the same files as session 11's path, up to
+    a Llama-2-7B down_proj (~10 s on an H200)."""
+    R, C = shape
+    g = torch.Generator().manual_seed(R + C)
+    d = torch.rand(C, generator=g) + 0.01
+    A = torch.randn(C, C // 8, generator=g) / C ** 0.5
+    H = (torch.diag(d) + A @ A.T).cuda()
+    W = (torch.randn(R, C, generator=g) * 0.02).cuda()
+    res = kmeans_rows(W, 16, d.cuda())
+    for storage in ("f16", "u8"):
+        book, stored = project_centroids(res.codebook.cpu(), storage)
+        proj = lambda c: project_centroids(c, storage)  # noqa: E731
+        same_refine(gptq_refine(W, H, book, res.codes.cpu(), proj, stored),
+                    refine_session11(W, H, book, res.codes.cpu(), proj, stored))
+
+
+def _fixed_fit(W, bits, imp, **kw):
+    """fit_rows stand-in: a fixed fp16 book and seeded codes (the test is about what quantize_matrix does next)."""
+    R, C = W.shape
+    K = 1 << bits
+    g = torch.Generator().manual_seed(R * 1000 + C)
+    book = (torch.randn(R, K, generator=g) * 0.02).sort(1).values.to(torch.float16)
+    codes = torch.randint(0, K, (R, C), generator=g).to(torch.uint8)
+    return book, codes, {"codebook": book}, {"bits": bits, "codebook": "f16"}
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_quantize_matrix_packs_its_codes(monkeypatch, bits):
+    """The packed codes are pack_codes of the fit's codes over every row chunk (the chunks of 2^21 elements: 698
+    rows x 3001 columns make a short last chunk), and the error is that of book[codes]; on CUDA, with W there, the
+    bytes are the CPU's and the errors agree."""
+    from trapetum.kernels.pack import pack_codes
+    from trapetum.quant import quantize as Q
+    from trapetum.quant.recipe import Recipe
+    monkeypatch.setattr(Q, "fit_rows", _fixed_fit)
+    W = torch.randn(1500, 3001, generator=torch.Generator().manual_seed(bits)) * 0.02
+    book, codes, _, _ = _fixed_fit(W, bits, None)
+    imp = torch.rand(3001) + 0.1
+    rec, err = Q.quantize_matrix(W, bits, imp, Recipe(bits=bits), "cpu", None)
+    assert torch.equal(rec.tensors["codes"], pack_codes(codes, bits))
+    d = deq(book, codes) - W.double()
+    assert err["rel_err"] == pytest.approx(float(d.norm() / W.double().norm()), rel=1e-9)
+    if torch.cuda.is_available():
+        rec2, err2 = Q.quantize_matrix(W.cuda(), bits, imp.cuda(), Recipe(bits=bits), "cuda", None)
+        assert rec2.tensors["codes"].device.type == "cpu" and torch.equal(rec2.tensors["codes"], rec.tensors["codes"])
+        assert err2["rel_err"] == pytest.approx(err["rel_err"], rel=1e-9)
+        assert err2["rel_err_weighted"] == pytest.approx(err["rel_err_weighted"], rel=1e-9)

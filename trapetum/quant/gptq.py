@@ -101,6 +101,7 @@ def refit_codebooks(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, book:
     out = torch.empty(R, K, dtype=torch.float64, device=dev)
     scale = float(torch.diagonal(Hd).mean()) * C / K
     eye = torch.eye(K, dtype=torch.float64, device=dev)
+    book_d = book.to(dev, torch.float64)  # once: a pageable copy per chunk would wait for the GPU each time
     for r0 in range(0, R, rows):
         a = codes[r0:r0 + rows].to(dev, torch.long)
         n = a.shape[0]
@@ -109,8 +110,8 @@ def refit_codebooks(W: torch.Tensor, H: torch.Tensor, codes: torch.Tensor, book:
         M = torch.einsum("nik,nil->nkl", O, HO)  # A^T H A
         b = torch.einsum("ni,nik->nk", W[r0:r0 + rows].to(dev, torch.float64), HO)  # A^T H w
         lam = ridge * scale
-        c0 = book[r0:r0 + rows].to(dev, torch.float64)
-        out[r0:r0 + rows] = torch.linalg.solve(M + lam * eye, (b + lam * c0).unsqueeze(2)).squeeze(2)
+        c0 = book_d[r0:r0 + rows]
+        out[r0:r0 + rows] = torch.linalg.solve_ex(M + lam * eye, (b + lam * c0).unsqueeze(2))[0].squeeze(2)  # no sync
     return out
 
 
@@ -121,17 +122,22 @@ def gptq_refine(W: torch.Tensor, H: torch.Tensor, book: torch.Tensor, codes: tor
     """From a k-means start (fp16 ascending ``book`` [R, K], ``codes`` [R, C], its ``stored`` tensors), the
     alternation of the module docstring. ``project(centroids float64 [R, K] ascending) -> (decoded fp16
     [R, K], stored tensors)`` is the storage's rounding. Returns (book, codes uint8, stored, info) with each row
-    the best of its rounds; info: {"objective_start", "objective"} (sums over rows, float)."""
+    the best of its rounds (all on the CPU); info: {"objective_start", "objective"} (sums over rows, float).
+
+    The codes stay on W's device from start to end (uint8, K <= 256): they cross to it once and back once; each
+    round's choice of the better rows is one ``torch.where`` there. Only the [R, K] books, their stored tensors and
+    the [R] row choice go through the host per round (``project`` runs on the CPU)."""
     R, C = W.shape
     dev = W.device
     Wf = W.float()
 
     def deq(b, a):
-        return torch.gather(b.to(dev, torch.float64), 1, a.to(dev, torch.long))
+        return torch.gather(b.to(dev, torch.float64), 1, a.long())
 
-    best_obj = hessian_objective(Wf, deq(book, codes), H)
+    best_codes = codes.to(dev, torch.uint8)
+    best_obj = hessian_objective(Wf, deq(book, best_codes), H)
     start = float(best_obj.sum())
-    best_book, best_codes = book.clone(), codes.to(torch.uint8).clone()
+    best_book = book.clone()
     best_stored = {k: v.clone() for k, v in stored.items()}
     cur = book
     U = inverse_cholesky(H, damp, dev)  # the same for every round
@@ -142,11 +148,11 @@ def gptq_refine(W: torch.Tensor, H: torch.Tensor, book: torch.Tensor, codes: tor
         a = torch.argsort(perm, 1).gather(1, a)  # codes follow their centroids
         cur, st = project(c.cpu())
         obj = hessian_objective(Wf, deq(cur, a), H)
-        better = (obj < best_obj).cpu()
-        if bool(better.any()):
-            best_book[better] = cur[better]
-            best_codes[better] = a.cpu()[better].to(torch.uint8)
-            for k, v in st.items():
-                best_stored[k][better] = v[better]
-            best_obj = torch.minimum(best_obj, obj)
-    return best_book, best_codes, best_stored, {"objective_start": start, "objective": float(best_obj.sum())}
+        better_d = obj < best_obj
+        best_codes = torch.where(better_d.unsqueeze(1), a.to(torch.uint8), best_codes)
+        best_obj = torch.minimum(best_obj, obj)
+        better = better_d.cpu()
+        best_book[better] = cur[better]
+        for k, v in st.items():
+            best_stored[k][better] = v[better]
+    return best_book, best_codes.cpu(), best_stored, {"objective_start": start, "objective": float(best_obj.sum())}

@@ -178,7 +178,9 @@ def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe
     ``recipe.head_group_rows`` rows), with ``hess`` (E[x x^T] of the input) and ``recipe.gptq`` refined by
     ``gptq.gptq_refine`` (error-compensated codes, Hessian-weighted codebooks), then packing and the relative errors ||(W - Wq) sqrt(w)|| / ||W sqrt(w)||
     row chunk by row chunk (kmeans_rows bounds its own work the same way): a 70B projection (8192 x 28672) needs
-    its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take."""
+    its codes plus ~70 MB here, not the ~6 GB that whole-matrix float64 temporaries would take. Both run on W's
+    device: the uint8 codes cross to it chunk by chunk and are widened and packed there (integer work: the same
+    bytes on any device; on the host it was CPU time of the order of a GPU layer's k-means)."""
     book, codes, stored, params = fit_rows(W, bits, imp, storage=storage, group_rows=recipe.head_group_rows,
                                            iters=recipe.iters, starts=recipe.starts, device=device)
     R, C = W.shape  # codes uint8 [R, C], book: the decoded fp16 [R, K] (CPU)
@@ -195,9 +197,10 @@ def quantize_matrix(W: torch.Tensor, bits: int, imp: torch.Tensor | None, recipe
     step = max(1, _POST_CHUNK // max(1, C))
     for r0 in range(0, R, step):
         r1 = min(R, r0 + step)
-        packed[r0:r1] = pack_codes(codes[r0:r1], bits)
+        cc = codes[r0:r1].to(W.device)  # uint8 to W's device, widened and packed there (integers: the same bytes)
+        packed[r0:r1] = pack_codes(cc, bits)
         Wc = W[r0:r1].to(torch.float64)
-        Wq = torch.gather(book[r0:r1].to(W.device, torch.float64), 1, codes[r0:r1].to(W.device, torch.long))
+        Wq = torch.gather(book[r0:r1].to(W.device, torch.float64), 1, cc.long())
         d2 = Wq.sub_(Wc).square_()  # [r, C]
         w2 = Wc.square_()
         num += float(d2.sum())
