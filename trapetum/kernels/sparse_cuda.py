@@ -70,9 +70,10 @@ def is_warp_major(ct: torch.Tensor) -> bool:
 
 
 def splits(K: int, N: int) -> int:
-    """K ranges per row group: from the shape only (never M or the data); each range at most MAX_KS inputs."""
+    """K ranges per row group: from the shape only (never M or the data); at M = 1 the grid at most TARGET_BLOCKS
+    (one wave: no tail of a second), ranges of at least ~128 inputs and at most MAX_KS."""
     G = -(-N // ROWS)
-    s = max(1, min(-(-TARGET_BLOCKS // G), MAX_SPLITS, -(-K // 128)))
+    s = max(1, min(TARGET_BLOCKS // G, MAX_SPLITS, -(-K // 128)))
     return max(s, -(-K // MAX_KS))
 
 

@@ -41,9 +41,9 @@ __device__ __forceinline__ uint32_t ld_code(const uint32_t* p) {
 }
 
 template <int EPI>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads)  // 64 registers (ptxas -v): 4 blocks an SM
 sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, const half* __restrict__ cb,
-                   const half* __restrict__ res, const uint8_t* __restrict__ dense, half* __restrict__ y,
+                   const half* __restrict__ res, const uint8_t* dense, half* __restrict__ y,
                    float* __restrict__ part, int* __restrict__ cnt, float t, int M, int N, int K, int KS, int S,
                    int has_res, int F) {
   trapetum_pdl::allow_dependents();
@@ -71,14 +71,23 @@ sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, 
   }
   trapetum_pdl::wait_inputs();  // x, the residual, y, part and the counters belong to the previous kernels
 
-  // 2. the kept inputs of [k_lo, k_hi), in chunks of 256
+  // 2. the kept inputs of [k_lo, k_hi), in chunks of 256 (x of all chunks loaded first: KS <= 4 chunks)
   const int k_lo = s * KS, k_hi = min(k_lo + KS, K);
-  const bool dn = dense[m] != 0;
+  const bool dn = __ldca(dense + m) != 0;  // written by an earlier kernel: a coherent load, kept below the wait
+  constexpr int kChunks = kMaxKS / kThreads;
+  float xr[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int k = k_lo + c * kThreads + tid;
+    xr[c] = k < k_hi ? trapetum_pdl::ld_input_half(x + (size_t)m * K + k) : 0.0f;
+  }
   int nnz = 0;
-  for (int k0 = k_lo; k0 < k_hi; k0 += kThreads) {
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int k0 = k_lo + c * kThreads;
+    if (k0 >= k_hi) break;  // block-uniform
     const int k = k0 + tid;
-    float xv = 0.0f;
-    if (k < k_hi) xv = trapetum_pdl::ld_input_half(x + (size_t)m * K + k);
+    const float xv = xr[c];
     const bool keep = k < k_hi && (dn ? xv != 0.0f : fabsf(xv) > t);
     const uint32_t b = __ballot_sync(0xffffffffu, keep);
     if (lane == 0) wcount[warp] = __popc(b);
@@ -141,7 +150,16 @@ sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, 
     if (!last) return;
     __threadfence();
     sum = 0.0f;
-    for (int s2 = 0; s2 < S; ++s2) sum += __ldcg(part + ((size_t)s2 * M + m) * Np + g * kRows + tid);
+    const float* pp = part + (size_t)m * Np + g * kRows + tid;
+    const size_t step = (size_t)M * Np;
+    for (int s0 = 0; s0 < S; s0 += 16) {  // 16 loads in flight, added in the order s = 0, 1, ..
+      float v[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) v[u] = s0 + u < S ? __ldcg(pp + (s0 + u) * step) : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (s0 + u < S) sum += v[u];
+    }
     if (tid == 0) cnt[m * G + g] = 0;
   }
   const int row = g * kRows + tid;
