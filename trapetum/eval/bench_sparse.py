@@ -38,7 +38,9 @@ from .bench_kernels import graph_time_us
 HBM_BYTES_PER_S = 4.8e12
 
 
-def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -> list[dict]:
+def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=()) -> list[dict]:
+    """One row per shape and S (module docstring); ``cuda_splits``: the CUDA kernel also timed at these K-range
+    counts (row key "cuda_splits_us": {S: us}), to compare with the default ``sparse_cuda.splits``."""
     dev = torch.device("cuda")
     out = []
     for K, N in shapes:
@@ -74,20 +76,23 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y)
 
-            def cuda_op(i, x=x):
+            def cuda_op(i, x=x, splits=None):
                 c, b = cw.clone(), cb.clone()
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
-                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="cuda")
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="cuda",
+                                              splits=splits)
 
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
             cp = graph_time_us(compact_op, weight_bytes)
             cu = graph_time_us(cuda_op, weight_bytes) if cw is not None else float("nan")
+            by_splits = {v: graph_time_us(lambda i, v=v: cuda_op(i, splits=v), weight_bytes)
+                         for v in cuda_splits if cw is not None and -(-K // v) <= sparse_cuda.MAX_KS}
             floor = bytes_read(K, N, bits, s) / HBM_BYTES_PER_S * 1e6
             out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "tiled_us": dt, "sparse_us": sp,
                         "compact_us": cp, "cuda_us": cu, "speedup": min(d, dt) / min(cp, cu if cu == cu else cp),
-                        "sparse_floor_us": floor})
+                        "sparse_floor_us": floor, "cuda_splits": sparse_cuda.splits(K, N), "cuda_splits_us": by_splits})
     return out
 
 
@@ -152,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity", default="", help="input sparsities, comma-separated (default 0,0.25,0.4,0.5,0.7; "
                    "--e2e: 0.25,0.4,0.5)")
     p.add_argument("--e2e", action="store_true", help="decode tok/s of a 4-bit engine, dense vs each sparsity")
+    p.add_argument("--cuda-splits", default="", help="kernel table: also time the CUDA sparse kernel at these K-range "
+                   "counts, comma-separated (default: only sparse_cuda.splits of the shape)")
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
     p.add_argument("--sparse-kernel", default="cuda", choices=("cuda", "compact", "masked"),
                    help="--e2e: KernelOptions.sparse_kernel (default cuda: the CUDA kernel where it builds, else compact)")
@@ -180,7 +187,8 @@ def run_args(args: argparse.Namespace) -> int:
             print(f"| {k} | {r[0]:.1f} | {r[1024]:.1f} | {r[0] / d[0]:.3f}x | {r[1024] / d[1024]:.3f}x |")
         return 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")])
+    rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")],
+               cuda_splits=[int(v) for v in args.cuda_splits.split(",") if v])
     print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | cuda sparse us | "
           "best dense / best sparse | sparse floor us |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -188,6 +196,10 @@ def run_args(args: argparse.Namespace) -> int:
         print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['tiled_us']:.1f} | "
               f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['cuda_us']:.1f} | {r['speedup']:.2f}x | "
               f"{r['sparse_floor_us']:.1f} |")
+    for r in rows:
+        if r["cuda_splits_us"]:
+            print(f"cuda sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r['cuda_splits']}; "
+                  + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r["cuda_splits_us"].items()))
     return 0
 
 
