@@ -95,9 +95,9 @@ sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, 
     int before = nnz, total = 0;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const int c = wcount[w];
-      before += w < warp ? c : 0;
-      total += c;
+      const int nw = wcount[w];
+      before += w < warp ? nw : 0;
+      total += nw;
     }
     if (keep) {
       const int j = before + __popc(b & ((1u << lane) - 1u));
