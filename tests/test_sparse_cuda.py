@@ -3,7 +3,8 @@
 random shapes and sparsities 0-90 % (N off 256, K odd, 1..16 rows, all-zero x, dense rows, residual and gate/up
 epilogues), run to run and row by row bitwise, the codes of dropped inputs unread, K ranges forced, counters left
 zero, a CUDA-graph replay, and the engine's VERIFY contract with the kernel (the engine tests of
-test_sparse_engine.py run it too: "cuda" is the default kernel where the extension builds)."""
+test_sparse_engine.py run it too: "cuda" is the default kernel where the extension builds). On the CPU the
+dispatch and the engine wiring run against a stand-in launcher (the extension faked ready)."""
 import random
 
 import pytest
@@ -198,4 +199,65 @@ def test_engine_cuda_sparse_kernel_keeps_the_verify_contract():
     steps = decode(eng, toks, 0)
     assert torch.equal(eng.verify(torch.tensor(toks), 0)[:3], steps)
     res = verify_check(eng, rows=(1, 3, 16), bases=(6,))
+    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+def _torch_launch(seen):
+    """A stand-in for sparse_cuda.launch (same arguments) computing through the input-major torch path."""
+    def launch(x2, cw, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
+        seen.append((tuple(x2.shape), t, dense_u8.dtype, epi, f, splits_))
+        xs = torch.where((x2.abs() > t) | (dense_u8 != 0)[:, None], x2, torch.zeros((), dtype=x2.dtype))
+        y = sg._torch(xs, sc.cw_to_input_major(cw, N), codebook, 4, N)
+        if epi:
+            y = y.view(y.shape[0], -1, 2, 8)
+            y = _act_ref(y[:, :, 0].reshape(y.shape[0], -1)[:, :f], "silu" if epi == 1 else "gelu_tanh") * \
+                y[:, :, 1].reshape(y.shape[0], -1)[:, :f]
+        elif residual is not None:
+            y = y + residual.float()
+        return out.copy_(y)
+    return launch
+
+
+def test_dispatch_reaches_the_cuda_launcher(monkeypatch):
+    """With the extension reported ready (faked here), sparse_project hands warp-major codes to sparse_cuda.launch
+    with the select's arguments (t rounded to fp16, dense rows as uint8, the epilogue code, f, the splits); the
+    stand-in launcher gives the reference's result."""
+    seen = []
+    monkeypatch.setattr(sc.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(sc, "launch", _torch_launch(seen))
+    for seed in (2, 3, 11, 12, 13, 17):
+        c = case(seed)
+        x, dense, t, codes, cb, res, act, f = c
+        N = cb.shape[0]
+        out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16)
+        sg.sparse_project(x, sc.warp_major_codes(codes, x.shape[1]), cb, 4, N, threshold=t, dense_rows=dense, out=out,
+                          residual=res, act=act, f=f, kernel="cuda", splits=3)
+        assert seen[-1] == (tuple(x.shape), sg.threshold_in(t, x.dtype), torch.uint8,
+                            {None: 0, "silu": 1, "gelu_tanh": 2}[act], f, 3)
+        ref = reference(*c)
+        assert float((out.double() - ref).norm()) < 2e-3 * float(ref.norm()) + 2.0 ** -24 * out.numel() ** 0.5, seed
+    assert len(seen) == 6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: on CUDA the real kernel's engine test runs")
+@pytest.mark.usefixtures("torch_fallbacks")
+def test_engine_wiring_with_a_stand_in_launcher(monkeypatch):
+    """The engine under sparse_kernel "cuda" with the extension faked ready (CPU): its 4-bit projections get
+    warp-major codes, every site's sparse GEMV reaches the launcher (epilogues 0 and 1 = SiLU), and VERIFY rows are
+    bitwise decode steps."""
+    from test_sparse_engine import TINY, decode, engine
+    from trapetum.eval.random_model import random_checkpoint
+    from trapetum.eval.verify_exact import check as verify_check
+    seen = []
+    monkeypatch.setattr(sc, "ready", lambda device, kopts: kopts.sparse_kernel == "cuda")
+    monkeypatch.setattr(sc.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(sc, "launch", _torch_launch(seen))
+    eng = engine(random_checkpoint("llama2-7b", "cb4", device="cpu", overrides=TINY))
+    assert all(sc.is_warp_major(p.ct) for L in eng.model.layers
+               for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
+    toks = [7, 11, 23]
+    steps = decode(eng, toks, 0)
+    assert {e[3] for e in seen} == {0, 1} and len(seen) >= 4 * 2 * 3
+    assert torch.equal(eng.verify(torch.tensor(toks), 0)[:3], steps)
+    res = verify_check(eng, rows=(1, 3), bases=(6,))
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]

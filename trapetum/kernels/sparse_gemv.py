@@ -318,7 +318,7 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
         warp = backend != "torch" and sparse_cuda.EXT.ready(x2.device, kopts) is not None
         if not warp:
             ct = sparse_cuda.cw_to_input_major(ct, N)
-    if not warp and tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8:
+    if not warp and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
         raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
                          f"{ct.dtype} {list(ct.shape)}")
     if act is not None and (act not in ACTS or N % 16):
