@@ -95,7 +95,8 @@ def test_sparse_project_torch_against_float64(chunk):
 @pytest.mark.parametrize("kernel,splits", [("compact", None), ("compact", 3), ("masked", None)])
 def test_sparse_project_interpreter_against_float64(kernel, splits):
     """(splits: the compacted kernel's K ranges forced, so that the split sums and their counters run on small K.)"""
-    seeds = range(1000, 1000 + ((200 if splits is None else 60) if DEV == "cuda" else 12))
+    # seed 1087: K = 1, whose input-major codes [1, NB] torch may give strides (1, 1) (an int32 view of them failed)
+    seeds = range(1000, 1000 + (200 if splits is None else 60)) if DEV == "cuda" else [*range(1000, 1012), 1087]
     assert any(sg.compact_ok(case(s)[4].shape[0], case(s)[5], "compact") for s in seeds)
     for seed in seeds:
         check_case(seed, "triton", kernel, splits)
@@ -167,8 +168,8 @@ def table(n_layers=2):
     return SparsityTable(tuple(SiteThresholds(0.6, 0.004, 0.6, 0.0004) for _ in range(n_layers)))
 
 
-def engine(ckpt, sparse_rows=16, sparsity=True):
-    opts = Options().replace(kernels={"sparse_rows": sparse_rows})
+def engine(ckpt, sparse_rows=16, sparsity=True, kernel="cuda"):
+    opts = Options().replace(kernels={"sparse_rows": sparse_rows, "sparse_kernel": kernel})
     return GpuEngine(ckpt, 64, device=DEV, options=opts, sparsity=table() if sparsity else None)
 
 
@@ -255,7 +256,8 @@ def test_set_sparsity_and_the_bench_calibration(ckpt):
 def test_engine_interpreter_compact_kernel_keeps_the_verify_contract(ckpt):
     """The engine with the compacted kernel itself (Triton; on the CPU under the interpreter): VERIFY rows bitwise
     decode steps, from position 0 (the dense row inside a pass) and later."""
-    eng = engine(ckpt)
+    eng = engine(ckpt, kernel="compact")
+    assert not any(sg.sparse_cuda.is_warp_major(L.mlp.down.ct) for L in eng.model.layers)
     assert all(sg.compact_ok(p.out_features, 4, "compact") for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]

@@ -117,7 +117,9 @@ class KernelOptions:
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
-    sparse_kernel: str = "compact"  # "compact": work follows the nonzeros (a per-program index list); "masked"
+    # "cuda": the CUDA sparse GEMV of 4-bit codes (kernels/sparse_cuda.py; where the extension does not build, and
+    # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked"
+    sparse_kernel: str = "cuda"
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:
@@ -129,8 +131,8 @@ class KernelOptions:
         if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
             raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
                               f"got {self.grouped_gemv_groups!r}")
-        if self.sparse_kernel not in ("compact", "masked"):
-            raise ConfigError(f"kernels.sparse_kernel: expected compact or masked, got {self.sparse_kernel!r}")
+        if self.sparse_kernel not in ("cuda", "compact", "masked"):
+            raise ConfigError(f"kernels.sparse_kernel: expected cuda, compact or masked, got {self.sparse_kernel!r}")
         if not 0 <= int(self.sparse_rows) <= 16:
             raise ConfigError(f"kernels.sparse_rows: {self.sparse_rows} outside 0..16")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:

@@ -7,8 +7,9 @@ Shapes are in x out (x [1, in] @ W.T). Random 4-bit codes and fp16 codebooks; x 
 its entries zero (uniformly placed: the thresholded input of TEAL at sparsity S), one row (decode). Timing:
 bench_kernels.graph_time_us (CUDA graphs over rotating buffer sets larger than L2, median of replays). Printed per
 shape and S: dense us (canonical codes; and the tiled mma kernel the engine runs, where the CUDA kernels are
-built), the masked and the compacted sparse kernels' us (KernelOptions.sparse_kernel), the best dense over the
-compacted, and the sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
+built), the masked and the compacted Triton sparse kernels' us and the CUDA sparse kernel's (KernelOptions.sparse_kernel
+"masked" / "compact" / "cuda", the last where its extension builds), the best dense over the fastest sparse, and the
+sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
 HBM bandwidth) so that the gap to it is visible. Nothing is recorded by this module: figures go to BENCHMARKS.md
 with the command that produced them.
 
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..kernels import cuda_ext
+from ..kernels import cuda_ext, sparse_cuda
 from ..kernels.codebook_gemv import codebook_gemv
 from ..kernels.codebook_layout import tile_codes
 from ..kernels.pack import pack_codes
@@ -37,7 +38,9 @@ from .bench_kernels import graph_time_us
 HBM_BYTES_PER_S = 4.8e12
 
 
-def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -> list[dict]:
+def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=()) -> list[dict]:
+    """One row per shape and S (module docstring); ``cuda_splits``: the CUDA kernel also timed at these K-range
+    counts (row key "cuda_splits_us": {S: us}), to compare with the default ``sparse_cuda.splits``."""
     dev = torch.device("cuda")
     out = []
     for K, N in shapes:
@@ -50,6 +53,7 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
         tiled = tile_codes(codes) if cuda_ext.ready(dev, DEFAULT_KERNELS) is not None and codes.shape[1] % 64 == 0 \
             else None
         no_dense = torch.zeros(1, dtype=torch.bool, device=dev)
+        cw = sparse_cuda.warp_major_codes(codes, K) if bits == 4 and sparse_cuda.EXT.ready(dev) is not None else None
         for s in sparsities:
             x = torch.randn(1, K, generator=g)
             x[torch.rand(1, K, generator=g) < s] = 0
@@ -72,13 +76,23 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4) -
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y)
 
+            def cuda_op(i, x=x, splits=None):
+                c, b = cw.clone(), cb.clone()
+                y = torch.empty(1, N, dtype=torch.float16, device=dev)
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="cuda",
+                                              splits=splits)
+
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
             cp = graph_time_us(compact_op, weight_bytes)
+            cu = graph_time_us(cuda_op, weight_bytes) if cw is not None else float("nan")
+            by_splits = {v: graph_time_us(lambda i, v=v: cuda_op(i, splits=v), weight_bytes)
+                         for v in cuda_splits if cw is not None and -(-K // v) <= sparse_cuda.MAX_KS}
             floor = bytes_read(K, N, bits, s) / HBM_BYTES_PER_S * 1e6
             out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "tiled_us": dt, "sparse_us": sp,
-                        "compact_us": cp, "speedup": min(d, dt) / cp, "sparse_floor_us": floor})
+                        "compact_us": cp, "cuda_us": cu, "speedup": min(d, dt) / min(cp, cu if cu == cu else cp),
+                        "sparse_floor_us": floor, "cuda_splits": sparse_cuda.splits(K, N), "cuda_splits_us": by_splits})
     return out
 
 
@@ -105,7 +119,7 @@ def _recorded_thresholds(sparsities: list[float], tags: dict[float, tuple[int, s
         EngineOps.sparsify = real
 
 
-def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, kernel: str = "compact") -> dict:
+def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, kernel: str = "cuda") -> dict:
     """{"dense": {bin: tok/s}, S: {bin: tok/s}, ..., "dense_again": ...} (module docstring, --e2e)."""
     from ..models.sparsity import SITES, SiteThresholds, SparsityTable
     from ..runtime.engine import GpuEngine
@@ -143,9 +157,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity", default="", help="input sparsities, comma-separated (default 0,0.25,0.4,0.5,0.7; "
                    "--e2e: 0.25,0.4,0.5)")
     p.add_argument("--e2e", action="store_true", help="decode tok/s of a 4-bit engine, dense vs each sparsity")
+    p.add_argument("--cuda-splits", default="", help="kernel table: also time the CUDA sparse kernel at these K-range "
+                   "counts, comma-separated (default: only sparse_cuda.splits of the shape)")
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
-    p.add_argument("--sparse-kernel", default="compact", choices=("compact", "masked"),
-                   help="--e2e: KernelOptions.sparse_kernel (default compact)")
+    p.add_argument("--sparse-kernel", default="cuda", choices=("cuda", "compact", "masked"),
+                   help="--e2e: KernelOptions.sparse_kernel (default cuda: the CUDA kernel where it builds, else compact)")
 
 
 def main(argv=None) -> int:
@@ -171,13 +187,19 @@ def run_args(args: argparse.Namespace) -> int:
             print(f"| {k} | {r[0]:.1f} | {r[1024]:.1f} | {r[0] / d[0]:.3f}x | {r[1024] / d[1024]:.3f}x |")
         return 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")])
-    print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | "
-          "best dense / compact | sparse floor us |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")],
+               cuda_splits=[int(v) for v in args.cuda_splits.split(",") if v])
+    print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | cuda sparse us | "
+          "best dense / best sparse | sparse floor us |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['tiled_us']:.1f} | "
-              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['speedup']:.2f}x | {r['sparse_floor_us']:.1f} |")
+              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['cuda_us']:.1f} | {r['speedup']:.2f}x | "
+              f"{r['sparse_floor_us']:.1f} |")
+    for r in rows:
+        if r["cuda_splits_us"]:
+            print(f"cuda sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r['cuda_splits']}; "
+                  + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r["cuda_splits_us"].items()))
     return 0
 
 

@@ -33,6 +33,9 @@ by one of two kernels (``KernelOptions.sparse_kernel``):
                the 64 rows' codes of an input read as 8 (4-bit) or 16 (8-bit) int32 words; the last program of a
                row block (a device counter) adds the split partials in split order and writes the epilogue.
                Work follows the row's nonzeros; a row's bits depend on its own data only.
+    "cuda"     (4-bit, the default where the CUDA extension builds) kernels/sparse_cuda.py and cuda/sparse_gemv.cu:
+               its own warp-major layout (a warp reads one kept input's codes of 256 rows as one 128-byte line),
+               the same contracts; ``ct`` in that layout selects it (``enable_sparse`` makes the layout).
 """
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ import warnings
 
 import torch
 
+from . import sparse_cuda
+from ..settings import DEFAULT_KERNELS
 from .pack import pack_codes, packed_width, unpack_codes
 from .triton_util import HAVE_TRITON, ROW_POINTERS, triton_ok
 
@@ -56,7 +61,7 @@ def input_major_codes(codes: torch.Tensor, bits: int, in_features: int) -> torch
     if bits not in SPARSE_BITS:
         raise ValueError(f"sparse GEMV: bits must be one of {SPARSE_BITS}, got {bits}")
     idx = unpack_codes(codes, bits, in_features)  # [N, K]
-    return pack_codes(idx.t().contiguous(), bits)
+    return pack_codes(idx.t().contiguous(), bits).reshape(-1).view(in_features, -1)  # row-major strides at K = 1
 
 
 def sparse_gemv_reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int) -> torch.Tensor:
@@ -192,9 +197,9 @@ if HAVE_TRITON:
 
 
 def compact_ok(N: int, bits: int, kernel: str) -> bool:
-    """Whether ``sparse_project`` runs the compacted-list kernel: asked for, and the input-major rows whole int32
-    words (N * bits / 8 bytes a multiple of 4)."""
-    return kernel == "compact" and (N * bits // 8) % 4 == 0 and N * bits % 8 == 0
+    """Whether ``sparse_project`` runs the compacted-list kernel on input-major codes: asked for ("cuda" on codes
+    left input-major: 8-bit, no extension), and the input-major rows whole int32 words (N * bits / 8 % 4 == 0)."""
+    return kernel in ("compact", "cuda") and (N * bits // 8) % 4 == 0 and N * bits % 8 == 0
 
 
 COUNTERS = 1 << 16  # split completion counters per device: M * ceil(N / BLOCK_N) <= 65536 (N <= 262,144 at M 16)
@@ -221,7 +226,7 @@ def _launch_compact(x2, ct, codebook, bits, N, y, residual, t, dense, epi, f, sp
     scr = torch.empty(grid[0] * M * S * KS, dtype=torch.int16 if K < 1 << 15 else torch.int32, device=x2.device)
     part = torch.empty(S * M * N if S > 1 else 1, dtype=torch.float32, device=x2.device)
     res = residual if residual is not None else y
-    ctw = ct.view(torch.int32)
+    ctw = ct.reshape(-1).view(torch.int32).view(K, -1)  # (a [1, NB] ct may have stride (1, 1): K = 1)
     _compact_gemv_kernel[grid](x2, ctw, codebook, res, dense, y, scr, part, cnt, t, N, K, ctw.shape[1], f, KS,
                                x2.stride(0), y.stride(0), res.stride(0), BITS=bits, HAS_RES=residual is not None,
                                EPI=epi, SPLITS=S, BLOCK_N=BLOCK_N, BLOCK_K=max(16, min(1024, triton.next_power_of_2(KS))),
@@ -289,7 +294,7 @@ def threshold_in(t: float, dtype: torch.dtype) -> float:
 def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bits: int, N: int, *, threshold: float,
                    dense_rows: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None = None,
                    act: str | None = None, f: int = 0, backend: str | None = None,
-                   kernel: str = "compact", splits: int | None = None) -> torch.Tensor:
+                   kernel: str = "compact", splits: int | None = None, kopts=None) -> torch.Tensor:
     """The engine's sparse projection, thresholding fused: x fp16 [M, K] (the site's input before the select),
     ``dense_rows`` bool [M] (rows kept whole: positions < DENSE_POSITIONS), xs = where(|x| > threshold | dense, x, 0)
     (``threshold`` compared in x's dtype, models/sparsity.py's rule). ``act`` None: out fp16 [M, N] =
@@ -297,11 +302,23 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     (codebook_layout.interleave_gate_up), out fp16 [M, f] = round(act(gate) * up) in fp32. Each row alone (its
     bits do not depend on M or on the other rows), one launch, no host sync on CUDA (capturable). ``kernel``
     "compact" (KernelOptions.sparse_kernel): the kernel whose work follows the row's nonzeros
-    (_compact_gemv_kernel) where ``compact_ok``, else "masked": _sparse_gemv_kernel, loads masked by x != 0."""
+    (_compact_gemv_kernel) where ``compact_ok``, else "masked": _sparse_gemv_kernel, loads masked by x != 0.
+    ``ct`` in the warp-major layout (sparse_cuda.warp_major_codes, 4-bit; what ``enable_sparse`` makes for
+    sparse_kernel "cuda" where the extension runs): the CUDA kernel (``kopts``: its PDL), else converted back."""
     from .codebook_gemv import ACTS, _act_ref
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
-    if tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8:
+    warp = sparse_cuda.is_warp_major(ct)
+    if warp:  # the CUDA kernel's layout (4-bit): converted back to input-major where that kernel cannot run
+        G = -(-N // sparse_cuda.ROWS)
+        if bits != 4 or tuple(ct.shape) != (G, K, 32):
+            raise ValueError(f"sparse GEMV: warp-major codes must be 4-bit int32 [{G}, {K}, 32], got {bits}-bit "
+                             f"{list(ct.shape)}")
+        kopts = DEFAULT_KERNELS if kopts is None else kopts
+        warp = backend != "torch" and sparse_cuda.EXT.ready(x2.device, kopts) is not None
+        if not warp:
+            ct = sparse_cuda.cw_to_input_major(ct, N)
+    if not warp and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
         raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
                          f"{ct.dtype} {list(ct.shape)}")
     if act is not None and (act not in ACTS or N % 16):
@@ -315,6 +332,9 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     if residual is not None:
         residual = residual.reshape(M, N).contiguous()
     t = threshold_in(threshold, x2.dtype)
+    if warp:
+        return sparse_cuda.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8),
+                                  ACTS[act] if act else 0, f, kopts, splits)
     if backend is None:
         backend = "triton" if triton_ok(x2.device) else "torch"
     if backend == "torch":

@@ -28,6 +28,7 @@ from ..kernels import host_gemv as hg
 from ..kernels.codebook_layout import interleave_gate_up, tile_codes, untile_codes
 from ..kernels.dequant import dequantize as dequantize16
 from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
+from ..kernels import sparse_cuda
 from ..kernels.sparse_gemv import SPARSE_BITS, input_major_codes, sparse_project
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
@@ -186,20 +187,24 @@ class CodebookProjection(Projection):
         return self.ct is not None
 
     def enable_sparse(self) -> bool:
-        """Keep the input-major codes ``ct`` [in, packed_width(out)] (kernels/sparse_gemv.py) beside the dense
-        kernel's codes, for the activation-sparse GEMV of DECODE / VERIFY rows: the code bytes twice (the dense
+        """Keep the input-major codes ``ct`` [in, packed_width(out)] (kernels/sparse_gemv.py; for 4-bit under
+        sparse_kernel "cuda" where the extension runs, the warp-major int32 [ceil(out/256), in, 32] of
+        kernels/sparse_cuda.py) beside the dense kernel's codes, for the activation-sparse GEMV of DECODE / VERIFY rows: the code bytes twice (the dense
         codes still serve PREFILL and passes of more than ``KernelOptions.sparse_rows`` rows). False (nothing
         kept) for other bit widths."""
         if self.bits not in SPARSE_BITS:
             return False
         if self.ct is None:
-            self.ct = input_major_codes(self.canonical_codes(), self.bits, self.in_features)
+            if self.bits == 4 and sparse_cuda.ready(self.codes.device, self.kopts):  # the CUDA kernel's layout
+                self.ct = sparse_cuda.warp_major_codes(self.canonical_codes(), self.in_features)
+            else:
+                self.ct = input_major_codes(self.canonical_codes(), self.bits, self.in_features)
         return True
 
     def sparse_gemv(self, x, t, dense, out, residual=None):
         """out fp16 [M, out] = where(|x| > t | dense, x, 0) W^T (+ residual) (+ bias): ``sparse_project``."""
         sparse_project(x, self.ct, self.codebook, self.bits, self.out_features, threshold=t, dense_rows=dense,
-                       out=out, residual=residual, kernel=self.kopts.sparse_kernel)
+                       out=out, residual=residual, kernel=self.kopts.sparse_kernel, kopts=self.kopts)
         return self._add_bias(out)
 
     def gemv(self, x, out, residual=None):
@@ -218,7 +223,7 @@ class CodebookProjection(Projection):
 
     def nbytes(self):
         n = self.codes.numel() + self.codebook.numel() * 2 + (0 if self.bias is None else self.bias.numel() * 2)
-        return n + (0 if self.ct is None else self.ct.numel())
+        return n + (0 if self.ct is None else self.ct.numel() * self.ct.element_size())
 
 
 class InterleavedGateUp(GateUp):
@@ -251,7 +256,7 @@ class InterleavedGateUp(GateUp):
         rows."""
         p = self.proj
         return sparse_project(x, p.ct, p.codebook, p.bits, p.out_features, threshold=t, dense_rows=dense, out=out,
-                              act=self.act, f=self.f, kernel=p.kopts.sparse_kernel)
+                              act=self.act, f=self.f, kernel=p.kopts.sparse_kernel, kopts=p.kopts)
 
     def halves(self, x, linear):
         w = self.proj.weight16().view(-1, 2, 8, self.proj.in_features)  # [fp/8, gate|up, 8, K]
