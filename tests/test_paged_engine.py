@@ -190,10 +190,10 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
         rows: dict = {}
         sample = sch._sample_rows
 
-        def record(reqs, logits):
-            for req, row in zip(reqs, logits):
-                rows.setdefault(req.rid, []).append(row.clone())
-            return sample(reqs, logits)
+        def record(reqs, logits, at=None):
+            for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+                rows.setdefault(req.rid, []).append(logits[i].clone())
+            return sample(reqs, logits, at)
         sch._sample_rows = record
         out = []
         for p, s in reqs:

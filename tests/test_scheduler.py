@@ -62,10 +62,10 @@ class Recording(Scheduler):
         super().__init__(*a, **kw)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def _sample_rows(self, reqs, logits):
-        for req, row in zip(reqs, logits):
-            self.rows.setdefault(req.rid, []).append(row.clone())
-        return super()._sample_rows(reqs, logits)
+    def _sample_rows(self, reqs, logits, at=None):
+        for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+            self.rows.setdefault(req.rid, []).append(logits[i].clone())
+        return super()._sample_rows(reqs, logits, at)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -361,3 +361,90 @@ def test_sample_rows_one_argmax_is_each_rows_own_sampler(hf_model):
     assert [r.state for r in reqs] == ["decode", "prefill", "prefill"]  # 3 positions, counted as a chunk of 8
     sch.run()
     assert all(r.completion.finish_reason == "length" for r in reqs)
+    # rows picked by ``at`` out of more logits rows (a folded prompt's last row): the same tokens
+    reqs = [sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4, **k)) for k in kinds]
+    for r in reqs:
+        sch.cancel(r)
+        r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+    logits = torch.randint(0, 6, (2 * len(kinds) + 1, V), generator=torch.Generator().manual_seed(7)).float()
+    at = [2 * i + 1 for i in range(len(kinds))]
+    got = sch._sample_rows(reqs, logits.clone(), at)
+    for r in reqs:
+        r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+    want = torch.cat([r.sampler(logits[i].clone()) for r, i in zip(reqs, at)])
+    assert torch.equal(got[at], want)
+
+
+# -- folded prompts: prompt positions as decode rows --------------------------------------------------
+FOLD = 20  # prompts of at most 20 tokens fold (the others take the prefill forward): mixed in each run
+
+
+def _fold_alone(model, reqs):
+    """Each request alone, its folded prompt one row a step (prefill_budget 1: the prompt decoded token by token)."""
+    out, rows = [], {}
+    for j, (p, s) in enumerate(reqs):
+        sch = _scheduler(model, chunk=8, fold=FOLD, prefill_budget=1)
+        r = sch.submit(p, _copy(s))
+        sch.run()
+        out.append(r.completion)
+        rows[j] = sch.rows[0]
+    return out, rows
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, hf_model, cbk_model):
+    """24 requests, prompts of 1..37 tokens (those of at most FOLD fold): batched with 40 prompt rows a step they
+    give bitwise the tokens and logits of each alone with one prompt row a step; again with few blocks (queued,
+    preempted and rebuilt, freed blocks poisoned with NaN) and every fifth request cancelled, mid-prompt where it
+    can be: the others exact, the cancelled ones a prefix and their blocks freed at once."""
+    model = hf_model if which == "hf" else cbk_model
+    reqs = _requests(24, seed=3)
+    assert sum(len(p) <= FOLD for p, _ in reqs) >= 8 and sum(len(p) > FOLD for p, _ in reqs) >= 8
+    ref, ref_rows = _fold_alone(model, reqs)
+    sch = _scheduler(model, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    sch.run()
+    assert sch.peak_batch >= 12
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        assert _same(h.completion, c), i
+        assert len(sch.rows[i]) == len(ref_rows[i]) and _same_rows(sch.rows[i], ref_rows[i]), i
+    sch = _scheduler(model, blocks=40, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    cancelled, mid_prompt = set(), 0
+    while sch.has_work:
+        sch.step()
+        assert sch.kv.alloc.used == sum(len(r.blocks) for r in sch.active)
+        for r in list(sch.active):
+            if r.rid % 5 == 0 and r.rid not in cancelled and (0 < r.computed < len(r.prompt) or len(r.stream.out) >= 2):
+                mid_prompt += r.state == "prefill"
+                free = sch.kv.alloc.num_free + len(r.blocks)
+                sch.cancel(r)
+                assert sch.kv.alloc.num_free == free and r.completion.finish_reason == "cancelled"
+                cancelled.add(r.rid)
+    assert sch.preemptions > 0 and len(cancelled) == 5 and mid_prompt >= 1
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        if i in cancelled:
+            assert h.completion.token_ids == c.token_ids[:len(h.completion.token_ids)], i
+        else:
+            assert _same(h.completion, c), i
+        assert _same_rows(sch.rows.get(i, []), ref_rows[i]), i
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+
+
+def test_a_folded_prompt_computes_the_prefill_logits(hf_model):
+    """The first token's logits of a folded prompt (its rows in the decode forward, with other requests' decode
+    rows beside them) against the prefill forward's, within fp32 rounding; fold 0 folds nothing."""
+    prompts = [[1] + list(range(5, 5 + n)) for n in (3, 17, 30)]
+    got = {}
+    for fold in (0, 64):
+        sch = _scheduler(hf_model, max_batch=8, chunk=8, fold=fold, prefill_budget=64 if fold else 8)
+        hs = [sch.submit(p, GenerationSettings(max_new_tokens=3, ignore_eos=True)) for p in prompts]
+        sch.step()
+        assert [h.state for h in hs] == (["decode", "prefill", "prefill"] if fold == 0 else ["decode"] * 3)
+        sch.run()
+        got[fold] = [sch.rows[h.rid] for h in hs]
+    for a, b in zip(got[64], got[0]):
+        for x, y in zip(a, b):
+            assert float((x.double() - y.double()).norm() / y.double().norm()) < 1e-5
+    with pytest.raises(TrapetumError, match="fold"):
+        _scheduler(hf_model, fold=-1)

@@ -6,9 +6,12 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         first chunk through ``GpuEngine.prefill``, padded and graph-captured on CUDA), the new rows copied back
         into the blocks; logits fp32 [V] of the chunk's last row. A function of the sequence's own chunk and
         prefix alone.
-    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay, several
-        rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
-        row sees only positions below its length): PagedEngineOps.
+    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay and the
+        scheduler's folded prompts, several rows of one sequence at consecutive positions: all rows' K/V are
+        written before any row attends, and a row sees only positions below its length): PagedEngineOps.
+    fold_prompt   the scheduler's default ``fold`` (FOLD_PROMPT): a short prompt as decode rows costs its row
+        groups of the batched GEMVs, where ``prefill`` dequantizes every weight of the model (NOTES-serving.md,
+        session 12).
 
 PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
 into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
@@ -23,7 +26,8 @@ of the batch): 9 launches a layer for a Llama-type layer (2 norms, 4 GEMVs, 3 at
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
-CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows) and
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows; past 16
+whole groups of 16, the grouped GEMV's unit, so a folded prompt pads at most 15 rows) and
 chunk bound (``chunk_bound``: the paged split's grid over a power of two of 64-position chunks that holds the
 step's longest row, so that a wide table launches no mass of programs that only exit), captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
 rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent). A
@@ -47,7 +51,8 @@ from .engine_ops import EngineOps
 from .paged_kv import PagedKV
 
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256)  # above 16: whole groups of 16 GEMV rows
+FOLD_PROMPT = 128  # the scheduler's default ``fold``: prompts up to this long run as decode rows
 
 
 def _groups(n: int, step: int = MAX_VERIFY_ROWS):
@@ -119,6 +124,8 @@ class PagedEngineOps(EngineOps):
 
 class GpuBatchRunner:
     """The scheduler's forwards (module docstring) over a GpuEngine."""
+
+    fold_prompt = FOLD_PROMPT
 
     def __init__(self, eng, num_blocks: int, block_size: int = 16):
         cfg = eng.cfg
