@@ -106,6 +106,32 @@ def test_paged_write_gather_roundtrip(hf_model):
         kv.write(0, table, 14, k[:, :2], v[:, :2])
 
 
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 14), (5, 9), (3, 1), (13, 2)])
+def test_all_layer_write_and_gather_are_each_layers(hf_model, start, n):
+    """``write_all`` / ``gather_all`` (one launch each for K and V over every layer) leave and read the values
+    that ``write`` / ``gather`` of each layer do; the layer views share the one tensor."""
+    cfg = hf_model[0].config
+    L, H, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    a, b = PagedKV(cfg, 12, 3, poison_freed=True), PagedKV(cfg, 12, 3, poison_freed=True)
+    assert a.k[1].data_ptr() == a.K[1].data_ptr() and a.v[L - 1].data_ptr() == a.V[L - 1].data_ptr()
+    table = torch.tensor([7, 2, 9, 0, 5])
+    k, v = torch.randn(L, H, n, hd), torch.randn(L, H, n, hd)
+    a.write_all(table, start, k, v)
+    for layer in range(L):
+        b.write(layer, table, start, k[layer], v[layer])
+    assert torch.equal(a.K.nan_to_num(7.0), b.K.nan_to_num(7.0)) and torch.equal(a.V.nan_to_num(7.0), b.V.nan_to_num(7.0))
+    length = start + n
+    gk, gv = torch.zeros(L, H, length + 3, hd), torch.zeros(L, H, length + 3, hd)
+    a.gather_all(table, length, gk, gv)
+    for layer in range(L):
+        wk, wv = b.gather(layer, table, length)
+        assert torch.equal(gk[layer, :, :length].nan_to_num(7.0), wk.nan_to_num(7.0))
+        assert torch.equal(gv[layer, :, :length].nan_to_num(7.0), wv.nan_to_num(7.0))
+    assert not gk[:, :, length:].any()
+    with pytest.raises(RuntimeError, match="past the sequence"):
+        a.write_all(table, 14, k[:, :, :1].expand(L, H, 2, hd), v[:, :, :1].expand(L, H, 2, hd))
+
+
 # -- the kernels of the decode forward: each row's result independent of the other rows ----------
 @pytest.mark.parametrize("m", [1, 3, 17, 53, 64])
 def test_host_gemv_rows_are_batch_invariant(cbk_model, m):

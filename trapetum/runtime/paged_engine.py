@@ -4,8 +4,9 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
     prefill(table, tokens, start)   one prompt chunk of one sequence: its positions 0 .. start - 1 copied from its
         blocks into the engine's contiguous cache, the engine's PREFILL forward over the chunk (tensor cores; a
         first chunk through ``GpuEngine.prefill``, padded and graph-captured on CUDA), the new rows copied back
-        into the blocks; logits fp32 [V] of the chunk's last row. A function of the sequence's own chunk and
-        prefix alone.
+        into the blocks (every layer in one launch for K and one for V: PagedKV.write_all / gather_all; the table
+        and tokens uploaded without a host sync); logits fp32 [V] of the chunk's last row. A function of the
+        sequence's own chunk and prefix alone.
     decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay and the
         scheduler's folded prompts, several rows of one sequence at consecutive positions: all rows' K/V are
         written before any row attends, and a row sees only positions below its length): PagedEngineOps.
@@ -145,6 +146,7 @@ class GpuBatchRunner:
         self.graphs: dict[tuple, tuple] = {}  # (bucket, chunks) -> (graph, tokens and positions, tables, logits)
         self._host: dict[int, tuple] = {}   # bucket -> its host input buffers (``_stage``)
         self._staged = None                 # a CUDA event after the last upload from them
+        self._prompt_host = self._prompt_dev = self._prompt_done = None  # ``_stage_prompt``'s buffers
         self._pool = None
 
     def _table(self, table: torch.Tensor) -> torch.Tensor:
@@ -155,20 +157,36 @@ class GpuBatchRunner:
     @torch.inference_mode()
     def prefill(self, table: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         eng, n = self.eng, len(tokens)
-        table = table.to(eng.device)
-        for layer in range(self.cfg.num_layers):
-            if start:
-                k, v = self.kv.gather(layer, table, start)
-                eng.kv.k[layer, :, :start] = k
-                eng.kv.v[layer, :, :start] = v
-        ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        tab, ids = self._stage_prompt(table, tokens)
+        if start:  # the prefix of every layer into the engine's cache: one gather and one copy for K and for V
+            self.kv.gather_all(tab, start, eng.kv.k, eng.kv.v)
         if start == 0 and eng.options.prefill == "default":  # a first chunk: the engine's own prompt pass, padded
             logits = eng.prefill(ids)[None]                    # and graph-captured on CUDA (runtime/engine.py)
         else:
             logits = self._chunk(ids, start)
-        for layer in range(self.cfg.num_layers):
-            self.kv.write(layer, table, start, eng.kv.k[layer, :, start:start + n], eng.kv.v[layer, :, start:start + n])
+        self.kv.write_all(tab, start, eng.kv.k[:, :, start:start + n], eng.kv.v[:, :, start:start + n])
         return logits[-1].float()
+
+    def _stage_prompt(self, table: torch.Tensor, tokens: list[int]):
+        """A prompt chunk's block table and tokens on the device (int64 [blocks], [n]): on CUDA through page-locked
+        buffers and asynchronous copies (no host sync; the buffers are rewritten only after the last copies from
+        them ran), else plain tensors."""
+        dev = torch.device(self.eng.device)
+        if dev.type != "cuda":
+            return table.to(dev), torch.tensor(tokens, dtype=torch.long, device=dev)
+        nb, n = table.numel(), len(tokens)
+        if self._prompt_host is None:
+            self._prompt_host = torch.empty(self.width + self.eng.max_len, dtype=torch.long, pin_memory=True)
+            self._prompt_dev = torch.empty(self.width + self.eng.max_len, dtype=torch.long, device=dev)
+            self._prompt_done = torch.cuda.Event()
+        else:
+            self._prompt_done.synchronize()
+        h = self._prompt_host.numpy()
+        h[:nb], h[nb:nb + n] = table.numpy(), tokens
+        d = self._prompt_dev[:nb + n]
+        d.copy_(self._prompt_host[:nb + n], non_blocking=True)
+        self._prompt_done.record()
+        return d[:nb], d[nb:]
 
     def _chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """The PREFILL forward of a chunk at start .. start + n - 1 over the engine's cache: logits [1, V]."""
