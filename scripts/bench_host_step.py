@@ -14,7 +14,8 @@ timed steps at that size (top 15 by cumulative time).
 
 ``--worker``: also serve/worker.py's engine thread over the same fake model (``worker_ms``). ``--cbk F.cbk``: also
 the paged GPU runner on a real model, without the scheduler (``runner_ms``: decode wall and device ms per S, and
-one prompt's prefill).
+one prompt's prefill; ``prefill_parts``: that prefill's engine pass and write-back apart, and the step of the same
+prompt folded into a decode forward beside S decode rows).
 
 ``--sse``: also the per-token work of the server's streaming path for one event (protocol.chat_chunk + sse, as
 serve/server.py's ``_stream`` formats it, and one ``call_soon_threadsafe`` hop onto a running event loop, as
