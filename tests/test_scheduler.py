@@ -17,6 +17,7 @@ from trapetum.errors import TrapetumError
 from trapetum.formats.detect import load_checkpoint
 from trapetum.kernels import host_gemv as hg
 from trapetum.models.decoder import Decoder
+from trapetum.runtime import paged_kv
 from trapetum.runtime.paged_kv import BlockAllocator, KVExhausted, PagedKV
 from trapetum.runtime.paged_ops import CpuBatchRunner
 from trapetum.runtime.sampling import GenerationSettings
@@ -107,7 +108,7 @@ def test_paged_write_gather_roundtrip(hf_model):
 
 
 @pytest.mark.parametrize("start,n", [(0, 1), (0, 14), (5, 9), (3, 1), (13, 2)])
-def test_all_layer_write_and_gather_are_each_layers(hf_model, start, n):
+def test_all_layer_write_and_gather_are_each_layers(hf_model, start, n, monkeypatch):
     """``write_all`` / ``gather_all`` (one launch each for K and V over every layer) leave and read the values
     that ``write`` / ``gather`` of each layer do; the layer views share the one tensor."""
     cfg = hf_model[0].config
@@ -123,6 +124,10 @@ def test_all_layer_write_and_gather_are_each_layers(hf_model, start, n):
     length = start + n
     gk, gv = torch.zeros(L, H, length + 3, hd), torch.zeros(L, H, length + 3, hd)
     a.gather_all(table, length, gk, gv)
+    sk, sv = torch.zeros_like(gk), torch.zeros_like(gv)
+    monkeypatch.setattr(paged_kv, "GATHER_BYTES", 1)  # one layer a slice
+    a.gather_all(table, length, sk, sv)
+    assert torch.equal(sk.nan_to_num(7.0), gk.nan_to_num(7.0)) and torch.equal(sv.nan_to_num(7.0), gv.nan_to_num(7.0))
     for layer in range(L):
         wk, wv = b.gather(layer, table, length)
         assert torch.equal(gk[layer, :, :length].nan_to_num(7.0), wk.nan_to_num(7.0))

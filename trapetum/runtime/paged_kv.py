@@ -22,6 +22,9 @@ from ..errors import TrapetumError, UnsupportedError
 from ..models.config import ModelConfig
 
 
+GATHER_BYTES = 1 << 28  # the largest temporary of one ``gather_all`` slice
+
+
 class KVExhausted(TrapetumError):
     """Not enough free KV blocks for a request now (the server answers 429)."""
 
@@ -143,10 +146,16 @@ class PagedKV:
 
     def gather_all(self, table: torch.Tensor, length: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Positions 0 .. length - 1 of every layer into k / v [layers, Hkv, >= length, hd] (``gather`` of each
-        layer, the same values), one gather and one copy each for K and V."""
+        layer, the same values), one gather and one copy each for K and V per slice of layers whose gathered
+        temporary stays within GATHER_BYTES (all layers at once for a prefix of up to ~1,000 positions of a
+        7B-shaped cache)."""
         b, o = self._where(table, 0, length)
-        k[:, :, :length] = self.K[:, b, :, o].permute(1, 2, 0, 3)
-        v[:, :, :length] = self.V[:, b, :, o].permute(1, 2, 0, 3)
+        per = max(1, length * self.K[0, 0].numel() // self.block_size * self.K.element_size())
+        step = max(1, GATHER_BYTES // per)
+        for a in range(0, self.cfg.num_layers, step):
+            z = min(a + step, self.cfg.num_layers)
+            k[a:z, :, :length] = self.K[a:z, b, :, o].permute(1, 2, 0, 3)
+            v[a:z, :, :length] = self.V[a:z, b, :, o].permute(1, 2, 0, 3)
 
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh contiguous k, v [Hkv, length, hd] of positions 0 .. length - 1."""
