@@ -14,7 +14,8 @@ timed steps at that size (top 15 by cumulative time).
 
 ``--worker``: also serve/worker.py's engine thread over the same fake model (``worker_ms``). ``--cbk F.cbk``: also
 the paged GPU runner on a real model, without the scheduler (``runner_ms``: decode wall and device ms per S, and
-one prompt's prefill).
+one prompt's prefill; ``prefill_parts``: that prefill's engine pass and write-back apart, and the step of the same
+prompt folded into a decode forward beside S decode rows).
 
 ``--sse``: also the per-token work of the server's streaming path for one event (protocol.chat_chunk + sse, as
 serve/server.py's ``_stream`` formats it, and one ``call_soon_threadsafe`` hop onto a running event loop, as
@@ -208,8 +209,8 @@ def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: 
     eng = GpuEngine(load_checkpoint(path), 1024, device=device, options=Options())
     S_max = max(sizes)
     per = (prompt_len + steps + 2 + 15) // 16 + 1
-    runner = GpuBatchRunner(eng, S_max * per, 16)
-    tables = [torch.arange(i * per, (i + 1) * per) for i in range(S_max)]
+    runner = GpuBatchRunner(eng, (S_max + 1) * per, 16)
+    tables = [torch.arange(i * per, (i + 1) * per) for i in range(S_max + 1)]  # one more: prefill_parts' prompt
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, eng.cfg.vocab_size, (prompt_len,), generator=g).tolist()
     walls = []
@@ -242,6 +243,37 @@ def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: 
         med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3 if xs else float("nan")  # noqa: E731
         print(f"runner S={S:3d}  decode wall {med(wall):7.3f} ms  device {med(dev):7.3f} ms   "
               f"(prefill of {prompt_len} tokens: {pf:.2f} ms)")
+    prefill_parts(runner, eng, tables, prompt, sizes, sync)
+
+
+def prefill_parts(runner, eng, tables, prompt, sizes, sync, reps: int = 9) -> None:
+    """Where a prompt's prefill goes (median wall ms of ``reps``, after a warm-up that captures the graphs):
+    the engine's padded pass alone, the all-layer write-back alone, and the prompt folded into a decode forward
+    (its n rows of one sequence; beside S decode rows of other sequences: the step's extra cost)."""
+    n, t = len(prompt), tables[0]
+    ids = torch.tensor(prompt, dtype=torch.long, device=eng.device)
+    tab = t.to(eng.device)
+
+    def ms(fn):
+        walls = []
+        for _ in range(reps + 2):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            walls.append(time.perf_counter() - t0)
+        return sorted(walls[2:])[reps // 2] * 1e3
+    engine = ms(lambda: eng.prefill(ids))
+    write = ms(lambda: runner.kv.write_all(tab, 0, eng.kv.k[:, :, :n], eng.kv.v[:, :, :n]))
+    print(f"prefill parts: engine pass {engine:.2f} ms, all-layer write-back {write:.3f} ms")
+    for S in [0] + sizes:
+        rows = [tables[i + 1] for i in range(S)]
+        toks, pos = [prompt[-1]] * S + prompt, [n] * S + list(range(n))  # the decode rows: their next position
+
+        def step():
+            torch.argmax(runner.decode(rows + [t] * n, toks, pos), -1).tolist()
+        f = ms(step)
+        print(f"folded prompt of {n} rows beside {S:3d} decode rows: step {f:.3f} ms")
 
 
 async def _make_queue():

@@ -190,10 +190,10 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
         rows: dict = {}
         sample = sch._sample_rows
 
-        def record(reqs, logits):
-            for req, row in zip(reqs, logits):
-                rows.setdefault(req.rid, []).append(row.clone())
-            return sample(reqs, logits)
+        def record(reqs, logits, at=None):
+            for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+                rows.setdefault(req.rid, []).append(logits[i].clone())
+            return sample(reqs, logits, at)
         sch._sample_rows = record
         out = []
         for p, s in reqs:
@@ -277,3 +277,88 @@ def test_chunk_bound_is_a_power_of_two_over_the_longest_row():
     r.kv, r.width = type("K", (), {"block_size": 16})(), 64
     got = [r.chunk_bound(n) for n in (1, 64, 65, 128, 129, 193, 257, 1024, 5000)]
     assert got == [1, 1, 2, 2, 4, 4, 8, 16, 16]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the padded prefill graphs and pinned uploads are CUDA's")
+def test_prefill_writes_every_layer_at_once_as_the_per_layer_copies(model):
+    """``prefill`` (every layer's rows in one launch for K and one for V, the table and tokens through pinned
+    buffers) leaves in the blocks, and returns, bitwise what the per-layer copies around the engine's pass did;
+    prompts of 33..48 tokens share the bucket-48 prefill graph (captured at the second use, replayed after, the
+    eager first use's bits), and a later chunk (start > 0) gathers its prefix back exactly."""
+    from trapetum.runtime.engine import GpuEngine
+    from trapetum.runtime.paged_kv import PagedKV
+    eng = GpuEngine(model.checkpoint, 256, device="cuda", options=Options())
+    runner = GpuBatchRunner(eng, 20, 16)
+    old = PagedKV(model.config, 20, 16, torch.float16, "cuda", spare_blocks=1)
+    ids = torch.randint(3, 300, (64,), generator=torch.Generator().manual_seed(5)).tolist()
+    table = torch.tensor([9, 2, 14, 5])
+    first = {}
+    for T in (38, 45, 47, 33, 40, 38):
+        got = runner.prefill(table, ids[:T], 0)
+        want = eng.prefill(torch.tensor(ids[:T], device="cuda"))  # the same engine pass, then per-layer copies
+        for layer in range(model.config.num_layers):
+            old.write(layer, table.cuda(), 0, eng.kv.k[layer, :, :T], eng.kv.v[layer, :, :T])
+        assert torch.equal(got, want.float()), T
+        for layer in range(model.config.num_layers):
+            kb, ko = runner.kv.gather(layer, table.cuda(), T), old.gather(layer, table.cuda(), T)
+            assert torch.equal(kb[0], ko[0]) and torch.equal(kb[1], ko[1]), (T, layer)
+        first.setdefault(T, got)
+        assert torch.equal(got, first[T]), T  # eager first use == graph replay
+    if eng._pads_prefill(40):
+        assert set(eng.prefill_graphs) == {48}
+    fresh = GpuEngine(model.checkpoint, 256, device="cuda", options=Options())  # its first use of 48: eager
+    assert torch.equal(fresh.prefill(torch.tensor(ids[:40], device="cuda")), first[40])
+    # a second chunk: the prefix of every layer gathered into the engine's cache in one copy
+    runner.prefill(table, ids[:16], 0)
+    eng.kv.k.zero_(), eng.kv.v.zero_()
+    got = runner.prefill(table, ids[16:40], 16)
+    ks, vs = eng.kv.k[:, :, :40].clone(), eng.kv.v[:, :, :40].clone()
+    eng.kv.k.zero_(), eng.kv.v.zero_()
+    for layer in range(model.config.num_layers):
+        k, v = runner.kv.gather(layer, table.cuda(), 16)
+        eng.kv.k[layer, :, :16], eng.kv.v[layer, :, :16] = k, v
+    want = runner._chunk(torch.tensor(ids[16:40], device="cuda"), 16)[-1].float()
+    assert torch.equal(got, want)
+    assert torch.equal(ks, eng.kv.k[:, :, :40]) and torch.equal(vs, eng.kv.v[:, :, :40])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_folded_prompt_rows_through_bucket_48_replay_the_eager_forward(model):
+    """40 rows of one sequence at positions 0..39 (a folded prompt) through the bucket-48 graph: bitwise the eager
+    forward, captured once and replayed; and the scheduler's folded prompts, one row a step alone against 64 rows
+    a step beside other requests: the same tokens and logits."""
+    runner = GpuBatchRunner(_engine(model), 20, 16)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    table = torch.tensor([4, 11, 0])
+    for _ in range(2):
+        got = runner.decode([table] * 40, ids, list(range(40)))
+        dev = runner.eng.device
+        tab = torch.stack([runner._table(table)] * 40).to(dev)
+        want = runner._forward(torch.tensor(ids, device=dev), torch.arange(40, device=dev), tab)
+        assert torch.equal(got, want)
+    assert (48, 1) in runner.graphs
+    reqs = _requests(12, seed=4)
+
+    def run(budget, together):
+        sch = Scheduler(GpuBatchRunner(_engine(model), 120, 16), model.tokenizer, model.config.vocab_size, 256,
+                        max_batch=12, chunk=16, prefill_budget=budget, fold=256, device=DEV)
+        rows: dict = {}
+        sample = sch._sample_rows
+
+        def record(reqs, logits, at=None):
+            for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+                rows.setdefault(req.rid, []).append(logits[i].clone())
+            return sample(reqs, logits, at)
+        sch._sample_rows = record
+        out = []
+        for p, s in reqs:
+            out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))
+            if not together:
+                sch.run()
+        sch.run()
+        return [h.completion.token_ids for h in out], rows
+    alone, alone_rows = run(1, False)
+    got, rows = run(64, True)
+    assert got == alone
+    assert all(len(rows[i]) == len(alone_rows[i]) and all(torch.equal(a, b) for a, b in zip(rows[i], alone_rows[i]))
+               for i in alone_rows)

@@ -17,6 +17,7 @@ from trapetum.errors import TrapetumError
 from trapetum.formats.detect import load_checkpoint
 from trapetum.kernels import host_gemv as hg
 from trapetum.models.decoder import Decoder
+from trapetum.runtime import paged_kv
 from trapetum.runtime.paged_kv import BlockAllocator, KVExhausted, PagedKV
 from trapetum.runtime.paged_ops import CpuBatchRunner
 from trapetum.runtime.sampling import GenerationSettings
@@ -62,10 +63,10 @@ class Recording(Scheduler):
         super().__init__(*a, **kw)
         self.rows: dict[int, list[torch.Tensor]] = {}
 
-    def _sample_rows(self, reqs, logits):
-        for req, row in zip(reqs, logits):
-            self.rows.setdefault(req.rid, []).append(row.clone())
-        return super()._sample_rows(reqs, logits)
+    def _sample_rows(self, reqs, logits, at=None):
+        for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+            self.rows.setdefault(req.rid, []).append(logits[i].clone())
+        return super()._sample_rows(reqs, logits, at)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -104,6 +105,36 @@ def test_paged_write_gather_roundtrip(hf_model):
     assert torch.equal(kv.k[1][2, :, 1], k[:, 4])  # position 4: block table[1] = 2, offset 1
     with pytest.raises(RuntimeError, match="past the sequence"):
         kv.write(0, table, 14, k[:, :2], v[:, :2])
+
+
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 14), (5, 9), (3, 1), (13, 2)])
+def test_all_layer_write_and_gather_are_each_layers(hf_model, start, n, monkeypatch):
+    """``write_all`` / ``gather_all`` (one launch each for K and V over every layer) leave and read the values
+    that ``write`` / ``gather`` of each layer do; the layer views share the one tensor."""
+    cfg = hf_model[0].config
+    L, H, hd = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    a, b = PagedKV(cfg, 12, 3, poison_freed=True), PagedKV(cfg, 12, 3, poison_freed=True)
+    assert a.k[1].data_ptr() == a.K[1].data_ptr() and a.v[L - 1].data_ptr() == a.V[L - 1].data_ptr()
+    table = torch.tensor([7, 2, 9, 0, 5])
+    k, v = torch.randn(L, H, n, hd), torch.randn(L, H, n, hd)
+    a.write_all(table, start, k, v)
+    for layer in range(L):
+        b.write(layer, table, start, k[layer], v[layer])
+    assert torch.equal(a.K.nan_to_num(7.0), b.K.nan_to_num(7.0)) and torch.equal(a.V.nan_to_num(7.0), b.V.nan_to_num(7.0))
+    length = start + n
+    gk, gv = torch.zeros(L, H, length + 3, hd), torch.zeros(L, H, length + 3, hd)
+    a.gather_all(table, length, gk, gv)
+    sk, sv = torch.zeros_like(gk), torch.zeros_like(gv)
+    monkeypatch.setattr(paged_kv, "GATHER_BYTES", 1)  # one layer a slice
+    a.gather_all(table, length, sk, sv)
+    assert torch.equal(sk.nan_to_num(7.0), gk.nan_to_num(7.0)) and torch.equal(sv.nan_to_num(7.0), gv.nan_to_num(7.0))
+    for layer in range(L):
+        wk, wv = b.gather(layer, table, length)
+        assert torch.equal(gk[layer, :, :length].nan_to_num(7.0), wk.nan_to_num(7.0))
+        assert torch.equal(gv[layer, :, :length].nan_to_num(7.0), wv.nan_to_num(7.0))
+    assert not gk[:, :, length:].any()
+    with pytest.raises(RuntimeError, match="past the sequence"):
+        a.write_all(table, 14, k[:, :, :1].expand(L, H, 2, hd), v[:, :, :1].expand(L, H, 2, hd))
 
 
 # -- the kernels of the decode forward: each row's result independent of the other rows ----------
@@ -361,3 +392,90 @@ def test_sample_rows_one_argmax_is_each_rows_own_sampler(hf_model):
     assert [r.state for r in reqs] == ["decode", "prefill", "prefill"]  # 3 positions, counted as a chunk of 8
     sch.run()
     assert all(r.completion.finish_reason == "length" for r in reqs)
+    # rows picked by ``at`` out of more logits rows (a folded prompt's last row): the same tokens
+    reqs = [sch.submit([1, 2, 3], GenerationSettings(max_new_tokens=4, **k)) for k in kinds]
+    for r in reqs:
+        sch.cancel(r)
+        r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+    logits = torch.randint(0, 6, (2 * len(kinds) + 1, V), generator=torch.Generator().manual_seed(7)).float()
+    at = [2 * i + 1 for i in range(len(kinds))]
+    got = sch._sample_rows(reqs, logits.clone(), at)
+    for r in reqs:
+        r.sampler = Sampler(r.settings, V, "cpu", r.prompt)
+    want = torch.cat([r.sampler(logits[i].clone()) for r, i in zip(reqs, at)])
+    assert torch.equal(got[at], want)
+
+
+# -- folded prompts: prompt positions as decode rows --------------------------------------------------
+FOLD = 20  # prompts of at most 20 tokens fold (the others take the prefill forward): mixed in each run
+
+
+def _fold_alone(model, reqs):
+    """Each request alone, its folded prompt one row a step (prefill_budget 1: the prompt decoded token by token)."""
+    out, rows = [], {}
+    for j, (p, s) in enumerate(reqs):
+        sch = _scheduler(model, chunk=8, fold=FOLD, prefill_budget=1)
+        r = sch.submit(p, _copy(s))
+        sch.run()
+        out.append(r.completion)
+        rows[j] = sch.rows[0]
+    return out, rows
+
+
+@pytest.mark.parametrize("which", ["hf", "cbk"])
+def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, hf_model, cbk_model):
+    """24 requests, prompts of 1..37 tokens (those of at most FOLD fold): batched with 40 prompt rows a step they
+    give bitwise the tokens and logits of each alone with one prompt row a step; again with few blocks (queued,
+    preempted and rebuilt, freed blocks poisoned with NaN) and every fifth request cancelled, mid-prompt where it
+    can be: the others exact, the cancelled ones a prefix and their blocks freed at once."""
+    model = hf_model if which == "hf" else cbk_model
+    reqs = _requests(24, seed=3)
+    assert sum(len(p) <= FOLD for p, _ in reqs) >= 8 and sum(len(p) > FOLD for p, _ in reqs) >= 8
+    ref, ref_rows = _fold_alone(model, reqs)
+    sch = _scheduler(model, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    sch.run()
+    assert sch.peak_batch >= 12
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        assert _same(h.completion, c), i
+        assert len(sch.rows[i]) == len(ref_rows[i]) and _same_rows(sch.rows[i], ref_rows[i]), i
+    sch = _scheduler(model, blocks=40, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    cancelled, mid_prompt = set(), 0
+    while sch.has_work:
+        sch.step()
+        assert sch.kv.alloc.used == sum(len(r.blocks) for r in sch.active)
+        for r in list(sch.active):
+            if r.rid % 5 == 0 and r.rid not in cancelled and (0 < r.computed < len(r.prompt) or len(r.stream.out) >= 2):
+                mid_prompt += r.state == "prefill"
+                free = sch.kv.alloc.num_free + len(r.blocks)
+                sch.cancel(r)
+                assert sch.kv.alloc.num_free == free and r.completion.finish_reason == "cancelled"
+                cancelled.add(r.rid)
+    assert sch.preemptions > 0 and len(cancelled) == 5 and mid_prompt >= 1
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        if i in cancelled:
+            assert h.completion.token_ids == c.token_ids[:len(h.completion.token_ids)], i
+        else:
+            assert _same(h.completion, c), i
+        assert _same_rows(sch.rows.get(i, []), ref_rows[i]), i
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks
+
+
+def test_a_folded_prompt_computes_the_prefill_logits(hf_model):
+    """The first token's logits of a folded prompt (its rows in the decode forward, with other requests' decode
+    rows beside them) against the prefill forward's, within fp32 rounding; fold 0 folds nothing."""
+    prompts = [[1] + list(range(5, 5 + n)) for n in (3, 17, 30)]
+    got = {}
+    for fold in (0, 64):
+        sch = _scheduler(hf_model, max_batch=8, chunk=8, fold=fold, prefill_budget=64 if fold else 8)
+        hs = [sch.submit(p, GenerationSettings(max_new_tokens=3, ignore_eos=True)) for p in prompts]
+        sch.step()
+        assert [h.state for h in hs] == (["decode", "prefill", "prefill"] if fold == 0 else ["decode"] * 3)
+        sch.run()
+        got[fold] = [sch.rows[h.rid] for h in hs]
+    for a, b in zip(got[64], got[0]):
+        for x, y in zip(a, b):
+            assert float((x.double() - y.double()).norm() / y.double().norm()) < 1e-5
+    with pytest.raises(TrapetumError, match="fold"):
+        _scheduler(hf_model, fold=-1)

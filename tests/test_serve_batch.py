@@ -184,3 +184,22 @@ def test_prefill_budget_flag_reaches_the_scheduler(model_dir):
     for argv, want in (([], 128), (["--prefill-budget", "512"], 512)):
         opts = cmd._batch(parse(["x.cbk", "--max-batch", "4", "--kv-blocks", "40", *argv]))
         assert m.batch_scheduler(**opts).prefill_budget == want, argv
+
+
+def test_fold_prompts_flag_reaches_the_scheduler(model_dir):
+    """``serve --fold-prompts N`` -> the batch options -> Scheduler.fold (default: the CPU runner's 0); a negative
+    N is a one-line user error."""
+    import argparse
+
+    import trapetum
+    from trapetum.commands import serve as cmd
+    from trapetum.errors import TrapetumError
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    cmd.register(sub)
+    parse = sub.choices["serve"].parse_args
+    m = trapetum.load(str(model_dir))
+    for argv, want in (([], 0), (["--fold-prompts", "64"], 64)):
+        opts = cmd._batch(parse(["x.cbk", "--max-batch", "4", "--kv-blocks", "40", *argv]))
+        assert m.batch_scheduler(**opts).fold == want, argv
+    with pytest.raises(TrapetumError, match="--fold-prompts"):
+        cmd._batch(parse(["x.cbk", "--max-batch", "4", "--fold-prompts", "-1"]))

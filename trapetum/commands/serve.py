@@ -59,6 +59,10 @@ def register(subparsers) -> None:
                    help="prompt positions the batch prefills per step, each prefill forward counting as at least "
                         "one chunk of 128 (default 128: one forward per step, so a decode step waits for at most "
                         "one prompt; more: shorter time to first token under load, longer stalls between tokens)")
+    p.add_argument("--fold-prompts", type=int, default=None, metavar="N",
+                   help="prompts of at most N tokens run as rows of the batch's decode forward (up to the prefill "
+                        "budget's rows a step) instead of a prefill forward (default 128 with --gpu-batch, 0 on "
+                        "the CPU; 0: never)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted, else 413 (default 1 MiB)")
     p.add_argument("--device", default=None,
@@ -139,6 +143,10 @@ def _batch(args) -> dict | None:
         out["gpu"] = True
     if args.prefill_budget is not None:
         out["prefill_budget"] = args.prefill_budget
+    if args.fold_prompts is not None:
+        if args.fold_prompts < 0:
+            raise TrapetumError(f"--fold-prompts: at least 0, got {args.fold_prompts}")
+        out["fold"] = args.fold_prompts
     return out
 
 

@@ -4,11 +4,15 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
     prefill(table, tokens, start)   one prompt chunk of one sequence: its positions 0 .. start - 1 copied from its
         blocks into the engine's contiguous cache, the engine's PREFILL forward over the chunk (tensor cores; a
         first chunk through ``GpuEngine.prefill``, padded and graph-captured on CUDA), the new rows copied back
-        into the blocks; logits fp32 [V] of the chunk's last row. A function of the sequence's own chunk and
-        prefix alone.
-    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay, several
-        rows of one sequence at consecutive positions: all rows' K/V are written before any row attends, and a
-        row sees only positions below its length): PagedEngineOps.
+        into the blocks (every layer in one launch for K and one for V: PagedKV.write_all / gather_all; the table
+        and tokens uploaded without a host sync); logits fp32 [V] of the chunk's last row. A function of the
+        sequence's own chunk and prefix alone.
+    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay and the
+        scheduler's folded prompts, several rows of one sequence at consecutive positions: all rows' K/V are
+        written before any row attends, and a row sees only positions below its length): PagedEngineOps.
+    fold_prompt   the scheduler's default ``fold`` (FOLD_PROMPT): a short prompt as decode rows costs its row
+        groups of the batched GEMVs, where ``prefill`` dequantizes every weight of the model (NOTES-serving.md,
+        session 12).
 
 PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
 into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
@@ -23,7 +27,8 @@ of the batch): 9 launches a layer for a Llama-type layer (2 norms, 4 GEMVs, 3 at
 So a sequence's logits are the same whatever the other rows are (tests/test_paged_engine.py; the bitwise
 assertion runs on the GPU, the CPU's torch fallbacks of the GEMVs being ordinary matmuls).
 
-CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows) and
+CUDA graphs (``Options.graph`` on CUDA): one per batch-size bucket (BUCKETS: the smallest that holds the rows; past 16
+whole groups of 16, the grouped GEMV's unit, so a folded prompt pads at most 15 rows) and
 chunk bound (``chunk_bound``: the paged split's grid over a power of two of 64-position chunks that holds the
 step's longest row, so that a wide table launches no mass of programs that only exit), captured on first use over static inputs (tokens, positions, block tables); rows past the real ones are padding
 rows (position 0 of a spare block outside the allocator), which change no real row (rows are independent). A
@@ -47,7 +52,8 @@ from .engine_ops import EngineOps
 from .paged_kv import PagedKV
 
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256)  # above 16: whole groups of 16 GEMV rows
+FOLD_PROMPT = 128  # the scheduler's default ``fold``: prompts up to this long run as decode rows
 
 
 def _groups(n: int, step: int = MAX_VERIFY_ROWS):
@@ -120,6 +126,8 @@ class PagedEngineOps(EngineOps):
 class GpuBatchRunner:
     """The scheduler's forwards (module docstring) over a GpuEngine."""
 
+    fold_prompt = FOLD_PROMPT
+
     def __init__(self, eng, num_blocks: int, block_size: int = 16):
         cfg = eng.cfg
         if cfg.mla or cfg.moe:
@@ -138,6 +146,7 @@ class GpuBatchRunner:
         self.graphs: dict[tuple, tuple] = {}  # (bucket, chunks) -> (graph, tokens and positions, tables, logits)
         self._host: dict[int, tuple] = {}   # bucket -> its host input buffers (``_stage``)
         self._staged = None                 # a CUDA event after the last upload from them
+        self._prompt_host = self._prompt_dev = self._prompt_done = None  # ``_stage_prompt``'s buffers
         self._pool = None
 
     def _table(self, table: torch.Tensor) -> torch.Tensor:
@@ -148,20 +157,36 @@ class GpuBatchRunner:
     @torch.inference_mode()
     def prefill(self, table: torch.Tensor, tokens: list[int], start: int) -> torch.Tensor:
         eng, n = self.eng, len(tokens)
-        table = table.to(eng.device)
-        for layer in range(self.cfg.num_layers):
-            if start:
-                k, v = self.kv.gather(layer, table, start)
-                eng.kv.k[layer, :, :start] = k
-                eng.kv.v[layer, :, :start] = v
-        ids = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+        tab, ids = self._stage_prompt(table, tokens)
+        if start:  # the prefix of every layer into the engine's cache: one gather and one copy for K and for V
+            self.kv.gather_all(tab, start, eng.kv.k, eng.kv.v)
         if start == 0 and eng.options.prefill == "default":  # a first chunk: the engine's own prompt pass, padded
             logits = eng.prefill(ids)[None]                    # and graph-captured on CUDA (runtime/engine.py)
         else:
             logits = self._chunk(ids, start)
-        for layer in range(self.cfg.num_layers):
-            self.kv.write(layer, table, start, eng.kv.k[layer, :, start:start + n], eng.kv.v[layer, :, start:start + n])
+        self.kv.write_all(tab, start, eng.kv.k[:, :, start:start + n], eng.kv.v[:, :, start:start + n])
         return logits[-1].float()
+
+    def _stage_prompt(self, table: torch.Tensor, tokens: list[int]):
+        """A prompt chunk's block table and tokens on the device (int64 [blocks], [n]): on CUDA through page-locked
+        buffers and asynchronous copies (no host sync; the buffers are rewritten only after the last copies from
+        them ran), else plain tensors."""
+        dev = torch.device(self.eng.device)
+        if dev.type != "cuda":
+            return table.to(dev), torch.tensor(tokens, dtype=torch.long, device=dev)
+        nb, n = table.numel(), len(tokens)
+        if self._prompt_host is None:
+            self._prompt_host = torch.empty(self.width + self.eng.max_len, dtype=torch.long, pin_memory=True)
+            self._prompt_dev = torch.empty(self.width + self.eng.max_len, dtype=torch.long, device=dev)
+            self._prompt_done = torch.cuda.Event()
+        else:
+            self._prompt_done.synchronize()
+        h = self._prompt_host.numpy()
+        h[:nb], h[nb:nb + n] = table.numpy(), tokens
+        d = self._prompt_dev[:nb + n]
+        d.copy_(self._prompt_host[:nb + n], non_blocking=True)
+        self._prompt_done.record()
+        return d[:nb], d[nb:]
 
     def _chunk(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """The PREFILL forward of a chunk at start .. start + n - 1 over the engine's cache: logits [1, V]."""

@@ -1,6 +1,8 @@
 """Paged KV cache for batched serving: fixed-size blocks, per-sequence block tables, a block allocator.
 
-Layout: per layer, ``k[l]`` and ``v[l]`` [num_blocks, Hkv, block_size, hd] (the model's dtype, on its device).
+Layout: per layer, ``k[l]`` and ``v[l]`` [num_blocks, Hkv, block_size, hd] (the model's dtype, on its device),
+views of one tensor each, ``K`` and ``V`` [layers, num_blocks, Hkv, block_size, hd], so that a prompt chunk's rows
+of every layer go in or out in one launch (``write_all``, ``gather_all``).
 A sequence owns a block table (a list of block ids, in position order): position p lives in block
 ``table[p // block_size]`` at offset ``p % block_size``. Blocks are handed out by ``BlockAllocator`` (lowest free
 ids first, so a run is reproducible) and come back when the sequence finishes or is cancelled.
@@ -18,6 +20,9 @@ import torch
 
 from ..errors import TrapetumError, UnsupportedError
 from ..models.config import ModelConfig
+
+
+GATHER_BYTES = 1 << 28  # the largest temporary of one ``gather_all`` slice
 
 
 class KVExhausted(TrapetumError):
@@ -81,8 +86,9 @@ class PagedKV:
         self.alloc = BlockAllocator(num_blocks)
         # uninitialized: a position is written before it is read, and a large cache then takes no memory pages
         # until requests use them
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.K = torch.empty((cfg.num_layers,) + shape, dtype=dtype, device=device)
+        self.V = torch.empty((cfg.num_layers,) + shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.K.unbind(0)), list(self.V.unbind(0))
         if poison_freed:  # (tests) never-written positions are NaN too
             for t in self.k + self.v:
                 t.fill_(float("nan"))
@@ -127,6 +133,29 @@ class PagedKV:
         b, o = self._where(table, start, n)
         self.k[layer][b, :, o] = k.transpose(0, 1).to(self.k[layer].dtype)
         self.v[layer][b, :, o] = v.transpose(0, 1).to(self.v[layer].dtype)
+
+    def write_all(self, table: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k / v [layers, Hkv, n, hd] into positions start .. start + n - 1 of every layer: ``write`` of each layer
+        (the same values), one index_put for K and one for V."""
+        n = k.shape[2]
+        if start + n > table.numel() * self.block_size:
+            raise RuntimeError(f"positions up to {start + n} past the sequence's {table.numel()} blocks")
+        b, o = self._where(table, start, n)
+        self.K[:, b, :, o] = k.permute(2, 0, 1, 3).to(self.K.dtype)  # indexed dims first: [n, layers, Hkv, hd]
+        self.V[:, b, :, o] = v.permute(2, 0, 1, 3).to(self.V.dtype)
+
+    def gather_all(self, table: torch.Tensor, length: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Positions 0 .. length - 1 of every layer into k / v [layers, Hkv, >= length, hd] (``gather`` of each
+        layer, the same values), one gather and one copy each for K and V per slice of layers whose gathered
+        temporary stays within GATHER_BYTES (all layers at once for a prefix of up to ~1,000 positions of a
+        7B-shaped cache)."""
+        b, o = self._where(table, 0, length)
+        per = max(1, length * self.K[0, 0].numel() // self.block_size * self.K.element_size())
+        step = max(1, GATHER_BYTES // per)
+        for a in range(0, self.cfg.num_layers, step):
+            z = min(a + step, self.cfg.num_layers)
+            k[a:z, :, :length] = self.K[a:z, b, :, o].permute(1, 2, 0, 3)
+            v[a:z, :, :length] = self.V[a:z, b, :, o].permute(1, 2, 0, 3)
 
     def gather(self, layer: int, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh contiguous k, v [Hkv, length, hd] of positions 0 .. length - 1."""

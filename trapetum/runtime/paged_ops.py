@@ -180,7 +180,11 @@ class PagedCpuOps(CpuOps):
 
 
 class CpuBatchRunner:
-    """The scheduler's forwards (module docstring) over a reference ``Decoder`` on the CPU."""
+    """The scheduler's forwards (module docstring) over a reference ``Decoder`` on the CPU. ``fold_prompt`` 0: the
+    scheduler folds no prompt into the decode forward by default (``Scheduler(fold=)`` does; the rows are each
+    row's own decode computation here, so a fold is exact but runs a prompt row by row)."""
+
+    fold_prompt = 0
 
     def __init__(self, decoder, kv: PagedKV):
         self.decoder, self.kv, self.cfg = decoder, kv, decoder.config

@@ -11,16 +11,25 @@ the whole cache is refused at submit (TrapetumError).
 ``step()`` is one scheduler step:
     1. admit waiting requests (their prompt's blocks allocated, their sampler made: per-request settings, seed);
     2. prefill: prompt chunks of ``chunk`` positions (boundaries at multiples of ``chunk`` from position 0) of the
-       requests still prefilling, oldest first, up to ``prefill_budget`` positions per step, each forward counted
-       as at least ``chunk`` positions (a short prompt's forward costs about what a chunk's does: the weights are
-       read either way), so the default budget (one chunk) runs one prefill forward per step and a decode step
-       waits for at most one; a request whose prompt is done samples its first token (a rebuilt one replays its
-       fed tokens instead);
-    3. decode: one forward over every request in the decode phase (one row each: its last token at its position),
-       the tokens chosen on the device (``_sample_rows``: one argmax for all plain greedy rows, each other row by
-       its request's own sampler), then one host copy for all rows;
+       requests still prefilling whose prompt is not folded (below), oldest first, up to ``prefill_budget``
+       positions per step, each forward counted as at least ``chunk`` positions (a short prompt's forward costs
+       about what a chunk's does: the weights are read either way), so the default budget (one chunk) runs one
+       prefill forward per step and a decode step waits for at most one; a request whose prompt is done samples
+       its first token (a rebuilt one replays its fed tokens instead);
+    3. decode: one forward over every request in the decode phase (one row each: its last token at its position)
+       and the folded prompt rows, the tokens chosen on the device (``_sample_rows``: one argmax for all plain
+       greedy rows, each other row by its request's own sampler), then one host copy for all rows;
     4. every new token goes through the request's TokenStream (runtime/generate.py: EOS, stop strings,
        max_new_tokens); a finished request frees its blocks at once.
+Folded prompts (``fold``: prompts of at most ``fold`` tokens; default the runner's ``fold_prompt``, 0 on the CPU
+runner): their positions go into step 3's forward as decode rows of their own sequence at consecutive positions
+(each row's K/V written before any row attends, a row seeing only positions below its own + 1: the runners'
+``decode`` contract, the one ``replay`` rests on), up to ``prefill_budget`` rows per step over the folded
+requests, oldest first; the last prompt row's logits give the first token in the same read as the decode rows'.
+A row's bits are then those of a decode step at its position whatever the split of the prompt over steps, so a
+short prompt costs a few row groups of the batched GEMVs (about what 16 more decode rows cost per 16 prompt
+tokens) instead of a prefill forward that dequantizes every weight. Whether a prompt folds depends on its length
+alone, so a request still takes the same path alone and in any batch.
 ``cancel(req)`` ends a request at once (blocks freed, "cancelled"). Each request's StreamEvents collect in
 ``req.events`` (the caller drains them); ``req.done`` is set with the last one.
 
@@ -83,7 +92,7 @@ class Scheduler:
 
     def __init__(self, runner, tokenizer: Tokenizer | None, vocab_size: int, context_size: int, *,
                  max_batch: int = 16, chunk: int = 64, prefill_budget: int | None = None, on_full: str = "queue",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", fold: int | None = None):
         if max_batch < 1:
             raise TrapetumError(f"max batch: at least 1, got {max_batch}")
         if chunk < 1:
@@ -94,6 +103,10 @@ class Scheduler:
         self.vocab_size, self.context_size, self.device = vocab_size, context_size, device
         self.max_batch, self.chunk, self.on_full = max_batch, chunk, on_full
         self.prefill_budget = chunk if prefill_budget is None else max(1, prefill_budget)
+        self.fold = int(getattr(runner, "fold_prompt", 0) if fold is None else fold)
+        if self.fold < 0:
+            raise TrapetumError(f"fold: prompts of at most this many tokens fold into the decode forward, at least 0, "
+                                f"got {self.fold}")
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []   # admitted, in admission order
         self._ids = itertools.count()
@@ -143,7 +156,7 @@ class Scheduler:
         touched: list[Request] = []
         self._admit()
         budget = self.prefill_budget
-        for req in [r for r in self.active if r.state == "prefill"]:
+        for req in [r for r in self.active if r.state == "prefill" and not self._folded(r)]:
             while budget > 0 and req.state == "prefill":
                 budget -= max(self._prefill(req, touched), self.chunk)  # a forward costs at least a chunk
             if budget <= 0:
@@ -153,20 +166,48 @@ class Scheduler:
             if r.state == "decode" and self._grow(r):  # (an earlier _grow may have preempted r)
                 rows.append(r)
         rows = [r for r in rows if r.state == "decode"]
-        if rows:
+        tables, toks, pos = [r.table for r in rows], [r.last for r in rows], [r.computed for r in rows]
+        folds, left = [], self.prefill_budget  # (request, rows) of the folded prompts, after the decode rows
+        for r in [r for r in self.active if r.state == "prefill" and self._folded(r)]:
+            if left <= 0:
+                break
+            n = min(len(r.prompt) - r.computed, left)
+            left -= n
+            folds.append((r, n))
+            tables += [r.table] * n
+            toks += r.prompt[r.computed:r.computed + n]
+            pos += range(r.computed, r.computed + n)
+        if rows or folds:
             self.peak_batch = max(self.peak_batch, len(rows))
-            logits = self.runner.decode([r.table for r in rows], [r.last for r in rows], [r.computed for r in rows])
-            toks = _read(self._sample_rows(rows, logits))  # the step's one host read
-            for r, tok in zip(rows, toks):
+            logits = self.runner.decode(tables, toks, pos)
+            sample, at = list(rows), list(range(len(rows)))  # the sampled requests, each one's logits row
+            row = len(rows)
+            for r, n in folds:
+                row += n
+                r.computed += n
+                if r.computed == len(r.prompt) and r.last is None:  # a first token (a rebuilt request has one)
+                    r.state = "decode"
+                    sample.append(r)
+                    at.append(row - 1)
+                elif r.last is not None and r.computed >= max(len(r.prompt), r.target):
+                    r.state, r.target = "decode", 0
+            toks = _read(self._sample_rows(sample, logits, at))  # the step's one host read
+            for r, i in zip(sample[:len(rows)], at):
                 r.computed += 1
-                self._push(r, tok)
-                touched.append(r)
+                self._push(r, toks[i])
+            for r, i in zip(sample[len(rows):], at[len(rows):]):
+                self._push(r, toks[i])
+            touched += sample
         return touched
 
     def run(self) -> None:
         """Steps until nothing is waiting or running."""
         while self.has_work:
             self.step()
+
+    def _folded(self, req: Request) -> bool:
+        """Whether ``req``'s remaining prompt positions go into the decode forward (module docstring)."""
+        return len(req.prompt) <= self.fold and req.computed < len(req.prompt)
 
     def _prefill(self, req: Request, touched: list) -> int:
         """One prompt chunk of ``req`` (or, rebuilding, up to MAX_VERIFY_ROWS of its fed tokens); positions done."""
@@ -225,23 +266,25 @@ class Scheduler:
             req.state = "prefill"
             self.active.append(req)
 
-    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
-        """Row i's next token for ``reqs[i]`` from logits [S, V] -> int64 [S], left on the logits' device.
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor, at: list[int] | None = None) -> torch.Tensor:
+        """The next token of ``reqs[i]`` from logits row ``at[i]`` (default i) of logits [R, V] -> int64 [R], left
+        on the logits' device; entry ``at[i]`` is reqs[i]'s token, the other entries are not tokens of anyone.
 
         The rows of plain greedy requests (temperature 0, no repetition penalty: a sampler that only takes the
-        argmax) get theirs from one argmax over their rows, the others from their own sampler, row by row. The
-        same token either way: a row's argmax (the first index of its maximum) does not depend on the rows beside
-        it, and a plain greedy sampler has no state (no generator draw, no penalty mask)."""
-        plain = [i for i, r in enumerate(reqs) if r.sampler.greedy and r.sampler.seen is None]
-        if len(plain) == len(reqs):
+        argmax) get theirs from one argmax over all rows, the others from their own sampler, row by row (written
+        over their row's entry). The same token either way: a row's argmax (the first index of its maximum) does
+        not depend on the rows beside it, and a plain greedy sampler has no state (no generator draw, no penalty
+        mask). No host sync: every row is picked by a host index."""
+        at = list(range(len(reqs))) if at is None else at
+        plain = [r.sampler.greedy and r.sampler.seen is None for r in reqs]
+        if all(plain):
             return torch.argmax(logits, -1)
-        if not plain:
-            return torch.cat([r.sampler(row) for r, row in zip(reqs, logits)])
-        out = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
-        idx = torch.tensor(plain, dtype=torch.long).to(logits.device)
-        out[idx] = torch.argmax(logits[idx], -1)
-        for i, r in enumerate(reqs):
-            if not (r.sampler.greedy and r.sampler.seen is None):
+        if not any(plain) and at == list(range(logits.shape[0])):
+            return torch.cat([r.sampler(logits[i]) for r, i in zip(reqs, at)])
+        out = torch.argmax(logits, -1) if any(plain) else \
+            torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        for r, i, p in zip(reqs, at, plain):
+            if not p:
                 out[i:i + 1] = r.sampler(logits[i])
         return out
 
