@@ -41,7 +41,7 @@ from ..runtime.sampling import GenerationSettings
 from ..runtime.speculative import (DraftModelDrafter, EngineRows, PardDrafter, ScriptedDrafter, SpecStats,
                                    SpeculativeRunner, make_drafter, model_rows)
 from ..settings import Options
-from .random_model import random_checkpoint
+from .random_model import SHAPES, random_checkpoint
 
 
 def _sync(device) -> None:
@@ -87,8 +87,10 @@ def modeled(args) -> dict:
     g = torch.Generator().manual_seed(0)
     max_len = max(lens) + args.new_tokens + 32
     dev = args.device
-    te = GpuEngine(random_checkpoint(tshape, tfmt, device=dev, layers=args.layers), max_len, device=dev, options=opts)
-    de = GpuEngine(random_checkpoint(dshape, dfmt, device=dev, layers=args.layers), max_len, device=dev, options=opts)
+    def layers(shape):  # --layers N: at most the first N layers of each model (a smoke run)
+        return min(args.layers, SHAPES[shape]["num_layers"]) if args.layers else None
+    te = GpuEngine(random_checkpoint(tshape, tfmt, device=dev, layers=layers(tshape)), max_len, device=dev, options=opts)
+    de = GpuEngine(random_checkpoint(dshape, dfmt, device=dev, layers=layers(dshape)), max_len, device=dev, options=opts)
     V = te.cfg.vocab_size
     if de.cfg.vocab_size != V:
         raise SystemExit(f"--draft {args.draft}: vocabulary {de.cfg.vocab_size} differs from the target's {V}")
