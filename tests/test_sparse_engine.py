@@ -101,8 +101,8 @@ def test_sparse_project_interpreter_against_float64(kernel, splits):
     for seed in seeds:
         check_case(seed, "triton", kernel, splits)
     assert False not in sg._COMPACT_OK.values()  # the compacted kernel ran, not the masked fallback
-    if kernel == "compact" and sg._COUNTERS:
-        assert all(int(c.abs().sum()) == 0 for c in sg._COUNTERS.values())  # every counter left at zero
+    if kernel == "compact" and sg.sparse_cuda._COUNTERS:
+        assert all(int(c.abs().sum()) == 0 for c in sg.sparse_cuda._COUNTERS.values())  # every counter left at zero
 
 
 def test_compact_splits_follow_the_shape():

@@ -25,7 +25,7 @@ ROWS = 256  # rows per group (a block)
 MAX_KS = 1024  # inputs per K range (the kernel's shared list)
 TARGET_BLOCKS = 528  # blocks a launch at M = 1: 4 per SM of the H200's 132 (60 registers: 4 blocks an SM)
 MAX_SPLITS = 32
-COUNTERS = 1 << 16
+COUNTERS = 1 << 16  # split completion counters per device (this kernel and sparse_gemv's compact one share them)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 _DECLS = """
@@ -77,16 +77,24 @@ def splits(K: int, N: int) -> int:
     return max(s, -(-K // MAX_KS))
 
 
+def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """The int32 completion counters of a split launch over ``blocks`` row blocks: made once per device, zero;
+    every call of either split kernel leaves them zero (the last block of a row block resets its counter), so the
+    calls of one stream share them."""
+    if blocks > COUNTERS:
+        raise ValueError(f"sparse GEMV: {blocks} row blocks, more than the {COUNTERS} counters")
+    cnt = _COUNTERS.get(device)
+    if cnt is None:
+        cnt = _COUNTERS[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return cnt
+
+
 def launch(x2, cw, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
     """out = the sparse GEMV of x2 fp16 [M, K] (``sparse_project``'s arguments, checked there)."""
     M, K = x2.shape
     G = cw.shape[0]
     S = splits(K, N) if splits_ is None else splits_
-    if M * G > COUNTERS:
-        raise ValueError(f"sparse GEMV: {M * G} row groups, more than the {COUNTERS} counters")
-    cnt = _COUNTERS.get(x2.device)
-    if cnt is None:  # made once, zero; each call leaves it zero (the last block of a group resets its counter)
-        cnt = _COUNTERS[x2.device] = torch.zeros(COUNTERS, dtype=torch.int32, device=x2.device)
+    cnt = split_counters(x2.device, M * G)
     part = torch.empty(S * M * G * ROWS if S > 1 else 1, dtype=torch.float32, device=x2.device)
     res = residual if residual is not None else out
     EXT.load().cb_sparse_gemv(x2, cw, codebook, res, dense_u8, out, part, cnt, float(t), int(epi),

@@ -202,8 +202,6 @@ def compact_ok(N: int, bits: int, kernel: str) -> bool:
     return kernel in ("compact", "cuda") and (N * bits // 8) % 4 == 0 and N * bits % 8 == 0
 
 
-COUNTERS = 1 << 16  # split completion counters per device: M * ceil(N / BLOCK_N) <= 65536 (N <= 262,144 at M 16)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 TARGET_PROGRAMS = 1024  # split K until a launch has about this many programs (latency hiding on 132 SMs)
 
 
@@ -218,11 +216,7 @@ def _launch_compact(x2, ct, codebook, bits, N, y, residual, t, dense, epi, f, sp
     S = compact_splits(K, N) if splits is None else splits
     KS = -(-K // S)
     grid = (triton.cdiv(N, BLOCK_N), M, S)
-    if grid[0] * M > COUNTERS:
-        raise ValueError(f"sparse GEMV: {grid[0] * M} row blocks, more than the {COUNTERS} counters")
-    cnt = _COUNTERS.get(x2.device)
-    if cnt is None:  # made once, zero; each call leaves it zero (the last program of a block resets its counter)
-        cnt = _COUNTERS[x2.device] = torch.zeros(COUNTERS, dtype=torch.int32, device=x2.device)
+    cnt = sparse_cuda.split_counters(x2.device, grid[0] * M)  # M * ceil(N / BLOCK_N) blocks
     scr = torch.empty(grid[0] * M * S * KS, dtype=torch.int16 if K < 1 << 15 else torch.int32, device=x2.device)
     part = torch.empty(S * M * N if S > 1 else 1, dtype=torch.float32, device=x2.device)
     res = residual if residual is not None else y
