@@ -71,8 +71,8 @@ def test_grouped_block_mapping_and_x_addressing_host(tmp_path):
 
 
 def test_grouped_gemv_groups_option():
-    """1, 2, 4 groups a block (4 the default); anything else is a ConfigError naming the field."""
-    assert KernelOptions().grouped_gemv_groups == 1 and set(GROUPED_GEMV_GROUPS) == {1, 2, 4}
+    """1, 2, 4 groups a block (2 the default); anything else is a ConfigError naming the field."""
+    assert KernelOptions().grouped_gemv_groups == 2 and set(GROUPED_GEMV_GROUPS) == {1, 2, 4}
     for g in GROUPED_GEMV_GROUPS:
         assert KernelOptions(grouped_gemv_groups=g).grouped_gemv_groups == g
     for bad in (0, 3, 8, "4"):

@@ -28,10 +28,10 @@ means the default; anything else is a ConfigError naming the variable.
 
 Fields without a variable (API and benchmarks): ``kernels.aqlm_kernel`` ("table"): the 2x8 GEMV of decode and
 verify, "table" or "mma" (the tensor-core kernel; other numerics, so both modes use it; CLI ``--aqlm-kernel``,
-bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (1): the 4-/8-bit mma GEMV on more than 16 rows
+bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (2): the 4-/8-bit mma GEMV on more than 16 rows
 (batched decode) gives a block 1 group of 16 rows (a block per group), 2 (two an SM) or 4 (one block an SM), each
 weight dequantized once for the groups of a block (the same bits in every mode; bench_kernels ``--only rows``
-times them; 1 is the default because 4 measured slower in the 64-row paged step on the H200); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
+times them: at 64 rows 2 took 0.82-0.88x the time of 1 on the H200, 4 measured slower in the 64-row paged step); ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
@@ -39,7 +39,10 @@ caches per-head keys and values ("expanded") or the compressed latent and attend
 runtime/engine_latent.py); ``prefill_graph`` (True): the default prefill of a prompt (last-row logits, CUDA) runs padded
 to a length bucket (runtime/engine.py ``prefill_bucket``), eagerly the first time a bucket is used (always with
 ``graph`` off) and as a CUDA graph captured at its second use (the same kernels and shapes: the same bits), so that prompt
-processing costs its GPU time and not the host's launches; ``gpu_mem_gb`` (None): the GPU engine's memory budget in
+processing costs its GPU time and not the host's launches; ``exact_prefill_max`` (128): the default prefill (last-row
+logits, CUDA) of a prompt of at most this many tokens on a model whose layer projections are all 4-/8-bit codebooks
+runs the exact prefill instead (16-row verify passes, runtime/engine.py ``short_exact``: cheaper there than
+dequantizing the model; 0 turns it off); ``gpu_mem_gb`` (None): the GPU engine's memory budget in
 GB (CLI ``--gpu-mem``; runtime/placement.py moves the embedding table, then the routed experts, to host RAM until
 the rest fits, else refuses; None keeps everything on the GPU).
 """
@@ -113,7 +116,7 @@ class KernelOptions:
     # mma GEMV on more than 16 rows (tiled codes): row groups of 16 per block, each weight dequantized once for the
     # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel, the
     # default: at 4 the 7B 64-row paged step's GEMVs took 10.3 ms against 8.3 ms, NOTES-kernels.md session 11)
-    grouped_gemv_groups: int = 1
+    grouped_gemv_groups: int = 2
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
@@ -161,6 +164,7 @@ class Options:
     cpu_step: bool = True
     mla: str = "expanded"
     prefill_graph: bool = True
+    exact_prefill_max: int = 128
     gpu_mem_gb: float | None = None
     kernels: KernelOptions = field(default_factory=KernelOptions)
 
@@ -174,6 +178,9 @@ class Options:
             raise ConfigError(f"options.calib_mem_gb: must be positive, got {self.calib_mem_gb!r}")
         if self.gpu_mem_gb is not None and not self.gpu_mem_gb > 0:
             raise ConfigError(f"options.gpu_mem_gb (--gpu-mem): must be positive, got {self.gpu_mem_gb!r}")
+        if isinstance(self.exact_prefill_max, bool) or not isinstance(self.exact_prefill_max, int) \
+                or self.exact_prefill_max < 0:
+            raise ConfigError(f"options.exact_prefill_max: a token count >= 0, got {self.exact_prefill_max!r}")
 
     def replace(self, **changes) -> "Options":
         """A copy with `changes`; ``kernels=dict(...)`` updates fields of the kernel options."""

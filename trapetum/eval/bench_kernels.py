@@ -436,12 +436,13 @@ def _md(res: dict) -> str:
 
 
 def _int_list(s: str) -> tuple[int, ...]:
+    from ..kernels.codebook_gemv import MAX_GROUPED_ROWS
     try:
         v = tuple(int(t) for t in s.split(",") if t.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of row counts, got {s!r}") from None
-    if not v or any(not 1 <= m <= 16 for m in v):
-        raise argparse.ArgumentTypeError(f"row counts must be in 1..16, got {s!r}")
+    if not v or any(not 1 <= m <= MAX_GROUPED_ROWS for m in v):
+        raise argparse.ArgumentTypeError(f"row counts must be in 1..{MAX_GROUPED_ROWS}, got {s!r}")
     return v
 
 
