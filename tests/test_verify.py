@@ -17,6 +17,7 @@ from tests.tiny_models import build, build_cbk
 from trapetum.eval.verify_exact import check
 from trapetum.models.batch import Mode
 from trapetum.runtime.engine import GpuEngine
+from trapetum.errors import ConfigError
 from trapetum.settings import Options
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -71,21 +72,42 @@ def test_engine_verify_codebook_cbk(tmp_path):
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
 
 
-def test_exact_prefill_continues_like_decoding(models):
-    """Options.prefill = "exact": the prompt through verify passes of 16, 8, 4, 2, 1 rows; logits and cache rows are
-    those of decoding the prompt token by token."""
+@pytest.mark.parametrize("T,max_len", [(29, 48), (16, 16), (1, 48), (29, 31), (30, 30)])
+def test_exact_prefill_continues_like_decoding(models, T, max_len):
+    """Options.prefill = "exact": the prompt through 16-row verify passes, the last one padded (29 tokens, cache 48:
+    two passes; 1 token: one padded pass), or split into 8, 4, 2, 1 rows where 16 would pass the cache's end (29 in
+    31, 30 in 30); logits of every row and cache rows are those of decoding the prompt token by token."""
     m = models["llama3"]
-    ids = torch.randint(3, 300, (29,), generator=torch.Generator().manual_seed(3))
-    ex = GpuEngine(m.checkpoint, 48, device="cpu", options=Options(prefill="exact"))
+    ids = torch.randint(3, 300, (T,), generator=torch.Generator().manual_seed(3))
+    ex = GpuEngine(m.checkpoint, max_len, device="cpu", options=Options(prefill="exact"))
     last = ex.prefill(ids).clone()
-    dec = GpuEngine(m.checkpoint, 48, device="cpu")
-    for t in range(29):  # every prompt token through a decode step, the first one too
+    dec = GpuEngine(m.checkpoint, max_len, device="cpu")
+    steps = []
+    for t in range(T):  # every prompt token through a decode step, the first one too
         dec.set_position(ids[t], t)
         dec.step(greedy=False)
+        steps.append(dec.logits.clone())
     assert torch.equal(last, dec.logits)
-    assert torch.equal(ex.k_cache[:, :, :29], dec.k_cache[:, :, :29]) and torch.equal(ex.v_cache[:, :, :29], dec.v_cache[:, :, :29])
+    assert torch.equal(ex.k_cache[:, :, :T], dec.k_cache[:, :, :T]) and torch.equal(ex.v_cache[:, :, :T], dec.v_cache[:, :, :T])
     allrows = ex.prefill(ids, all_logits=True)
-    assert allrows.shape == (29, 300) and torch.equal(allrows[-1], last)
+    assert allrows.shape == (T, 300) and torch.equal(allrows, torch.stack(steps))
+
+
+def test_short_prompt_choice(models, tmp_path):
+    """GpuEngine.short_exact: only on CUDA, only up to Options.exact_prefill_max tokens, only for codebook layers
+    (a dense fp16 model keeps the dequantizing pass everywhere); the option is checked."""
+    from trapetum.runtime.engine import _codebook_kind
+    cb = GpuEngine(trapetum.load(build_cbk("llama3", tmp_path, iters=3)).checkpoint, 48, device="cpu")
+    dense = GpuEngine(models["llama3"].checkpoint, 48, device="cpu")
+    assert all(_codebook_kind(p) for p in cb.model.projections()[1:])
+    assert not all(_codebook_kind(p) for p in dense.model.projections()[1:])
+    assert not cb.short_exact(8)  # the CPU: the default prefill everywhere
+    cb.device = torch.device("cuda")  # the rule alone (no CUDA work follows)
+    assert cb.short_exact(1) and cb.short_exact(128) and not cb.short_exact(129) and not cb.short_exact(0)
+    dense.device = torch.device("cuda")
+    assert not dense.short_exact(8)
+    with pytest.raises(ConfigError, match="exact_prefill_max"):
+        Options(exact_prefill_max=-1)
 
 
 def test_verify_rejects_bad_rows(models):
@@ -107,6 +129,7 @@ import trapetum
 from tests.tiny_models import build
 from trapetum.eval.verify_exact import check
 from trapetum.runtime.engine import GpuEngine
+from trapetum.errors import ConfigError
 from trapetum.settings import Options
 build("llama3", {str(tmp_path)!r})
 m = trapetum.load({str(tmp_path)!r})

@@ -18,6 +18,8 @@ process measures:
     against one decode step from the same base (the mean of 32 consecutive steps), both timed in the same run: the
     ratio is what speculative decoding pays per verify round;
   * prefill tok/s at 512 and 2,048 tokens (median of 7; not for the AQLM formats, which dequantize per call);
+  * short prompts (``--short-prompts 16,32,...``): ms of the dequantizing prompt pass against the exact prefill
+    (16-row verify passes) at each length, and which one the default prefill takes (GpuEngine.short_exact);
   * with --switches the decode bins again with each option off (graph, fuse, CUDA kernels, fused attention, PDL);
     with --attn-configs the bins with each named attention config;
   * ``--aqlm-kernels table,mma``: the aqlm-2x8 rows once per 2x8 kernel option (KernelOptions.aqlm_kernel; the
@@ -98,6 +100,22 @@ def prefill_rate(eng, n: int, vocab: int) -> float:
     return n / times[3]
 
 
+def short_prompts(eng, lengths, vocab: int) -> dict[int, dict]:
+    """Per prompt length T: ms of the dequantizing prompt pass (``prefill_pass``) and of the exact prefill
+    (``prefill_exact``: 16-row verify passes), each captured first and then the median of 7 timed calls, and the
+    path the default prefill takes (``short_exact``)."""
+    out = {}
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), device="cuda")
+        row = {"default_path": "exact" if eng.short_exact(n) else "pass"}
+        for name, fn in (("pass_ms", eng.prefill_pass), ("exact_ms", eng.prefill_exact)):
+            fn(ids)
+            fn(ids)  # the padded pass: eager at first use, captured at the second
+            row[name] = sorted(_cuda_time(lambda: fn(ids)) for _ in range(7))[3] * 1e3
+        out[n] = row
+    return out
+
+
 def build(shape: str, fmt: str, options: Options):
     from ..runtime.engine import GpuEngine
     torch.cuda.empty_cache()
@@ -113,7 +131,7 @@ def build(shape: str, fmt: str, options: Options):
 def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | None = None,
         bins: tuple[int, ...] = BINS, attn_configs: tuple[str, ...] = (), verify_rows: tuple[int, ...] = (),
         verify_bases: tuple[int, ...] = (64, 1088), options: Options | None = None,
-        aqlm_kernels: tuple[str, ...] = ("table",)) -> dict:
+        aqlm_kernels: tuple[str, ...] = ("table",), short: tuple[int, ...] = ()) -> dict:
     opts0 = options or Options()
     results = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M"), "torch": torch.__version__,
                "models": {}}
@@ -132,6 +150,8 @@ def run(models: list[str], switches: bool, out_dir: Path, formats: list[str] | N
                 r["verify"] = verify_cost(eng, list(verify_rows), list(verify_bases))
             if not fmt.startswith("aqlm"):
                 r["prefill"] = {n: prefill_rate(eng, n, eng.cfg.vocab_size) for n in (512, 2048)}
+            if short:
+                r["short"] = short_prompts(eng, short, eng.cfg.vocab_size)
             r["peak_mem_bytes"] = torch.cuda.max_memory_allocated()
             del eng
             variants = dict(SWITCHES) if switches else {}
@@ -171,6 +191,14 @@ def markdown(results: dict) -> str:
             for base, rows in v.items():
                 for m, (tv, td, ratio) in rows.items():
                     lines.append(f"| {shape} | {fmt} | {base} | {m} | {tv * 1e6:.1f} | {td * 1e6:.1f} | {ratio:.3f}x |")
+    sh = [(s, f, r["short"]) for s, res in results["models"].items() for f, r in res.items() if "short" in r]
+    if sh:
+        lines += ["", "| model | format | prompt tokens | prompt pass ms | exact prefill ms | exact / pass | default takes |",
+                  "|---|---|---|---|---|---|---|"]
+        for shape, fmt, v in sh:
+            for n, row in v.items():
+                lines.append(f"| {shape} | {fmt} | {n} | {row['pass_ms']:.2f} | {row['exact_ms']:.2f} | "
+                             f"{row['exact_ms'] / row['pass_ms']:.2f}x | {row['default_path']} |")
     sw = [(s, f, r["switches"]) for s, res in results["models"].items() for f, r in res.items() if "switches" in r]
     if sw:
         lines += ["", "| model | format | option | tok/s @0-128 | @1024-1152 | @3968-4096 |", "|---|---|---|---|---|---|"]
@@ -200,6 +228,8 @@ def main(argv=None) -> int:
                    f"{', '.join(DEFAULT_FORMATS)}; {', '.join(f'{k}: {v}' for k, v in SHAPE_FORMATS.items())})")
     p.add_argument("--bins", default=",".join(map(str, BINS)), help="decode start positions (128 steps each)")
     p.add_argument("--verify", default="", help="verify rows M to time against decode steps, e.g. 1,2,4,8,16")
+    p.add_argument("--short-prompts", default="", help="prompt lengths to time the prompt pass against the exact "
+                   "prefill at, e.g. 16,32,64,128,192,256 (GpuEngine.short_exact's rule)")
     p.add_argument("--verify-bases", default="64,1088", help="positions of the verify passes")
     p.add_argument("--attn-configs", default="", help="comma list of attention config names (AttnConfig.name): "
                    "the bins again with each, next to the default")
@@ -225,7 +255,7 @@ def main(argv=None) -> int:
         return 1
     run(a.models.split(","), a.switches, Path(a.out), [f for f in a.formats.split(",") if f] or None,
         _ints(a.bins), names, _ints(a.verify), _ints(a.verify_bases), Options.from_env().replace(mla=a.mla),
-        kernels)
+        kernels, _ints(a.short_prompts))
     return 0
 
 

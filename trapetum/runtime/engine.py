@@ -12,7 +12,8 @@ pos .. pos + M - 1 and ``logits_rows[:M]``:
                           and attention reduces each row as decode does at its length); argmax_rows[:M] greedy
     prefill(ids)          PREFILL: the prompt at 0 .. T-1 (tensor cores, fp32 residual; ``Options.prefill`` =
                           "precise": fp32-reference accuracy, runtime/precise.py; "exact": through the verify graphs
-                          in chunks of 16, 8, 4, 2, 1 rows, so the prompt continues bit for bit like a decoded one)
+                          in chunks of 16, 8, 4, 2, 1 rows, so the prompt continues bit for bit like a decoded one;
+                          the default takes "exact" for short prompts of codebook models: ``short_exact``)
 Graphs: one per (mode, rows, greedy), captured on first use and replayed at any position (positions live in
 ``pos``); ``Options.graph`` off runs the same code eagerly. The default prefill of a prompt (last-row logits;
 ``Options.prefill_graph``, CUDA) runs padded to ``prefill_bucket(T)`` rows (rows past T are zero tokens whose cache
@@ -54,7 +55,7 @@ from .kv import ContiguousKV
 from .placement import Placement, plan_for
 from .sampling import GenerationSettings, Sampler
 
-EXACT_CHUNKS = (16, 8, 4, 2, 1)  # verify graph sizes of the exact prefill
+EXACT_CHUNKS = (16, 8, 4, 2, 1)  # the exact prefill's chunks where a padded 16-row pass would pass the cache's end
 
 
 def prefill_bucket(t: int) -> int:
@@ -71,6 +72,15 @@ def _sdpa_backends():
     SDPA is left out of graphs; the eager first pass uses the same set, so both give the same bits)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _codebook_kind(p) -> bool:
+    """A projection (or fused gate/up) whose decode / verify GEMV is the 4-/8-bit codebook kernel, in all parts."""
+    if p.kind == "codebook":
+        return True
+    parts = getattr(p, "parts", None) if p.kind == "concat" else (
+        [w for w in (p.gate, p.up) if w is not None] if p.kind == "separate" else None)
+    return bool(parts) and all(_codebook_kind(w) for w in parts)
 
 
 class GpuEngine:
@@ -151,6 +161,7 @@ class GpuEngine:
         self.prefill_last = torch.zeros(1, dtype=torch.long, device=dev)
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._prefill_seen: set[int] = set()
+        self._codebook_layers: bool | None = None  # short_exact: every layer projection a codebook GEMV
         if sparsity is not None:  # before any graph is captured: the thresholds are constants of the graphs
             self.set_sparsity(sparsity)
 
@@ -308,8 +319,15 @@ class GpuEngine:
             raise ValueError(f"prompt of {T} tokens exceeds the engine's KV cache of {self.max_len}")
         if T == 0:
             raise ValueError("prompt is empty")
-        if self.options.prefill == "exact":
+        if self.options.prefill == "exact" or (not all_logits and self.short_exact(T)):
             return self.prefill_exact(tokens, all_logits)
+        return self.prefill_pass(tokens, all_logits)
+
+    @torch.inference_mode()
+    def prefill_pass(self, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """``prefill``'s one prompt pass (the default dequantizing pass, padded and captured where it can be, or the
+        precise one), whatever the prompt's length: ``tokens`` [T] on the device, 1 <= T <= max_len."""
+        T = tokens.numel()
         if not all_logits and self._pads_prefill(T):
             return self._prefill_padded(tokens)
         batch = ForwardBatch.prefill(tokens, 0, "all" if all_logits else "last")
@@ -320,6 +338,20 @@ class GpuEngine:
         else:
             logits = decoder_forward(batch, EngineOps(self, Mode.PREFILL), self.model)
         return logits if all_logits else logits[0]
+
+    def short_exact(self, t: int) -> bool:
+        """Whether the default prefill runs a prompt of t tokens as the exact prefill (16-row verify passes): on CUDA,
+        t <= ``Options.exact_prefill_max``, every layer projection a 4-/8-bit codebook one (its 16-row GEMV costs
+        about 1.3 decode steps where the dequantizing pass costs a dozen or more: BENCHMARKS.md, "Short prompts"),
+        no mixture-of-experts or latent-attention layer. The choice depends on t and the model only (the same
+        prompt always takes the same path, so the same bits)."""
+        o = self.options
+        if self.device.type != "cuda" or o.prefill != "default" or not 1 <= t <= o.exact_prefill_max:
+            return False
+        if self._codebook_layers is None:
+            self._codebook_layers = not (self.cfg.moe or self.cfg.mla) and all(
+                _codebook_kind(p) for p in self.model.projections()[1:])
+        return self._codebook_layers
 
     def _pads_prefill(self, t: int) -> bool:
         """Whether the prompt runs padded (class docstring; captured when graphs are on): on CUDA, the default
@@ -367,17 +399,22 @@ class GpuEngine:
 
     @torch.inference_mode()
     def prefill_exact(self, tokens, all_logits: bool = False) -> torch.Tensor:
-        """The prompt through the verify graphs, chunks of 16 rows, then 8, 4, 2, 1: cache rows and logits are
-        bitwise those of decoding the prompt token by token."""
+        """The prompt through the 16-row verify graph: cache rows and logits are bitwise those of decoding the prompt
+        token by token. The last chunk is padded with token 0 to 16 rows (one graph for every prompt; the padding
+        rows' cache entries lie past the prompt, where decoding writes before it reads: attention is causal), or,
+        where 16 rows would pass the cache's end, split into chunks of 8, 4, 2, 1."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
         T = tokens.numel()
         out = torch.empty(T if all_logits else 1, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        padded = torch.zeros(-(-T // MAX_VERIFY_ROWS) * MAX_VERIFY_ROWS, dtype=torch.long, device=self.device)
+        padded[:T].copy_(tokens)
         p = 0
         while p < T:
-            m = next(c for c in EXACT_CHUNKS if c <= T - p)
-            rows = self.verify(tokens[p:p + m], p)
+            fits = p + MAX_VERIFY_ROWS <= self.max_len
+            m = min(MAX_VERIFY_ROWS, T - p) if fits else next(c for c in EXACT_CHUNKS if c <= T - p)
+            rows = self.verify(padded[p:p + (MAX_VERIFY_ROWS if fits else m)], p)
             if all_logits:
-                out[p:p + m].copy_(rows)
+                out[p:p + m].copy_(rows[:m])
             elif p + m == T:
                 out[0].copy_(rows[m - 1])
             p += m
