@@ -4,7 +4,14 @@
    codes: the canonical packing of kernels/pack.py, read where they lie (no copy, no dense weight):
      4-bit  uint8 [N, ldc >= ceil(K/2)]  column 2j in the low nibble of byte j, 2j+1 in the high nibble
      8-bit  uint8 [N, ldc >= K]          one index per byte
-   cb: fp16 bits (uint16) [N, 2^bits], converted exactly to fp32 (16 or 256 entries per row).
+   cb: the fp16 tables (uint16 bits, 16 or 256 entries a row), in one of the two storages of a .cbk
+     per-row   (scale NULL)  cb [N, 2^bits]: row n's table, converted exactly to fp32;
+     shared    (scale given) cb [ceil(N / G), 2^bits] the groups' tables and scale fp16 [N]: row n's table is
+               fp16(float32(scale[n]) * float32(cb[n / G, e])), formed on the fly (the fp32 product of two fp16
+               values is exact; one round to nearest even: F16C / AVX-512 vcvtps2ph, f2h in C), bitwise the
+               table that schemes/codebook_store.py decode_shared gives, so a row's result is bitwise the per-row
+               storage's on the decoded tables; the per-row tables are never read from memory (the 8-bit head
+               of a 151,936-token vocabulary: 78 MB a token less).
 
    Contracts (tests/test_host_gemv.py):
    - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
@@ -49,11 +56,35 @@ static float h2f(uint16_t h) {
   float f; memcpy(&f, &u, 4); return f;
 }
 
+/* fp32 -> fp16, round to nearest even (overflow to inf; the finite inputs of the shared tables), portable:
+   F. Giesen's float_to_half_fast3_rtne (its subnormal branch rounds by one fp32 add in the default mode) */
+static uint16_t f2h(float f) {
+  uint32_t u, sign;
+  memcpy(&u, &f, 4);
+  sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u >= (143u << 23)) return (uint16_t)(sign | (u > (255u << 23) ? 0x7e00u : 0x7c00u)); /* >= 2^16, inf, nan */
+  if (u < (113u << 23)) { /* below 2^-14: an fp16 subnormal or zero */
+    const uint32_t magic = 126u << 23;  /* 0.5: adding it leaves round(f * 2^24) in the low mantissa bits */
+    float a, m;
+    memcpy(&a, &u, 4); memcpy(&m, &magic, 4);
+    a += m;
+    memcpy(&u, &a, 4);
+    return (uint16_t)(sign | (u - magic));
+  }
+  u += (((uint32_t)(15 - 127)) << 23) + 0xfffu + ((u >> 13) & 1u);
+  return (uint16_t)(sign | (u >> 13));
+}
+
+/* code paths (host_gemv.PATHS): avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies */
+enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_FP16 = 3 };
+
 /* ---------------------------------------------------------------- the work item */
 typedef struct {
   const float *xp; long M, K, Kp;  /* xp: prepared x [M, Kp] */
   const uint8_t *codes; long ldc; const uint16_t *cb; long N;
   float *y; long ldy; int bits, path;
+  const uint16_t *scale; long G;   /* shared storage: row scales [N], G rows a group (scale NULL: per-row cb) */
 } job_t;
 
 /* a call over several weights of one input (tp_gemv_multi): segment s holds global rows off[s] .. off[s+1]-1 */
@@ -66,11 +97,22 @@ typedef struct {
 } multi_t;
 
 /* ---------------------------------------------------------------- portable path */
+/* row n's table of ne entries as fp32 into t (the header's two storages) */
+static void table_c(const uint16_t *cb, const uint16_t *scale, long G, long n, int ne, float *t) {
+  if (scale) {
+    const float s = h2f(scale[n]);
+    const uint16_t *sh = cb + (n / G) * ne;
+    for (int e = 0; e < ne; e++) t[e] = h2f(f2h(s * h2f(sh[e])));
+  } else {
+    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+  }
+}
+
 static void rows_c(const job_t *j, long n0, long n1) {
   float t[256];
   const int ne = 1 << j->bits;
   for (long n = n0; n < n1; n++) {
-    for (int e = 0; e < ne; e++) t[e] = h2f(j->cb[n * ne + e]);
+    table_c(j->cb, j->scale, j->G, n, ne, t);
     const uint8_t *c = j->codes + n * j->ldc;
     for (long m = 0; m < j->M; m++) {
       const float *x = j->xp + m * j->Kp;
@@ -112,11 +154,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 look16(__m256 lo, 
 
 /* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1] */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_avx2(
-    const job_t *j, long n, long m0, int R) {
-  const uint16_t *cbn = j->cb + n * 16;
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
-  _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
+    const job_t *j, long n, long m0, int R, const float *t) {
+  const __m256 lo = _mm256_load_ps(t), hi = _mm256_load_ps(t + 8);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
   __m256 a0[4], a1[4];
@@ -164,18 +203,39 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
+/* row n's table as fp32 into t[2^bits]: its stored fp16 entries widened, or (shared storage) the group's fp32
+   table gt (refreshed into gt when the group changes; *g: the group it holds) times the row scale, rounded to
+   fp16 (RNE) and widened */
+__attribute__((target("avx2,fma,f16c"))) static inline void table_avx2(const job_t *j, long n, float *t, float *gt,
+                                                                       long *g) {
+  const int ne = 1 << j->bits;
+  if (!j->scale) {
+    const uint16_t *cbn = j->cb + n * ne;
+    for (int e = 0; e < ne; e += 8) _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + e))));
+    for (int e = 0; e < ne; e += 32) _mm_prefetch((const char *)(cbn + (ne == 16 ? 16 : 4) * ne + e), _MM_HINT_T0);
+    return;
+  }
+  if (n / j->G != *g) {
+    *g = n / j->G;
+    for (int e = 0; e < ne; e += 8)
+      _mm256_store_ps(gt + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + *g * ne + e))));
+  }
+  const __m256 s = _mm256_set1_ps(h2f(j->scale[n]));
+  for (int e = 0; e < ne; e += 8)
+    _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(s, _mm256_load_ps(gt + e)),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, long n0, long n1) {
-  float t[256] __attribute__((aligned(32)));
+  float t[256] __attribute__((aligned(32))), gt[256] __attribute__((aligned(32)));
+  long g = -1;
   for (long n = n0; n < n1; n++) {
-    if (j->bits == 8) {
-      for (int e = 0; e < 256; e += 8)
-        _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + n * 256 + e))));
-    }
+    table_avx2(j, n, t, gt, &g);
     for (long m = 0; m < j->M; m += 4) {
       long R = j->M - m < 4 ? j->M - m : 4;
       if (j->bits == 4) {
-        switch (R) { case 4: row4_avx2(j, n, m, 4); break; case 3: row4_avx2(j, n, m, 3); break;
-                     case 2: row4_avx2(j, n, m, 2); break; default: row4_avx2(j, n, m, 1); }
+        switch (R) { case 4: row4_avx2(j, n, m, 4, t); break; case 3: row4_avx2(j, n, m, 3, t); break;
+                     case 2: row4_avx2(j, n, m, 2, t); break; default: row4_avx2(j, n, m, 1, t); }
       } else {
         switch (R) { case 4: row8_avx2(j, n, m, 4, t); break; case 3: row8_avx2(j, n, m, 3, t); break;
                      case 2: row8_avx2(j, n, m, 2, t); break; default: row8_avx2(j, n, m, 1, t); }
@@ -204,9 +264,8 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
     }                                                                                               \
   } while (0)
 
-__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
-  const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
-  _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R,
+                                                                        const __m512 tab) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   __m512 a0[4], a1[4], a2[4], a3[4];
@@ -223,11 +282,8 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
 /* 8-bit: blocks of 32 columns; the row's 256 fp16 entries (as stored) in 8 registers, looked up by 4 two-table
    16-bit permutes (index bits 0..5) and a blend tree on bits 6, 7, then widened to fp32 (no gather: slow where
    microcode mitigates it); even / odd 16-column halves into a0 / a1 */
-__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R) {
-  const uint16_t *cbn = j->cb + n * 256;
-  __m512i t[8];
-  for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
-  for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R,
+                                                                        const __m512i *t) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   const __m512i b6 = _mm512_set1_epi16(64), b7 = _mm512_set1_epi16(128);
@@ -255,16 +311,78 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define TFP16 T512 ",avx512fp16"
+
+/* AVX512-FP16 (path avx512fp16): row n's shared table formed by fp16 multiplies, vmulph rounding the exact
+   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ): the same bits as the fp32 product
+   rounded by vcvtps2ph, in 8 multiplies for 256 entries instead of 16 multiplies and 16 conversions */
+__attribute__((target(TFP16), noinline)) static void tab8_fp16(const uint16_t *sh, uint16_t s, __m512i *t) {
+  const __m512h sv = _mm512_castsi512_ph(_mm512_set1_epi16((short)s));
+  for (int e = 0; e < 8; e++)
+    t[e] = _mm512_castph_si512(_mm512_mul_round_ph(_mm512_castsi512_ph(_mm512_loadu_si512((const void *)(sh + 32 * e))),
+                                                   sv, RNE));
+}
+
+__attribute__((target(TFP16), noinline)) static __m512 tab4_fp16(const uint16_t *sh, uint16_t s) {
+  const __m256h v = _mm256_mul_ph(_mm256_castsi256_ph(_mm256_loadu_si256((const __m256i *)sh)),
+                                  _mm256_castsi256_ph(_mm256_set1_epi16((short)s)));  /* MXCSR: round to nearest */
+  return _mm512_cvtph_ps(_mm256_castph_si256(v));
+}
+
+/* the group's fp32 table into gt (when row n leaves the group *g holds) and row n's scale, broadcast */
+__attribute__((target(T512), always_inline)) static inline __m512 group_512(const job_t *j, long n, float *gt,
+                                                                           long *g) {
+  const int ne = 1 << j->bits;
+  if (n / j->G != *g) {
+    *g = n / j->G;
+    for (int e = 0; e < ne; e += 16)
+      _mm512_store_ps(gt + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + *g * ne + e))));
+  }
+  return _mm512_set1_ps(h2f(j->scale[n]));
+}
+
+/* per row: its table in registers (4-bit: 16 fp32 in one; 8-bit: 256 fp16 in 8), loaded as stored or (shared
+   storage) formed from the group's fp32 table gt: fp16(scale * gt) (RNE) */
 __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
+  float gt[256] __attribute__((aligned(64)));
+  long g = -1;
   for (long n = n0; n < n1; n++) {
-    for (long m = 0; m < j->M; m += 4) {
-      long R = j->M - m < 4 ? j->M - m : 4;
-      if (j->bits == 4) {
-        switch (R) { case 4: row4_512(j, n, m, 4); break; case 3: row4_512(j, n, m, 3); break;
-                     case 2: row4_512(j, n, m, 2); break; default: row4_512(j, n, m, 1); }
+    if (j->bits == 4) {
+      __m512 tab;
+      if (j->scale && j->path == PATH_FP16) {
+        tab = tab4_fp16(j->cb + (n / j->G) * 16, j->scale[n]);
+      } else if (j->scale) {
+        __m512 s = group_512(j, n, gt, &g);
+        tab = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt)), RNE));
       } else {
-        switch (R) { case 4: row8_512(j, n, m, 4); break; case 3: row8_512(j, n, m, 3); break;
-                     case 2: row8_512(j, n, m, 2); break; default: row8_512(j, n, m, 1); }
+        tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+        _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+      }
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row4_512(j, n, m, 4, tab); break; case 3: row4_512(j, n, m, 3, tab); break;
+                     case 2: row4_512(j, n, m, 2, tab); break; default: row4_512(j, n, m, 1, tab); }
+      }
+    } else {
+      __m512i t[8];
+      if (j->scale && j->path == PATH_FP16) {
+        tab8_fp16(j->cb + (n / j->G) * 256, j->scale[n], t);
+      } else if (j->scale) {
+        __m512 s = group_512(j, n, gt, &g);
+        for (int e = 0; e < 8; e++)
+          t[e] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e)), RNE)),
+              _mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e + 16)), RNE), 1);
+      } else {
+        const uint16_t *cbn = j->cb + n * 256;
+        for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
+        for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+      }
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row8_512(j, n, m, 4, t); break; case 3: row8_512(j, n, m, 3, t); break;
+                     case 2: row8_512(j, n, m, 2, t); break; default: row8_512(j, n, m, 1, t); }
       }
     }
   }
@@ -272,13 +390,12 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
 #endif
 
 /* ---------------------------------------------------------------- path choice */
-enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 int tp_path(void) { /* the best path this CPU runs */
 #if TP_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
-      && __builtin_cpu_supports("fma")) return PATH_AVX512;
+      && __builtin_cpu_supports("fma")) return __builtin_cpu_supports("avx512fp16") ? PATH_FP16 : PATH_AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
 #endif
   return PATH_C;
@@ -286,7 +403,7 @@ int tp_path(void) { /* the best path this CPU runs */
 
 static void run_rows1(const job_t *j, long n0, long n1) {
 #if TP_X86
-  if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
+  if (j->path >= PATH_AVX512) { rows_512(j, n0, n1); return; }
   if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
 #endif
   rows_c(j, n0, n1);
@@ -409,14 +526,15 @@ static void parallel(const multi_t *j, int nt) {
 }
 
 /* ---------------------------------------------------------------- dequantize (prefill) */
-/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened) */
-int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long n0, long n1, long K, int bits,
-                        float *out, long ldo) {
-  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0) return -1;
+/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened; either
+   storage, scale NULL or G rows a group) */
+int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, const uint16_t *scale, long G, long n0,
+                        long n1, long K, int bits, float *out, long ldo) {
+  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0 || (scale && G < 1)) return -1;
   const int ne = 1 << bits;
   float t[256];
   for (long n = n0; n < n1; n++) {
-    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+    table_c(cb, scale, G, n, ne, t);
     const uint8_t *c = codes + n * ldc;
     float *o = out + (n - n0) * ldo;
     if (bits == 8) {
@@ -431,7 +549,7 @@ int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long
 
 /* ---------------------------------------------------------------- entry points */
 static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int path, long *Kp_out) {
-  long blk = path == PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long blk = path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
   if (!xp) return NULL;
@@ -456,10 +574,12 @@ static void run_all(const multi_t *mj, int threads) {
   if (threads == 1) run_rows(mj, 0, mj->N); else parallel(mj, threads);
 }
 
-/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
+/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path(); scale NULL: per-row tables cb, else
+   the shared storage (cb the groups' tables, G rows a group) */
 int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
-                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
-  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
+                     const uint16_t *cb, const uint16_t *scale, long G, long N, int bits, float *y, long ldy,
+                     int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N || (scale && G < 1)) return -1;
   if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
   if (M == 0 || N == 0) return 0;
   if (path < 0) path = tp_path();
@@ -468,7 +588,7 @@ int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *co
   if (!xp) return -2;
   multi_t mj;
   mj.nseg = 1; mj.off[0] = 0; mj.off[1] = N; mj.N = N;
-  mj.seg[0] = (job_t){xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  mj.seg[0] = (job_t){xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path, scale, G};
   run_all(&mj, threads);
   free(xp);
   return 0;
@@ -481,21 +601,24 @@ static float act_f(float g, int act) {
 }
 
 /* Several weights of one input in one call: their output rows side by side, y fp32 [M, N_0 + .. + N_{n-1}].
-   segs: nseg x (codes pointer, ldc, codebook pointer, N) as longs; every segment has `bits`, K columns.
+   segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G) as longs (the two storages of
+   tp_codebook_gemv, per segment); every segment has `bits`, K columns.
    Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
      act 0: y = res[m, n] + y (res NULL: none)
      act 1 (SiLU) / 2 (GELU tanh): nseg 2, N_0 == N_1 = F: y [M, F] (stride ldy) = act(g) * u, the gate / up
      outputs (bias included) computed into a scratch first.
    Each output element is its row's one fixed sequence (batch-invariant, any thread count). */
+#define SEG 6 /* longs per segment */
 int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
                   long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path) {
   if ((bits != 4 && bits != 8) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
-  if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[7]))) return -1;
+  if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[SEG + 3]))) return -1;
   multi_t mj;
   long N = 0;
   for (int s = 0; s < nseg; s++) {
-    if (segs[4 * s + 1] < (bits == 4 ? (K + 1) / 2 : K) || segs[4 * s + 3] < 0) return -1;
-    mj.off[s] = N; N += segs[4 * s + 3];
+    const long *g = segs + SEG * s;
+    if (g[1] < (bits == 4 ? (K + 1) / 2 : K) || g[3] < 0 || (g[4] && g[5] < 1)) return -1;
+    mj.off[s] = N; N += g[3];
   }
   mj.off[nseg] = N; mj.nseg = nseg; mj.N = N;
   if (act ? ldy < N / 2 : ldy < N) return -1;
@@ -511,9 +634,11 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
     if (!out) { free(xp); return -2; }
     ldo = N;
   }
-  for (int s = 0; s < nseg; s++)
-    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)segs[4 * s], segs[4 * s + 1],
-                        (const uint16_t *)segs[4 * s + 2], segs[4 * s + 3], out + mj.off[s], ldo, bits, path};
+  for (int s = 0; s < nseg; s++) {
+    const long *g = segs + SEG * s;
+    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)g[0], g[1], (const uint16_t *)g[2], g[3], out + mj.off[s],
+                        ldo, bits, path, (const uint16_t *)g[4], g[5]};
+  }
   run_all(&mj, threads);
   free(xp);
   for (long m = 0; m < M; m++) {
