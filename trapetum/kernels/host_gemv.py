@@ -13,13 +13,14 @@ The codes are the canonical packing of kernels/pack.py (what a ``.cbk`` stores; 
 Contracts (host/codebook_host.c, tests/test_host_gemv.py): row m of y is bitwise the
 M = 1 result for every M (batch invariance); output rows are split over ``threads`` threads (default
 ``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
-for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, the best the CPU runs unless
-``path`` names a lower one (they differ only in rounding). ``reference``: float64 dequantize-and-multiply.
+for every thread count and run to run. Code paths (``PATHS``): AVX-512 with FP16 and VBMI, AVX-512, AVX2 or
+portable C, the best the CPU runs unless ``path`` names a lower one (they differ only in rounding; the two table
+storages give the same bits on each). ``reference``: float64 dequantize-and-multiply.
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
-The C sources ship in the package (kernels/host/codebook_host.c, and cpu_step.c: the decode step's small ops of
-kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
+The C sources ship in the package (kernels/host/codebook_host.c, its thread pool host_pool.c, and cpu_step.c: the
+decode step's small ops of kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
 second) into ``~/.cache/trapetum/host/``, keyed on the source texts and the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
 turns False: callers keep their torch path.
 """
@@ -41,10 +42,10 @@ from typing import NamedTuple
 from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
-SOURCES = (SOURCE, SOURCE.parent / "cpu_step.c")  # one library: the GEMVs and the decode step's small ops
+SOURCES = (SOURCE, SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs, their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
-PATHS = ("c", "avx2", "avx512", "avx512fp16")  # index = the C side's path number (avx512fp16: avx512 forming the
-# shared storage's tables by fp16 multiplies; the same results)
+PATHS = ("c", "avx2", "avx512", "avx512fp16")  # index = the C side's path number (avx512fp16: AVX-512 with FP16
+# and VBMI: the 8-bit lookup by byte permutes, the shared tables formed by fp16 multiplies)
 HOST_BITS = (4, 8)
 GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
 

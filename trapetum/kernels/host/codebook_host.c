@@ -17,18 +17,18 @@
    - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
      fixed sequence of fp32 FMAs / adds that depends only on (n, K, the code path), never on M or on the thread
      count; rows of x are processed in register groups of up to 4, every group member running the same sequence;
-   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers (the pool
-     section below); each element is computed by one thread in a fixed order: results are identical for every
-     thread count, every schedule and run to run;
-   - code paths: AVX-512 (4-bit: the 16-entry table in one register, vpermps; 8-bit: 16-bit permutes of the
-     fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit: gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
+   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers
+     (host/host_pool.c); each element is computed by one thread in a fixed order: results are identical for
+     every thread count, every schedule and run to run;
+   - code paths: AVX-512 with FP16 and VBMI (avx512fp16: 4-bit as avx512; 8-bit: byte permutes of the table's
+     low / high byte planes, its section below), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
+     8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit:
+     gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
+     rounding; on each path the two table storages give the same bits.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
    consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
    last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
    Build: gcc -O3 -shared -fPIC -pthread -ffp-contract=off (no FMA contraction outside the intrinsics). */
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +78,9 @@ static uint16_t f2h(float f) {
 
 /* code paths (host_gemv.PATHS): avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies */
 enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_FP16 = 3 };
+
+/* the avx512fp16 8-bit lookup's column order: the column (within a block of 64) of quarter q's element i */
+static inline long xorder64(long q, long i) { return 16 * (2 * (q & 1) + i / 8) + 8 * (q >> 1) + i % 8; }
 
 /* ---------------------------------------------------------------- the work item */
 typedef struct {
@@ -312,24 +315,6 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
 }
 
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define TFP16 T512 ",avx512fp16"
-
-/* AVX512-FP16 (path avx512fp16): row n's shared table formed by fp16 multiplies, vmulph rounding the exact
-   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ): the same bits as the fp32 product
-   rounded by vcvtps2ph, in 8 multiplies for 256 entries instead of 16 multiplies and 16 conversions */
-__attribute__((target(TFP16), noinline)) static void tab8_fp16(const uint16_t *sh, uint16_t s, __m512i *t) {
-  const __m512h sv = _mm512_castsi512_ph(_mm512_set1_epi16((short)s));
-  for (int e = 0; e < 8; e++)
-    t[e] = _mm512_castph_si512(_mm512_mul_round_ph(_mm512_castsi512_ph(_mm512_loadu_si512((const void *)(sh + 32 * e))),
-                                                   sv, RNE));
-}
-
-__attribute__((target(TFP16), noinline)) static __m512 tab4_fp16(const uint16_t *sh, uint16_t s) {
-  const __m256h v = _mm256_mul_ph(_mm256_castsi256_ph(_mm256_loadu_si256((const __m256i *)sh)),
-                                  _mm256_castsi256_ph(_mm256_set1_epi16((short)s)));  /* MXCSR: round to nearest */
-  return _mm512_cvtph_ps(_mm256_castph_si256(v));
-}
-
 /* the group's fp32 table into gt (when row n leaves the group *g holds) and row n's scale, broadcast */
 __attribute__((target(T512), always_inline)) static inline __m512 group_512(const job_t *j, long n, float *gt,
                                                                            long *g) {
@@ -350,9 +335,7 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
   for (long n = n0; n < n1; n++) {
     if (j->bits == 4) {
       __m512 tab;
-      if (j->scale && j->path == PATH_FP16) {
-        tab = tab4_fp16(j->cb + (n / j->G) * 16, j->scale[n]);
-      } else if (j->scale) {
+      if (j->scale) {
         __m512 s = group_512(j, n, gt, &g);
         tab = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt)), RNE));
       } else {
@@ -366,9 +349,7 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
       }
     } else {
       __m512i t[8];
-      if (j->scale && j->path == PATH_FP16) {
-        tab8_fp16(j->cb + (n / j->G) * 256, j->scale[n], t);
-      } else if (j->scale) {
+      if (j->scale) {
         __m512 s = group_512(j, n, gt, &g);
         for (int e = 0; e < 8; e++)
           t[e] = _mm512_inserti64x4(
@@ -387,6 +368,93 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
     }
   }
 }
+/* ---------------------------------------------------------------- AVX-512 with FP16 and VBMI (path avx512fp16) */
+/* Sapphire Rapids and later. The shared storage's tables formed by fp16 multiplies: vmulph rounds the exact
+   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ), the bits of the fp32 product rounded
+   by vcvtps2ph. 8-bit: blocks of 64 columns looked up as bytes: the row's 256 fp16 entries split once into low-
+   and high-byte planes (4 + 4 registers of 64 bytes), each looked up by two 128-entry byte permutes (vpermt2b on
+   index bits 0..6) and a blend on bit 7, the planes interleaved back into fp16 words and widened: 23 vector uops
+   per 64 columns where the 16-bit permutes take 34. The unpacks leave 128-bit lane j of word vector h holding
+   columns 16j + 8h + 0..7, so x is prepared in that order (xorder64) and the four fp32 quarters q = 2h + half
+   feed four accumulators. */
+#define TSPR T512 ",avx512fp16,avx512vbmi"
+
+__attribute__((target(TSPR), always_inline)) static inline void row8_spr(const job_t *j, long n, long m0, int R,
+                                                                        const __m512i *lb, const __m512i *hb) {
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 64, full = j->K / 64;
+  __m512 a[4][4];
+  for (int r = 0; r < R; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+  uint8_t tail[64];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 64;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (b >= full) { memset(tail, 0, 64); memcpy(tail, p, j->K - b * 64); p = tail; }
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    const __mmask64 k7 = _mm512_movepi8_mask(v);
+    const __m512i lo = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(lb[0], v, lb[1]),
+                                              _mm512_permutex2var_epi8(lb[2], v, lb[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(hb[0], v, hb[1]),
+                                              _mm512_permutex2var_epi8(hb[2], v, hb[3]));
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w0)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1));
+    const __m512 f2 = _mm512_cvtph_ps(_mm512_castsi512_si256(w1)), f3 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 64;
+      a[r][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + 16), a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(f2, _mm512_loadu_ps(x + 32), a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(f3, _mm512_loadu_ps(x + 48), a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    j->y[(m0 + r) * j->ldy + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+}
+
+__attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long n1) {
+  const __m512i ev = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100, 98, 96,
+                                     94, 92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66, 64, 62, 60, 58, 56,
+                                     54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16,
+                                     14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
+  for (long n = n0; n < n1; n++) {
+    const uint16_t *sh = j->scale ? j->cb + (n / j->G) * (1 << j->bits) : j->cb + n * (1 << j->bits);
+    if (j->bits == 4) {
+      __m256i h = _mm256_loadu_si256((const __m256i *)sh);
+      if (j->scale)
+        h = _mm512_castsi512_si256(_mm512_castph_si512(_mm512_mul_round_ph(  /* the low 16 lanes */
+            _mm512_castsi512_ph(_mm512_castsi256_si512(h)), _mm512_castsi512_ph(_mm512_set1_epi16((short)j->scale[n])),
+            RNE)));
+      else
+        _mm_prefetch((const char *)(sh + 16 * 16), _MM_HINT_T0);
+      const __m512 tab = _mm512_cvtph_ps(h);
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row4_512(j, n, m, 4, tab); break; case 3: row4_512(j, n, m, 3, tab); break;
+                     case 2: row4_512(j, n, m, 2, tab); break; default: row4_512(j, n, m, 1, tab); }
+      }
+      continue;
+    }
+    __m512i t[8], lb[4], hb[4];
+    const __m512h sv = _mm512_castsi512_ph(_mm512_set1_epi16(j->scale ? (short)j->scale[n] : 0));
+    for (int e = 0; e < 8; e++) {
+      t[e] = _mm512_loadu_si512((const void *)(sh + 32 * e));
+      if (j->scale) t[e] = _mm512_castph_si512(_mm512_mul_round_ph(_mm512_castsi512_ph(t[e]), sv, RNE));
+    }
+    if (!j->scale)
+      for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(sh + 4 * 256 + 32 * e), _MM_HINT_T0);
+    for (int i = 0; i < 4; i++) {
+      lb[i] = _mm512_permutex2var_epi8(t[2 * i], ev, t[2 * i + 1]);
+      hb[i] = _mm512_permutex2var_epi8(t[2 * i], od, t[2 * i + 1]);
+    }
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      switch (R) { case 4: row8_spr(j, n, m, 4, lb, hb); break; case 3: row8_spr(j, n, m, 3, lb, hb); break;
+                   case 2: row8_spr(j, n, m, 2, lb, hb); break; default: row8_spr(j, n, m, 1, lb, hb); }
+    }
+  }
+}
 #endif
 
 /* ---------------------------------------------------------------- path choice */
@@ -395,7 +463,8 @@ int tp_path(void) { /* the best path this CPU runs */
 #if TP_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
-      && __builtin_cpu_supports("fma")) return __builtin_cpu_supports("avx512fp16") ? PATH_FP16 : PATH_AVX512;
+      && __builtin_cpu_supports("fma"))
+    return __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("avx512vbmi") ? PATH_FP16 : PATH_AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
 #endif
   return PATH_C;
@@ -403,7 +472,8 @@ int tp_path(void) { /* the best path this CPU runs */
 
 static void run_rows1(const job_t *j, long n0, long n1) {
 #if TP_X86
-  if (j->path >= PATH_AVX512) { rows_512(j, n0, n1); return; }
+  if (j->path == PATH_FP16) { rows_spr(j, n0, n1); return; }
+  if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
   if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
 #endif
   rows_c(j, n0, n1);
@@ -417,113 +487,10 @@ static void run_rows(const multi_t *mj, long n0, long n1) {
   }
 }
 
-/* ---------------------------------------------------------------- the thread pool */
-/* A call's output rows are cut into chunks that the caller and up to threads - 1 workers claim from one atomic
-   word (generation << 32 | next chunk): a thread that the OS does not schedule claims nothing and is not waited
-   for (the caller takes what is left), so a busy machine does not stall every call. Which thread computes a
-   chunk does not change a bit of it: every output element is one thread's fixed sequence. Workers spin briefly
-   after a call, then sleep. */
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
-static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
-static int n_workers;                 /* workers started: thread ids 1..n_workers */
-static atomic_long gen;               /* bumped once per parallel call (wakes the workers) */
-static atomic_ullong claim;           /* (generation << 32) | (chunks << 16) | next chunk index */
-static atomic_long done_chunks;       /* chunks finished in the current call */
-static int sleepers;                  /* under wake_mu */
-static const multi_t *cur_job;
-static int cur_nt;
-static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
-#define MAX_THREADS 256
-static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
+/* the thread pool (host/host_pool.c): fn(arg, n0, n1) over chunks of rows 0 .. N - 1 on up to nt threads */
+void tp_pool_run(void (*fn)(const void *, long, long), const void *arg, long N, int nt);
 
-#define SPINS 20000
-
-static inline void relax(void) {
-#if TP_X86
-  __builtin_ia32_pause();
-#endif
-}
-
-/* claim and run chunks of generation g until none is left (or the call moved on) */
-static void work(unsigned long long g) {
-  for (;;) {
-    unsigned long long c = atomic_load_explicit(&claim, memory_order_acquire);
-    if ((c >> 32) != (g & 0xffffffffull)) return;  /* another call's word */
-    long i = (long)(c & 0xffff), nch = (long)((c >> 16) & 0xffff);
-    if (i >= nch) return;
-    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
-      continue;
-    /* chunk i of a live call (it cannot finish before this chunk): its job is the one published with the word */
-    const multi_t *j = cur_job;
-    long n0 = i * cur_chunk, n1 = n0 + cur_chunk < j->N ? n0 + cur_chunk : j->N;
-    run_rows(j, n0, n1);
-    atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
-  }
-}
-
-static void *worker(void *arg) {
-  int tid = (int)(intptr_t)arg;
-  long seen = start_gen[tid];
-  for (;;) {
-    long g;
-    int spins = 0;
-    while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
-      if (++spins < SPINS) { relax(); continue; }
-      pthread_mutex_lock(&wake_mu);
-      sleepers++;
-      while (atomic_load(&gen) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
-      sleepers--;
-      pthread_mutex_unlock(&wake_mu);
-    }
-    seen = g;
-    if (tid < cur_nt) work((unsigned long long)g);  /* a stale cur_nt only meets a claim word of another call */
-  }
-  return NULL;
-}
-
-static void after_fork_child(void) { /* the workers did not survive the fork */
-  pthread_mutex_init(&pool_mu, NULL);
-  pthread_mutex_init(&wake_mu, NULL);
-  pthread_cond_init(&wake_cv, NULL);
-  n_workers = 0; sleepers = 0;
-}
-
-static int atfork_done;
-
-static void parallel(const multi_t *j, int nt) {
-  pthread_mutex_lock(&pool_mu);
-  if (!atfork_done) { pthread_atfork(NULL, NULL, after_fork_child); atfork_done = 1; }
-  while (n_workers < nt - 1) {
-    pthread_t th;
-    start_gen[n_workers + 1] = atomic_load(&gen);
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    int ok = pthread_create(&th, &at, worker, (void *)(intptr_t)(n_workers + 1)) == 0;
-    pthread_attr_destroy(&at);
-    if (!ok) break;
-    n_workers++;
-  }
-  unsigned long long g = (unsigned long long)atomic_load(&gen) + 1;
-  long chunk = (j->N + 8L * nt - 1) / (8L * nt);
-  if (chunk < 16) chunk = 16;
-  cur_job = j; cur_nt = nt; cur_chunk = chunk; cur_nchunks = (j->N + chunk - 1) / chunk;
-  atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
-  /* a stale worker's compare-exchange on the previous word fails from here on */
-  atomic_store_explicit(&claim, ((g & 0xffffffffull) << 32) | ((unsigned long long)cur_nchunks << 16),
-                        memory_order_release);
-  pthread_mutex_lock(&wake_mu);
-  atomic_store_explicit(&gen, (long)g, memory_order_release);
-  if (sleepers) pthread_cond_broadcast(&wake_cv);
-  pthread_mutex_unlock(&wake_mu);
-  work(g);
-  int spins = 0;
-  while (atomic_load_explicit(&done_chunks, memory_order_acquire) < cur_nchunks) {
-    if (++spins < SPINS) relax(); else sched_yield();
-  }
-  pthread_mutex_unlock(&pool_mu);
-}
+static void run_rows_cb(const void *arg, long n0, long n1) { run_rows((const multi_t *)arg, n0, n1); }
 
 /* ---------------------------------------------------------------- dequantize (prefill) */
 /* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened; either
@@ -549,7 +516,7 @@ int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, cons
 
 /* ---------------------------------------------------------------- entry points */
 static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int path, long *Kp_out) {
-  long blk = path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long blk = path == PATH_FP16 && bits == 8 ? 64 : path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
   if (!xp) return NULL;
@@ -559,6 +526,12 @@ static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int 
     if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
       long h = blk / 2;
       for (long k = 0; k < K; k++) dst[(k / blk) * blk + (k & 1) * h + (k % blk) / 2] = src[k];
+    } else if (blk == 64) { /* the byte lookup's column order (xorder64) */
+      for (long k0 = 0; k0 < K; k0 += 64)
+        for (long p = 0; p < 64; p++) {
+          long k = k0 + xorder64(p / 16, p % 16);
+          if (k < K) dst[k0 + p] = src[k];
+        }
     } else {
       memcpy(dst, src, (size_t)K * sizeof(float));
     }
@@ -569,9 +542,8 @@ static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int 
 
 static void run_all(const multi_t *mj, int threads) {
   if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads > mj->N) threads = (int)mj->N;
-  if (threads == 1) run_rows(mj, 0, mj->N); else parallel(mj, threads);
+  if (threads == 1) run_rows(mj, 0, mj->N); else tp_pool_run(run_rows_cb, mj, mj->N, threads);
 }
 
 /* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path(); scale NULL: per-row tables cb, else
