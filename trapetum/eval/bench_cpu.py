@@ -8,9 +8,11 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
     token excluded), for each of ``--paths``: torch (``Options(host_kernels=False)``: dense copies of the
     codebook weights, fp32 matmul), host (``Options(cpu_step=False)``: the reference decoder's ops with
     kernels/host_gemv.py on the stored codes) and step (the default: the CPU executor, models/cpu_ops.py);
-  * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (a decode step's weight
-    bytes: codes + fp16 codebooks), against the memory read bandwidth measured the same way: a numpy sum over a
-    ``--bw-mb`` float32 array split over the same number of threads (best of 5 each);
+  * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order, over the bytes a decode
+    step's GEMVs actually read (``HostGemv.nbytes``: the codes and the tables as the GEMV reads them: per-row
+    fp16 tables, or for the shared storage the groups' tables and the fp16 row scales, each row's table formed
+    in registers), against the memory read bandwidth measured the same way: a numpy sum over a ``--bw-mb``
+    float32 array split over the same number of threads (best of 5 each);
   * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
 Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``). Prints a
 markdown table (medians over the rounds, with the range; "step / llama.cpp" is the ratio of the medians);
@@ -57,7 +59,7 @@ def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, flo
     import torch
 
     xs = [torch.randn(1, g.in_features) for g in gemvs]
-    nbytes = sum(g.codes.numel() + g.codebook.numel() * 2 for g in gemvs)
+    nbytes = sum(g.nbytes for g in gemvs)
     for g, x in zip(gemvs, xs):
         g(x, threads)
     best = float("inf")
@@ -148,7 +150,7 @@ def run_args(a: argparse.Namespace) -> int:
             runs.setdefault(f"gemv ms t={t}", []).append(ms)
             runs.setdefault(f"read GB/s t={t}", []).append(read_bandwidth(t, a.bw_mb))
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
-    nbytes = sum(g.codes.numel() + g.codebook.numel() * 2 for g in gemvs)
+    nbytes = sum(g.nbytes for g in gemvs)
     res = {"model": a.model, "cpu": _cpu_name(), "host_path": hg.best_path(), "tokens": a.tokens,
            "rounds": a.rounds, "gemv_weight_bytes": nbytes, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "runs": runs}

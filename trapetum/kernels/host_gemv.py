@@ -1,19 +1,26 @@
 """Host (CPU) GEMV of per-row scalar codebooks (4- and 8-bit), decoding the stored codes in place.
 
-    codebook_gemv_host(x [M, K] fp32, codes uint8 [N, packed_width(K, bits)], codebook fp16 [N, 2**bits], bits)
-        -> y fp32 [M, N],  y[m, n] = sum_k x[m, k] * codebook[n, idx(n, k)]
+    codebook_gemv_host(x [M, K] fp32, codes uint8 [N, packed_width(K, bits)], tables, bits)
+        -> y fp32 [M, N],  y[m, n] = sum_k x[m, k] * table_n[idx(n, k)]
 
-The codes are the canonical packing of kernels/pack.py (what a ``.cbk`` stores; no copy, no dense weight), the
-codebook fp16 as stored. Contracts (host/codebook_host.c, tests/test_host_gemv.py): row m of y is bitwise the
+The codes are the canonical packing of kernels/pack.py (what a ``.cbk`` stores; no copy, no dense weight).
+``tables``, in either storage of a ``.cbk`` (schemes/codebook_store.py), read as stored:
+  * per-row: an fp16 tensor [N, 2**bits], row n's table ``table_n = codebook[n]``;
+  * shared: ``SharedTables(shared fp16 [ceil(N / G), 2**bits], scale fp16 [N], G)``, row n's table
+    ``fp16(float32(scale[n]) * float32(shared[n // G]))`` (round to nearest even) formed in C per row, never
+    stored: bitwise ``decode_shared``'s tables, so the results are bitwise the per-row call's on the decoded
+    tables (same code path), while a pass reads the codes, the groups' tables and 2 bytes a row (``nbytes``).
+Contracts (host/codebook_host.c, tests/test_host_gemv.py): row m of y is bitwise the
 M = 1 result for every M (batch invariance); output rows are split over ``threads`` threads (default
 ``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
-for every thread count and run to run. Code paths: AVX-512, AVX2 or portable C, the best the CPU runs unless
-``path`` names a lower one (they differ only in rounding). ``reference``: float64 dequantize-and-multiply.
+for every thread count and run to run. Code paths (``PATHS``): AVX-512 with FP16 and VBMI, AVX-512, AVX2 or
+portable C, the best the CPU runs unless ``path`` names a lower one (they differ only in rounding; the two table
+storages give the same bits on each). ``reference``: float64 dequantize-and-multiply.
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
-The C sources ship in the package (kernels/host/codebook_host.c, and cpu_step.c: the decode step's small ops of
-kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
+The C sources ship in the package (kernels/host/codebook_host.c, its thread pool host_pool.c, and cpu_step.c: the
+decode step's small ops of kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
 second) into ``~/.cache/trapetum/host/``, keyed on the source texts and the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
 turns False: callers keep their torch path.
 """
@@ -30,12 +37,15 @@ from pathlib import Path
 
 import torch
 
+from typing import NamedTuple
+
 from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
-SOURCES = (SOURCE, SOURCE.parent / "cpu_step.c")  # one library: the GEMVs and the decode step's small ops
+SOURCES = (SOURCE, SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs, their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
-PATHS = ("c", "avx2", "avx512")  # index = the C side's path number
+PATHS = ("c", "avx2", "avx512", "avx512fp16")  # index = the C side's path number (avx512fp16: AVX-512 with FP16
+# and VBMI: the 8-bit lookup by byte permutes, the shared tables formed by fp16 multiplies)
 HOST_BITS = (4, 8)
 GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
 
@@ -91,9 +101,9 @@ def _build() -> ctypes.CDLL:
     lib.tp_path.argtypes = []
     L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
     lib.tp_codebook_gemv.restype = I
-    lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, L, I, P, L, I, I]
+    lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, P, L, L, I, P, L, I, I]
     lib.tp_codebook_dequant.restype = I
-    lib.tp_codebook_dequant.argtypes = [P, L, P, L, L, L, I, P, L]
+    lib.tp_codebook_dequant.argtypes = [P, L, P, P, L, L, L, L, I, P, L]
     lib.tp_gemv_multi.restype = I
     lib.tp_gemv_multi.argtypes = [P, L, L, L, I, P, I, P, L, P, P, L, I, I, I]
     F = ctypes.c_float
@@ -149,7 +159,37 @@ def supports(bits: int) -> bool:
     return bits in HOST_BITS
 
 
-def check_weight(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int) -> int:
+class SharedTables(NamedTuple):
+    """The shared storage of a weight's tables (module docstring): rows of group g = n // group_rows share
+    ``shared[g]``, scaled by ``scale[n]``."""
+    shared: torch.Tensor  # fp16 [ceil(N / G), 2**bits]
+    scale: torch.Tensor  # fp16 [N]
+    group_rows: int
+
+
+def table_bytes(tables) -> int:
+    """Bytes of ``tables`` as stored (what a pass over the weight reads beside its codes)."""
+    ts = tables[:2] if isinstance(tables, SharedTables) else (tables,)
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def table_args(tables) -> tuple[int, int | None, int]:
+    """(table pointer, row-scale pointer or None, G) of the C entry points."""
+    if isinstance(tables, SharedTables):
+        return tables.shared.data_ptr(), tables.scale.data_ptr(), int(tables.group_rows)
+    return tables.data_ptr(), None, 0
+
+
+def _check_fp16(name: str, t, shape: tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float16 or tuple(t.shape) != shape \
+            or not t.is_contiguous():
+        raise ValueError(f"host GEMV: {name} must be contiguous fp16 {list(shape)}, got "
+                         f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    if t.device.type != "cpu":
+        raise ValueError("host GEMV: tensors must be on the CPU")
+
+
+def check_weight(codes: torch.Tensor, tables, bits: int, in_features: int) -> int:
     """The weight's arguments of ``codebook_gemv_host`` checked (ValueError naming the one that is wrong), without
     running a GEMV; its output rows N."""
     if bits not in HOST_BITS:
@@ -159,25 +199,30 @@ def check_weight(codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_feat
             or codes.stride(1) != 1:
         raise ValueError(f"host GEMV: codes must be uint8 [{N}, {packed_width(K, bits)}] with unit column stride, "
                          f"got {codes.dtype} {tuple(codes.shape)}")
-    if codebook.dtype != torch.float16 or tuple(codebook.shape) != (N, 1 << bits) or not codebook.is_contiguous():
-        raise ValueError(f"host GEMV: codebook must be contiguous fp16 [{N}, {1 << bits}], got "
-                         f"{codebook.dtype} {tuple(codebook.shape)}")
-    if codes.device.type != "cpu" or codebook.device.type != "cpu":
+    if codes.device.type != "cpu":
         raise ValueError("host GEMV: tensors must be on the CPU")
+    if isinstance(tables, SharedTables):
+        G = tables.group_rows
+        if not isinstance(G, int) or isinstance(G, bool) or G < 1:
+            raise ValueError(f"host GEMV: group_rows must be a positive integer, got {G!r}")
+        _check_fp16("shared tables", tables.shared, (-(-N // G), 1 << bits))
+        _check_fp16("row scales", tables.scale, (N,))
+    else:
+        _check_fp16("codebook", tables, (N, 1 << bits))
     return N
 
 
-def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, tables, bits: int,
                        in_features: int | None = None, *, threads: int | None = None, out: torch.Tensor | None = None,
                        path: str | None = None) -> torch.Tensor:
-    """y = x W^T, W[n, k] = codebook[n, idx(n, k)] (module docstring); x fp32 [M, K] (any row stride, unit column
-    stride; other dtypes are converted), out fp32 [M, N] or None. Raises RuntimeError when the kernels are
-    unavailable (check ``available()``)."""
+    """y = x W^T, W[n, k] = table_n[idx(n, k)] (module docstring: ``tables`` per-row fp16 or ``SharedTables``);
+    x fp32 [M, K] (any row stride, unit column stride; other dtypes are converted), out fp32 [M, N] or None.
+    Raises RuntimeError when the kernels are unavailable (check ``available()``)."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"host kernels unavailable: {_err}")
     K = int(in_features if in_features is not None else x.shape[-1])
-    N = check_weight(codes, codebook, bits, K)
+    N = check_weight(codes, tables, bits, K)
     if x.dim() != 2 or x.shape[1] != K:
         raise ValueError(f"host GEMV: x must be [M, {K}], got {tuple(x.shape)}")
     if x.device.type != "cpu":
@@ -194,7 +239,7 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Ten
         raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
     p = -1 if path is None else PATHS.index(path)
     rc = lib.tp_codebook_gemv(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), codes.stride(0),
-                              codebook.data_ptr(), N, bits, out.data_ptr(), out.stride(0), t, p)
+                              *table_args(tables), N, bits, out.data_ptr(), out.stride(0), t, p)
     if rc != 0:
         raise RuntimeError(f"host GEMV failed (code {rc})")
     return out
@@ -202,18 +247,20 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Ten
 
 class HostGemv:
     """One weight's host GEMV with its arguments checked once (the per-call cost is a ctypes call): the codes and
-    codebook as ``codebook_gemv_host`` takes them, referenced (not copied) for the object's lifetime."""
+    tables (either storage) as ``codebook_gemv_host`` takes them, referenced (not copied) for the object's
+    lifetime; ``nbytes``: what one pass reads of them."""
 
-    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, bits: int, in_features: int):
+    def __init__(self, codes: torch.Tensor, tables, bits: int, in_features: int):
         lib = _load()
         if lib is None:
             raise RuntimeError(f"host kernels unavailable: {_err}")
         K = int(in_features)
-        check_weight(codes, codebook, bits, K)
-        self.codes, self.codebook, self.bits, self.in_features = codes, codebook, bits, K
+        check_weight(codes, tables, bits, K)
+        self.codes, self.tables, self.bits, self.in_features = codes, tables, bits, K
         self.out_features = int(codes.shape[0])
+        self.nbytes = codes.numel() + table_bytes(tables)
         self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant
-        self._args = (codes.data_ptr(), codes.stride(0), codebook.data_ptr(), self.out_features, bits)
+        self._args = (codes.data_ptr(), codes.stride(0), *table_args(tables), self.out_features, bits)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """x [M, K] on the CPU -> fp32 [M, N] (a fresh tensor)."""
@@ -226,8 +273,9 @@ class HostGemv:
         if t < 1:
             raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
         out = torch.empty(M, self.out_features, dtype=torch.float32)
-        c, ldc, cb, n, bits = self._args
-        rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, n, bits, out.data_ptr(), self.out_features, t, -1)
+        c, ldc, cb, sc, G, n, bits = self._args
+        rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, sc, G, n, bits, out.data_ptr(), self.out_features,
+                      t, -1)
         if rc != 0:
             raise RuntimeError(f"host GEMV failed (code {rc})")
         return out
@@ -238,8 +286,8 @@ class HostGemv:
         if not 0 <= n0 <= n1 <= self.out_features:
             raise ValueError(f"host GEMV: rows {n0}..{n1} outside 0..{self.out_features}")
         w = torch.empty(n1 - n0, self.in_features, dtype=torch.float32)
-        c, ldc, cb, _, bits = self._args
-        if self._dq(c, ldc, cb, n0, n1, self.in_features, bits, w.data_ptr(), self.in_features) != 0:
+        c, ldc, cb, sc, G, _, bits = self._args
+        if self._dq(c, ldc, cb, sc, G, n0, n1, self.in_features, bits, w.data_ptr(), self.in_features) != 0:
             raise RuntimeError("host dequantize failed")
         return w
 
@@ -254,10 +302,15 @@ class HostGemv:
         return out
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, bits: int,
+def reference(x: torch.Tensor, codes: torch.Tensor, tables, bits: int,
               in_features: int | None = None) -> torch.Tensor:
-    """float64 dequantize-and-multiply: [M, N]."""
+    """float64 dequantize-and-multiply: [M, N] (shared tables: each row's centroids fp16(scale * shared) in
+    float64 arithmetic, the product exact, then rounded to fp16 as the format defines them)."""
     K = int(in_features if in_features is not None else x.shape[-1])
     idx = unpack_codes(codes.contiguous(), bits, K).long()
-    w = torch.gather(codebook.double(), 1, idx)
+    if isinstance(tables, SharedTables):
+        sh, sc, G = tables
+        g = torch.arange(sc.shape[0]) // G
+        tables = (sc.double().unsqueeze(1) * sh.double()[g]).to(torch.float16)
+    w = torch.gather(tables.double(), 1, idx)
     return x.double() @ w.T

@@ -1,7 +1,8 @@
 """Host (CPU) ops of a decode step, in C (host/codebook_host.c, host/cpu_step.c; one library with the GEMV of
 kernels/host_gemv.py, built the same way): the CPU executor's (models/cpu_ops.py) few calls per layer.
 
-    FusedGemv(parts)      several per-row codebook weights of one input in one call (q/k/v, gate/up): their
+    FusedGemv(parts)      several per-row codebook weights of one input in one call (q/k/v, gate/up; each part's
+                          tables in either storage of kernels/host_gemv.py): their
                           outputs side by side (per-row codebooks concatenate), then per element + bias, and
                           either + residual or act(gate) * up (SiLU, GELU tanh) -> fp32 [M, N] or [M, F]
     rmsnorm(x, w, ...)    RMSNorm of fp32 rows (mean of squares in double)
@@ -40,9 +41,9 @@ def _check_rows(name: str, t: torch.Tensor, cols: int) -> None:
 
 
 class FusedGemv:
-    """y = x [W_0; W_1; ...]^T in one call. ``parts``: (codes uint8 [N_i, packed], codebook fp16 [N_i, 2**bits],
-    bias fp32 [N_i] or None) of one bit width and ``in_features``; referenced, not copied (the codes stay where
-    they were loaded). ``act``: None, or "silu" / "gelu_tanh" over two parts of equal N (gate, up)."""
+    """y = x [W_0; W_1; ...]^T in one call. ``parts``: (codes uint8 [N_i, packed], tables (fp16 [N_i, 2**bits] or
+    ``hg.SharedTables``), bias fp32 [N_i] or None) of one bit width and ``in_features``; referenced, not copied
+    (the codes stay where they were loaded). ``act``: None, or "silu" / "gelu_tanh" over two parts of equal N (gate, up)."""
 
     def __init__(self, parts, bits: int, in_features: int, act: str | None = None):
         self._lib = _lib()
@@ -61,7 +62,8 @@ class FusedGemv:
         self.out_features = self.n // 2 if self.act else self.n
         flat = []
         for codes, cb, _ in parts:
-            flat += [codes.data_ptr(), codes.stride(0), cb.data_ptr(), int(codes.shape[0])]
+            tab, scale, G = hg.table_args(cb)
+            flat += [codes.data_ptr(), codes.stride(0), tab, int(codes.shape[0]), scale or 0, G]
         self._segs = (ctypes.c_long * len(flat))(*flat)
         if any(b is not None for _, _, b in parts):
             self.bias = torch.cat([(b if b is not None else torch.zeros(c.shape[0])).to(torch.float32)

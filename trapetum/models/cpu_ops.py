@@ -36,7 +36,7 @@ def _host_parts(mods) -> tuple | None:
     parts, bits, k = [], None, None
     for m in mods:
         host = getattr(m, "host", None)
-        if host is None or host.codes is not m.codes or host.codebook is not m.codebook:
+        if host is None or not m.host_current():
             return None
         if bits is not None and (m.bits != bits or m.in_features != k):
             return None
@@ -44,7 +44,7 @@ def _host_parts(mods) -> tuple | None:
         b = m.bias
         if b is not None and b.dtype != torch.float32:
             return None
-        parts.append((m.codes, m.codebook, b))
+        parts.append((m.codes, host.tables, b))  # either storage: the shared tables stay as stored
     return parts, bits, k
 
 

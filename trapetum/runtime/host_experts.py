@@ -26,8 +26,7 @@ import torch
 from ..errors import UnsupportedError
 from ..kernels import host_gemv as hg
 from ..kernels.host_ops import FusedGemv
-from ..schemes.codebook import CODEBOOK
-from ..schemes.codebook_store import expand
+from ..schemes.codebook import CODEBOOK, host_tables
 from ..schemes.record import QuantRecord
 
 STAGING_ROWS = 16  # rows of the pinned staging buffers (decode, verify); more rows (prefill) stage per call
@@ -53,7 +52,6 @@ def _record(ckpt, name: str, source: str) -> QuantRecord:
         raise UnsupportedError(f"{source}: routed experts in host RAM need 4- or 8-bit codebook experts; "
                                f"{name} is {what}")
     CODEBOOK.check(w, name)
-    w = expand(w)
     if w.bias is not None:
         raise UnsupportedError(f"{source}: routed experts in host RAM take no biases; {name} has one")
     return w
@@ -66,7 +64,7 @@ class HostExperts:
     def __init__(self, experts: list[tuple[hg.HostGemv, hg.HostGemv, hg.HostGemv]], act: str, d: int, f: int):
         self.experts, self.act, self.d, self.f = experts, act, d, f
         # act(gate) * up in one call where gate and up share a bit width (else None: two GEMVs, act in torch)
-        self.gate_up = [FusedGemv([(g.codes, g.codebook, None), (u.codes, u.codebook, None)], g.bits, d, act)
+        self.gate_up = [FusedGemv([(g.codes, g.tables, None), (u.codes, u.tables, None)], g.bits, d, act)
                         if g.bits == u.bits else None for g, u, _ in experts]
 
     def __len__(self) -> int:
@@ -85,10 +83,15 @@ class HostExperts:
             gemvs = []
             for rec in (g, u, dn):
                 codes = rec.tensors["codes"].to("cpu")
-                cb = rec.tensors["codebook"].to(device="cpu", dtype=torch.float16).contiguous()
+                tabs = host_tables(rec)  # either storage, as the host GEMV reads it
+                if isinstance(tabs, hg.SharedTables):
+                    tabs = hg.SharedTables(tabs.shared.cpu().contiguous(), tabs.scale.cpu().contiguous(),
+                                           tabs.group_rows)
+                else:
+                    tabs = tabs.to(device="cpu", dtype=torch.float16).contiguous()
                 if codes.stride(-1) != 1:
                     codes = codes.contiguous()
-                gemvs.append(hg.HostGemv(codes, cb, rec.params["bits"], rec.shape[1]))
+                gemvs.append(hg.HostGemv(codes, tabs, rec.params["bits"], rec.shape[1]))
             if not (g.shape == u.shape and dn.shape[1] == g.shape[0] and dn.shape[0] == g.shape[1]):
                 raise UnsupportedError(f"{source}: expert {ex['gate']}: gate {g.shape}, up {u.shape}, down "
                                        f"{dn.shape} do not chain")
@@ -97,11 +100,11 @@ class HostExperts:
         return cls(out, act, d, f)
 
     def nbytes(self) -> int:
-        return sum(p.codes.numel() + p.codebook.numel() * 2 for ex in self.experts for p in ex)
+        return sum(p.nbytes for ex in self.experts for p in ex)
 
     def expert_bytes(self) -> int:
         """Bytes one expert's gate, up and down codes and codebooks take (what a chosen slot reads)."""
-        return sum(p.codes.numel() + p.codebook.numel() * 2 for p in self.experts[0])
+        return sum(p.nbytes for p in self.experts[0])
 
     def _act(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         g = g.double()

@@ -4,8 +4,9 @@ Stored (``QuantRecord("codebook", (out, in), {"bits": b}, {"codes", "codebook"})
     codes     uint8 [out, packed_width(in, b)]   canonical packing (kernels/pack.py)
     codebook  fp16  [out, 2**b]                  W[o, i] = codebook[o, idx(o, i)]
 or with the codebook stored compactly (params "codebook", .cbk version 2; ``codebook_store.py``), expanded to the
-fp16 [out, 2**b] codebook above by ``expand`` before any module or engine projection is built (the kernels and
-the in-memory layout are the same for every storage).
+fp16 [out, 2**b] codebook above by ``expand`` before an engine projection is built; the reference modules expand
+"u8" and keep "shared" as stored (``host_tables``): the host GEMV forms each row's table from the group's table
+and the row scale (kernels/host_gemv.py, bitwise the expanded tables), the other paths decode them on use.
 Reference: ``CodebookLinear`` (dequantize, then matmul; the dense copy is cached: reference speed over memory;
 ``use_host()``: 4/8-bit fp32 inputs on the CPU through kernels/host_gemv.py, no dense copy: up to 16 rows the
 batch-invariant GEMV on the stored codes in place, more rows blocks dequantized into a temporary and a matmul) and ``CodebookEmbedding`` (an embedding table stored so; gathers rows). Engine: ``CodebookProjection``: parts
@@ -32,21 +33,38 @@ from ..kernels import sparse_cuda
 from ..kernels.sparse_gemv import SPARSE_BITS, input_major_codes, sparse_project
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
-from .codebook_store import check_compact, expand
+from .codebook_store import check_compact, decode_shared, expand, storage_of
 from .record import QuantRecord
 
 
-class CodebookLinear(nn.Module):
-    """y = x W^T + b with W[o, i] = codebook[o, codes[o, i]] (per output row codebook)."""
+def host_tables(record: QuantRecord):
+    """A checked codebook record's tables as the host GEMV and ``CodebookLinear`` take them: the fp16 [out, 2**b]
+    codebook (storages "f16", "u8": expanded), or ``SharedTables`` for "shared" (kept as stored)."""
+    if storage_of(record.params) == "shared":
+        t = record.tensors
+        return hg.SharedTables(t["codebook_shared"], t["row_scale"], int(record.params["group_rows"]))
+    return expand(record).tensors["codebook"]
 
-    def __init__(self, codes: torch.Tensor, codebook: torch.Tensor, in_features: int, bits: int,
+
+class CodebookLinear(nn.Module):
+    """y = x W^T + b with W[o, i] = table_o[codes[o, i]] (per output row codebook). ``tables``: the fp16
+    [out, 2**bits] codebook (buffer ``codebook``) or ``hg.SharedTables`` (buffers ``codebook_shared``,
+    ``row_scale``; ``group_rows``), as ``host_tables`` gives them; ``centroids()``: the per-row form."""
+
+    def __init__(self, codes: torch.Tensor, tables, in_features: int, bits: int,
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features = int(in_features)
-        self.out_features = int(codebook.shape[0])
+        self.out_features = int(codes.shape[0])
         self.bits = int(bits)
         self.register_buffer("codes", codes.contiguous())  # uint8 [out, packed_width(in, bits)]
-        self.register_buffer("codebook", codebook.contiguous())  # fp16 [out, 2**bits]
+        self.group_rows: int | None = None
+        if isinstance(tables, hg.SharedTables):
+            self.register_buffer("codebook_shared", tables.shared.contiguous())  # fp16 [ceil(out / G), 2**bits]
+            self.register_buffer("row_scale", tables.scale.contiguous())  # fp16 [out]
+            self.group_rows = int(tables.group_rows)
+        else:
+            self.register_buffer("codebook", tables.contiguous())  # fp16 [out, 2**bits]
         self.register_buffer("bias", None if bias is None else bias.contiguous())
         self.host: hg.HostGemv | None = None  # use_host(): the host GEMV on the CPU
         self.host_threads: int | None = None
@@ -58,14 +76,40 @@ class CodebookLinear(nn.Module):
         widths, codes not on the CPU, the kernels unavailable (no compiler: warned once)."""
         if not hg.supports(self.bits) or self.codes.device.type != "cpu" or not hg.available():
             return False
-        self.host, self.host_threads = hg.HostGemv(self.codes, self.codebook, self.bits, self.in_features), threads
+        self.host, self.host_threads = hg.HostGemv(self.codes, self.tables(), self.bits, self.in_features), threads
         self.__dict__.pop("_dense", None)
         return True
 
+    def tables(self):
+        """The tables as stored here: the fp16 codebook [out, 2**bits] or ``hg.SharedTables``."""
+        if self.group_rows is None:
+            return self.codebook
+        return hg.SharedTables(self.codebook_shared, self.row_scale, self.group_rows)
+
+    def centroids(self) -> torch.Tensor:
+        """fp16 [out, 2**bits]: each row's centroids (shared storage: decoded now, ``decode_shared``)."""
+        if self.group_rows is None:
+            return self.codebook
+        return decode_shared(self.codebook_shared, self.row_scale, self.group_rows)
+
+    def host_current(self) -> bool:
+        """Whether ``host`` still reads this module's tensors (not moved or cast since ``use_host``)."""
+        h = self.host
+        if h is None or h.codes is not self.codes:
+            return False
+        t = h.tables
+        if self.group_rows is None:
+            return t is self.codebook
+        return isinstance(t, hg.SharedTables) and t.shared is self.codebook_shared and t.scale is self.row_scale
+
     def to_record(self) -> QuantRecord:
-        return QuantRecord(scheme="codebook", shape=(self.out_features, self.in_features),
-                           params={"bits": self.bits},
-                           tensors={"codes": self.codes.cpu(), "codebook": self.codebook.cpu()},
+        if self.group_rows is None:
+            params, tensors = {"bits": self.bits}, {"codebook": self.codebook.cpu()}
+        else:
+            params = {"bits": self.bits, "codebook": "shared", "group_rows": self.group_rows}
+            tensors = {"codebook_shared": self.codebook_shared.cpu(), "row_scale": self.row_scale.cpu()}
+        return QuantRecord(scheme="codebook", shape=(self.out_features, self.in_features), params=params,
+                           tensors={"codes": self.codes.cpu(), **tensors},
                            bias=None if self.bias is None else self.bias.cpu())
 
     def indices(self) -> torch.Tensor:
@@ -74,7 +118,7 @@ class CodebookLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The exact weight this module multiplies by: [out, in] (fp16 centroids cast to dtype)."""
-        return torch.gather(self.codebook.to(dtype), 1, self.indices())
+        return torch.gather(self.centroids().to(dtype), 1, self.indices())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -84,13 +128,16 @@ class CodebookLinear(nn.Module):
         """Rows ``ids`` of the weight (for a quantized embedding table): [..., in]."""
         flat = ids.reshape(-1)
         codes = unpack_codes(self.codes[flat], self.bits, self.in_features).long()
-        rows = torch.gather(self.codebook[flat].to(dtype), 1, codes)
+        if self.group_rows is None:
+            book = self.codebook[flat]
+        else:  # the rows' centroids only (decode_shared of the rows' scales and groups' tables)
+            book = decode_shared(self.codebook_shared[flat // self.group_rows], self.row_scale[flat], 1)
+        rows = torch.gather(book.to(dtype), 1, codes)
         return rows.view(*ids.shape, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         host = self.host
-        if host is not None and x.device.type == "cpu" and x.dtype == torch.float32 \
-                and host.codes is self.codes and host.codebook is self.codebook:  # (not moved or cast since)
+        if host is not None and x.device.type == "cpu" and x.dtype == torch.float32 and self.host_current():
             rows = x.reshape(-1, self.in_features)
             # up to 16 rows (decode, verify): the batch-invariant GEMV; more (prefill): dequantized blocks, matmul
             y = host(rows, self.host_threads) if rows.shape[0] <= hg.GEMV_ROWS else host.matmul(rows)
@@ -106,12 +153,12 @@ class CodebookLinear(nn.Module):
         return F.linear(x, cached, b)
 
     def storage_bytes(self) -> int:
-        n = self.codes.numel() * self.codes.element_size() + self.codebook.numel() * self.codebook.element_size()
+        n = self.codes.numel() * self.codes.element_size() + hg.table_bytes(self.tables())
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def bits_per_weight(self) -> float:
-        """Index bits + codebook bits per weight (bias excluded)."""
-        n = self.codes.numel() * 8 + self.codebook.numel() * self.codebook.element_size() * 8
+        """Index bits + table bits per weight (bias excluded), as stored here."""
+        n = self.codes.numel() * 8 + hg.table_bytes(self.tables()) * 8
         return n / (self.out_features * self.in_features)
 
     def extra_repr(self) -> str:
@@ -122,8 +169,8 @@ class CodebookLinear(nn.Module):
 class CodebookEmbedding(CodebookLinear):
     """Embedding table stored as a per-row codebook: forward(ids [...]) -> [..., hidden]."""
 
-    def __init__(self, codes, codebook, in_features, bits, dtype: torch.dtype = torch.float32):
-        super().__init__(codes, codebook, in_features, bits, None)
+    def __init__(self, codes, tables, in_features, bits, dtype: torch.dtype = torch.float32):
+        super().__init__(codes, tables, in_features, bits, None)
         self.num_embeddings, self.embedding_dim = self.out_features, self.in_features
         self.dtype = dtype
 
@@ -134,8 +181,8 @@ class CodebookEmbedding(CodebookLinear):
         return False  # a table gathers rows (its tied head is a CodebookLinear of its own: ``as_linear``)
 
     def as_linear(self) -> CodebookLinear:
-        """The tied LM head: a projection sharing this table's codes and codebook (no copy)."""
-        return CodebookLinear(self.codes, self.codebook, self.in_features, self.bits, None)
+        """The tied LM head: a projection sharing this table's codes and tables (no copy)."""
+        return CodebookLinear(self.codes, self.tables(), self.in_features, self.bits, None)
 
 
 def _check(cond: bool, name: str, msg: str) -> None:
@@ -276,29 +323,32 @@ class CodebookScheme(Scheme):
         bits = record.params.get("bits") if isinstance(record.params, dict) else None
         _check(isinstance(bits, int) and not isinstance(bits, bool) and bits in SUPPORTED_BITS, name,
                f"codebook bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-        record = check_compact(record, name, out_f, 1 << bits)  # the fp16 form of a compact codebook
-        extra = set(record.tensors) - {"codes", "codebook"}
-        _check({"codes", "codebook"} <= set(record.tensors), name,
-               f"codebook scheme needs tensors 'codes' and 'codebook', got {sorted(record.tensors)}")
-        _check(not extra, name, f"unexpected tensors {sorted(extra)} for the codebook scheme")
-        codes, cb = record.tensors["codes"], record.tensors["codebook"]
+        record = check_compact(record, name, out_f, 1 << bits)  # "u8" expanded; "shared" checked as stored
+        shared = storage_of(record.params) == "shared"
+        if not shared:
+            extra = set(record.tensors) - {"codes", "codebook"}
+            _check({"codes", "codebook"} <= set(record.tensors), name,
+                   f"codebook scheme needs tensors 'codes' and 'codebook', got {sorted(record.tensors)}")
+            _check(not extra, name, f"unexpected tensors {sorted(extra)} for the codebook scheme")
+        codes = record.tensors["codes"]
         _check(isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8, name,
                f"codes must be uint8, got {getattr(codes, 'dtype', type(codes).__name__)}")
-        _check(isinstance(cb, torch.Tensor) and cb.dtype == torch.float16, name,
-               f"codebook must be float16, got {getattr(cb, 'dtype', type(cb).__name__)}")
         want_codes = (out_f, packed_width(in_f, bits))
         _check(tuple(codes.shape) == want_codes, name,
                f"codes shape {tuple(codes.shape)} != {want_codes} for a {bits}-bit {out_f}x{in_f} matrix")
-        want_cb = (out_f, 1 << bits)
-        _check(tuple(cb.shape) == want_cb, name, f"codebook shape {tuple(cb.shape)} != {want_cb}")
-        _check(bool(torch.isfinite(cb).all()), name, "codebook holds non-finite values")
+        if not shared:
+            cb = record.tensors["codebook"]
+            _check(isinstance(cb, torch.Tensor) and cb.dtype == torch.float16, name,
+                   f"codebook must be float16, got {getattr(cb, 'dtype', type(cb).__name__)}")
+            want_cb = (out_f, 1 << bits)
+            _check(tuple(cb.shape) == want_cb, name, f"codebook shape {tuple(cb.shape)} != {want_cb}")
+            _check(bool(torch.isfinite(cb).all()), name, "codebook holds non-finite values")
         check_bias(record, out_f, name)
 
     def module(self, record: QuantRecord, name: str) -> CodebookLinear:
         self.check(record, name)
-        record = expand(record)
-        return CodebookLinear(record.tensors["codes"], record.tensors["codebook"], record.shape[1],
-                              record.params["bits"], record.bias)
+        return CodebookLinear(record.tensors["codes"], host_tables(record), record.shape[1], record.params["bits"],
+                              record.bias)
 
     def reference(self, weight, bias, name, dtype, device):
         mod = self.module(weight, name)
@@ -310,7 +360,7 @@ class CodebookScheme(Scheme):
         if record.bias is not None:
             raise FormatError(f"quantized tensor {name}: an embedding has no bias")
         lin = self.module(record, name)
-        return CodebookEmbedding(lin.codes, lin.codebook, lin.in_features, lin.bits, dtype=dtype).to(device)
+        return CodebookEmbedding(lin.codes, lin.tables(), lin.in_features, lin.bits, dtype=dtype).to(device)
 
     def can_concat(self, parts: list[Part]) -> bool:
         return len({p.weight.params["bits"] for p in parts}) == 1

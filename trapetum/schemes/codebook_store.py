@@ -18,9 +18,11 @@ the storage:
 
 ``expand`` returns the record in the ``"f16"`` form (the same object when it is already so); the decode is
 elementwise float32 arithmetic rounded once to fp16, so the quantizer (which assigns codes against the decoded
-centroids) and every loader see the same centroids bit for bit. ``check_compact`` validates a compact record's
-tensors (roles, dtypes, shapes, finite values, a finite decode) before expanding it; failures are
-``FormatError`` naming the layer.
+centroids) and every loader see the same centroids bit for bit (the host GEMV forms the "shared" tables per row
+with the same arithmetic: kernels/host_gemv.py). ``check_compact`` validates a compact record's tensors (roles,
+dtypes, shapes, finite values, a finite decode) and expands a "u8" record; a "shared" one is returned as stored
+(its decode checked in blocks of rows, never whole: the CPU modules keep it so); failures are ``FormatError``
+naming the layer.
 """
 from __future__ import annotations
 
@@ -77,9 +79,12 @@ def _tensor(record: QuantRecord, role: str, dtype: torch.dtype, shape: tuple[int
     return t
 
 
+_BLOCK = 4096  # rows of a "shared" record decoded at a time by check_compact
+
+
 def check_compact(record: QuantRecord, name: str, out_f: int, K: int) -> QuantRecord:
     """Validate the codebook storage of a codebook record with ``out_f`` rows and K centroids a row; return its
-    ``expand``-ed form (the record itself for "f16", whose tensors the caller checks)."""
+    ``expand``-ed form for "u8", the record itself for "f16" (whose tensors the caller checks) and "shared"."""
     params = record.params if isinstance(record.params, dict) else {}
     st = storage_of(params)
     if not isinstance(st, str) or st not in STORAGES:
@@ -100,8 +105,13 @@ def check_compact(record: QuantRecord, name: str, out_f: int, K: int) -> QuantRe
         G = params.get("group_rows")
         if not isinstance(G, int) or isinstance(G, bool) or not 1 <= G < 1 << 31:
             _fail(name, f"group_rows must be a positive integer, got {G!r}")
-        _tensor(record, "codebook_shared", torch.float16, (-(-out_f // G), K), name)
-        _tensor(record, "row_scale", torch.float16, (out_f,), name)
+        shared = _tensor(record, "codebook_shared", torch.float16, (-(-out_f // G), K), name)
+        scale = _tensor(record, "row_scale", torch.float16, (out_f,), name)
+        for r in range(0, out_f, _BLOCK):
+            rows = torch.arange(r, min(r + _BLOCK, out_f)) // G
+            if not bool(torch.isfinite(decode_shared(shared[rows], scale[r:r + _BLOCK], 1)).all()):
+                _fail(name, "the 'shared' codebook decodes to non-finite centroids")
+        return record
     full = expand(record)
     if not bool(torch.isfinite(full.tensors["codebook"]).all()):
         _fail(name, f"the {st!r} codebook decodes to non-finite centroids")

@@ -4,24 +4,31 @@
    codes: the canonical packing of kernels/pack.py, read where they lie (no copy, no dense weight):
      4-bit  uint8 [N, ldc >= ceil(K/2)]  column 2j in the low nibble of byte j, 2j+1 in the high nibble
      8-bit  uint8 [N, ldc >= K]          one index per byte
-   cb: fp16 bits (uint16) [N, 2^bits], converted exactly to fp32 (16 or 256 entries per row).
+   cb: the fp16 tables (uint16 bits, 16 or 256 entries a row), in one of the two storages of a .cbk
+     per-row   (scale NULL)  cb [N, 2^bits]: row n's table, converted exactly to fp32;
+     shared    (scale given) cb [ceil(N / G), 2^bits] the groups' tables and scale fp16 [N]: row n's table is
+               fp16(float32(scale[n]) * float32(cb[n / G, e])), formed on the fly (the fp32 product of two fp16
+               values is exact; one round to nearest even: F16C / AVX-512 vcvtps2ph, f2h in C), bitwise the
+               table that schemes/codebook_store.py decode_shared gives, so a row's result is bitwise the per-row
+               storage's on the decoded tables; the per-row tables are never read from memory (the 8-bit head
+               of a 151,936-token vocabulary: 78 MB a token less).
 
    Contracts (tests/test_host_gemv.py):
    - batch invariance: row m of y is bitwise what a call with x[m] alone gives, for every M: each output is one
      fixed sequence of fp32 FMAs / adds that depends only on (n, K, the code path), never on M or on the thread
      count; rows of x are processed in register groups of up to 4, every group member running the same sequence;
-   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers (the pool
-     section below); each element is computed by one thread in a fixed order: results are identical for every
-     thread count, every schedule and run to run;
-   - code paths: AVX-512 (4-bit: the 16-entry table in one register, vpermps; 8-bit: 16-bit permutes of the
-     fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit: gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in rounding.
+   - threads: chunks of output rows are claimed by the caller and up to `threads` - 1 pool workers
+     (host/host_pool.c); each element is computed by one thread in a fixed order: results are identical for
+     every thread count, every schedule and run to run;
+   - code paths: AVX-512 with FP16 and VBMI (avx512fp16: 4-bit as avx512; 8-bit: byte permutes of the table's
+     low / high byte planes, its section below), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
+     8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit:
+     gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
+     rounding; on each path the two table storages give the same bits.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
    consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
    last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
    Build: gcc -O3 -shared -fPIC -pthread -ffp-contract=off (no FMA contraction outside the intrinsics). */
-#include <pthread.h>
-#include <sched.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,11 +56,38 @@ static float h2f(uint16_t h) {
   float f; memcpy(&f, &u, 4); return f;
 }
 
+/* fp32 -> fp16, round to nearest even (overflow to inf; the finite inputs of the shared tables), portable:
+   F. Giesen's float_to_half_fast3_rtne (its subnormal branch rounds by one fp32 add in the default mode) */
+static uint16_t f2h(float f) {
+  uint32_t u, sign;
+  memcpy(&u, &f, 4);
+  sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  if (u >= (143u << 23)) return (uint16_t)(sign | (u > (255u << 23) ? 0x7e00u : 0x7c00u)); /* >= 2^16, inf, nan */
+  if (u < (113u << 23)) { /* below 2^-14: an fp16 subnormal or zero */
+    const uint32_t magic = 126u << 23;  /* 0.5: adding it leaves round(f * 2^24) in the low mantissa bits */
+    float a, m;
+    memcpy(&a, &u, 4); memcpy(&m, &magic, 4);
+    a += m;
+    memcpy(&u, &a, 4);
+    return (uint16_t)(sign | (u - magic));
+  }
+  u += (((uint32_t)(15 - 127)) << 23) + 0xfffu + ((u >> 13) & 1u);
+  return (uint16_t)(sign | (u >> 13));
+}
+
+/* code paths (host_gemv.PATHS): avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies */
+enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_FP16 = 3 };
+
+/* the avx512fp16 8-bit lookup's column order: the column (within a block of 64) of quarter q's element i */
+static inline long xorder64(long q, long i) { return 16 * (2 * (q & 1) + i / 8) + 8 * (q >> 1) + i % 8; }
+
 /* ---------------------------------------------------------------- the work item */
 typedef struct {
   const float *xp; long M, K, Kp;  /* xp: prepared x [M, Kp] */
   const uint8_t *codes; long ldc; const uint16_t *cb; long N;
   float *y; long ldy; int bits, path;
+  const uint16_t *scale; long G;   /* shared storage: row scales [N], G rows a group (scale NULL: per-row cb) */
 } job_t;
 
 /* a call over several weights of one input (tp_gemv_multi): segment s holds global rows off[s] .. off[s+1]-1 */
@@ -66,11 +100,22 @@ typedef struct {
 } multi_t;
 
 /* ---------------------------------------------------------------- portable path */
+/* row n's table of ne entries as fp32 into t (the header's two storages) */
+static void table_c(const uint16_t *cb, const uint16_t *scale, long G, long n, int ne, float *t) {
+  if (scale) {
+    const float s = h2f(scale[n]);
+    const uint16_t *sh = cb + (n / G) * ne;
+    for (int e = 0; e < ne; e++) t[e] = h2f(f2h(s * h2f(sh[e])));
+  } else {
+    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+  }
+}
+
 static void rows_c(const job_t *j, long n0, long n1) {
   float t[256];
   const int ne = 1 << j->bits;
   for (long n = n0; n < n1; n++) {
-    for (int e = 0; e < ne; e++) t[e] = h2f(j->cb[n * ne + e]);
+    table_c(j->cb, j->scale, j->G, n, ne, t);
     const uint8_t *c = j->codes + n * j->ldc;
     for (long m = 0; m < j->M; m++) {
       const float *x = j->xp + m * j->Kp;
@@ -112,11 +157,8 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 look16(__m256 lo, 
 
 /* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1] */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_avx2(
-    const job_t *j, long n, long m0, int R) {
-  const uint16_t *cbn = j->cb + n * 16;
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cbn));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + 8)));
-  _mm_prefetch((const char *)(cbn + 16 * 16), _MM_HINT_T0);
+    const job_t *j, long n, long m0, int R, const float *t) {
+  const __m256 lo = _mm256_load_ps(t), hi = _mm256_load_ps(t + 8);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
   __m256 a0[4], a1[4];
@@ -164,18 +206,39 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
+/* row n's table as fp32 into t[2^bits]: its stored fp16 entries widened, or (shared storage) the group's fp32
+   table gt (refreshed into gt when the group changes; *g: the group it holds) times the row scale, rounded to
+   fp16 (RNE) and widened */
+__attribute__((target("avx2,fma,f16c"))) static inline void table_avx2(const job_t *j, long n, float *t, float *gt,
+                                                                       long *g) {
+  const int ne = 1 << j->bits;
+  if (!j->scale) {
+    const uint16_t *cbn = j->cb + n * ne;
+    for (int e = 0; e < ne; e += 8) _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cbn + e))));
+    for (int e = 0; e < ne; e += 32) _mm_prefetch((const char *)(cbn + (ne == 16 ? 16 : 4) * ne + e), _MM_HINT_T0);
+    return;
+  }
+  if (n / j->G != *g) {
+    *g = n / j->G;
+    for (int e = 0; e < ne; e += 8)
+      _mm256_store_ps(gt + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + *g * ne + e))));
+  }
+  const __m256 s = _mm256_set1_ps(h2f(j->scale[n]));
+  for (int e = 0; e < ne; e += 8)
+    _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_mul_ps(s, _mm256_load_ps(gt + e)),
+                                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+}
+
 __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, long n0, long n1) {
-  float t[256] __attribute__((aligned(32)));
+  float t[256] __attribute__((aligned(32))), gt[256] __attribute__((aligned(32)));
+  long g = -1;
   for (long n = n0; n < n1; n++) {
-    if (j->bits == 8) {
-      for (int e = 0; e < 256; e += 8)
-        _mm256_store_ps(t + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(j->cb + n * 256 + e))));
-    }
+    table_avx2(j, n, t, gt, &g);
     for (long m = 0; m < j->M; m += 4) {
       long R = j->M - m < 4 ? j->M - m : 4;
       if (j->bits == 4) {
-        switch (R) { case 4: row4_avx2(j, n, m, 4); break; case 3: row4_avx2(j, n, m, 3); break;
-                     case 2: row4_avx2(j, n, m, 2); break; default: row4_avx2(j, n, m, 1); }
+        switch (R) { case 4: row4_avx2(j, n, m, 4, t); break; case 3: row4_avx2(j, n, m, 3, t); break;
+                     case 2: row4_avx2(j, n, m, 2, t); break; default: row4_avx2(j, n, m, 1, t); }
       } else {
         switch (R) { case 4: row8_avx2(j, n, m, 4, t); break; case 3: row8_avx2(j, n, m, 3, t); break;
                      case 2: row8_avx2(j, n, m, 2, t); break; default: row8_avx2(j, n, m, 1, t); }
@@ -204,9 +267,8 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
     }                                                                                               \
   } while (0)
 
-__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R) {
-  const __m512 tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
-  _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+__attribute__((target(T512), always_inline)) static inline void row4_512(const job_t *j, long n, long m0, int R,
+                                                                        const __m512 tab) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   __m512 a0[4], a1[4], a2[4], a3[4];
@@ -223,11 +285,8 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
 /* 8-bit: blocks of 32 columns; the row's 256 fp16 entries (as stored) in 8 registers, looked up by 4 two-table
    16-bit permutes (index bits 0..5) and a blend tree on bits 6, 7, then widened to fp32 (no gather: slow where
    microcode mitigates it); even / odd 16-column halves into a0 / a1 */
-__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R) {
-  const uint16_t *cbn = j->cb + n * 256;
-  __m512i t[8];
-  for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
-  for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R,
+                                                                        const __m512i *t) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   const __m512i b6 = _mm512_set1_epi16(64), b7 = _mm512_set1_epi16(128);
@@ -255,30 +314,157 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* the group's fp32 table into gt (when row n leaves the group *g holds) and row n's scale, broadcast */
+__attribute__((target(T512), always_inline)) static inline __m512 group_512(const job_t *j, long n, float *gt,
+                                                                           long *g) {
+  const int ne = 1 << j->bits;
+  if (n / j->G != *g) {
+    *g = n / j->G;
+    for (int e = 0; e < ne; e += 16)
+      _mm512_store_ps(gt + e, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + *g * ne + e))));
+  }
+  return _mm512_set1_ps(h2f(j->scale[n]));
+}
+
+/* per row: its table in registers (4-bit: 16 fp32 in one; 8-bit: 256 fp16 in 8), loaded as stored or (shared
+   storage) formed from the group's fp32 table gt: fp16(scale * gt) (RNE) */
 __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
+  float gt[256] __attribute__((aligned(64)));
+  long g = -1;
   for (long n = n0; n < n1; n++) {
+    if (j->bits == 4) {
+      __m512 tab;
+      if (j->scale) {
+        __m512 s = group_512(j, n, gt, &g);
+        tab = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt)), RNE));
+      } else {
+        tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+        _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+      }
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row4_512(j, n, m, 4, tab); break; case 3: row4_512(j, n, m, 3, tab); break;
+                     case 2: row4_512(j, n, m, 2, tab); break; default: row4_512(j, n, m, 1, tab); }
+      }
+    } else {
+      __m512i t[8];
+      if (j->scale) {
+        __m512 s = group_512(j, n, gt, &g);
+        for (int e = 0; e < 8; e++)
+          t[e] = _mm512_inserti64x4(
+              _mm512_castsi256_si512(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e)), RNE)),
+              _mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e + 16)), RNE), 1);
+      } else {
+        const uint16_t *cbn = j->cb + n * 256;
+        for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
+        for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+      }
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row8_512(j, n, m, 4, t); break; case 3: row8_512(j, n, m, 3, t); break;
+                     case 2: row8_512(j, n, m, 2, t); break; default: row8_512(j, n, m, 1, t); }
+      }
+    }
+  }
+}
+/* ---------------------------------------------------------------- AVX-512 with FP16 and VBMI (path avx512fp16) */
+/* Sapphire Rapids and later. The shared storage's tables formed by fp16 multiplies: vmulph rounds the exact
+   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ), the bits of the fp32 product rounded
+   by vcvtps2ph. 8-bit: blocks of 64 columns looked up as bytes: the row's 256 fp16 entries split once into low-
+   and high-byte planes (4 + 4 registers of 64 bytes), each looked up by two 128-entry byte permutes (vpermt2b on
+   index bits 0..6) and a blend on bit 7, the planes interleaved back into fp16 words and widened: 23 vector uops
+   per 64 columns where the 16-bit permutes take 34. The unpacks leave 128-bit lane j of word vector h holding
+   columns 16j + 8h + 0..7, so x is prepared in that order (xorder64) and the four fp32 quarters q = 2h + half
+   feed four accumulators. */
+#define TSPR T512 ",avx512fp16,avx512vbmi"
+
+__attribute__((target(TSPR), always_inline)) static inline void row8_spr(const job_t *j, long n, long m0, int R,
+                                                                        const __m512i *lb, const __m512i *hb) {
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb = j->Kp / 64, full = j->K / 64;
+  __m512 a[4][4];
+  for (int r = 0; r < R; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+  uint8_t tail[64];
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 64;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    if (b >= full) { memset(tail, 0, 64); memcpy(tail, p, j->K - b * 64); p = tail; }
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    const __mmask64 k7 = _mm512_movepi8_mask(v);
+    const __m512i lo = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(lb[0], v, lb[1]),
+                                              _mm512_permutex2var_epi8(lb[2], v, lb[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(hb[0], v, hb[1]),
+                                              _mm512_permutex2var_epi8(hb[2], v, hb[3]));
+    const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w0)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1));
+    const __m512 f2 = _mm512_cvtph_ps(_mm512_castsi512_si256(w1)), f3 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 64;
+      a[r][0] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x), a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + 16), a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(f2, _mm512_loadu_ps(x + 32), a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(f3, _mm512_loadu_ps(x + 48), a[r][3]);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    j->y[(m0 + r) * j->ldy + n] =
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
+}
+
+__attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long n1) {
+  const __m512i ev = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100, 98, 96,
+                                     94, 92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66, 64, 62, 60, 58, 56,
+                                     54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16,
+                                     14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
+  for (long n = n0; n < n1; n++) {
+    const uint16_t *sh = j->scale ? j->cb + (n / j->G) * (1 << j->bits) : j->cb + n * (1 << j->bits);
+    if (j->bits == 4) {
+      __m256i h = _mm256_loadu_si256((const __m256i *)sh);
+      if (j->scale)
+        h = _mm512_castsi512_si256(_mm512_castph_si512(_mm512_mul_round_ph(  /* the low 16 lanes */
+            _mm512_castsi512_ph(_mm512_castsi256_si512(h)), _mm512_castsi512_ph(_mm512_set1_epi16((short)j->scale[n])),
+            RNE)));
+      else
+        _mm_prefetch((const char *)(sh + 16 * 16), _MM_HINT_T0);
+      const __m512 tab = _mm512_cvtph_ps(h);
+      for (long m = 0; m < j->M; m += 4) {
+        long R = j->M - m < 4 ? j->M - m : 4;
+        switch (R) { case 4: row4_512(j, n, m, 4, tab); break; case 3: row4_512(j, n, m, 3, tab); break;
+                     case 2: row4_512(j, n, m, 2, tab); break; default: row4_512(j, n, m, 1, tab); }
+      }
+      continue;
+    }
+    __m512i t[8], lb[4], hb[4];
+    const __m512h sv = _mm512_castsi512_ph(_mm512_set1_epi16(j->scale ? (short)j->scale[n] : 0));
+    for (int e = 0; e < 8; e++) {
+      t[e] = _mm512_loadu_si512((const void *)(sh + 32 * e));
+      if (j->scale) t[e] = _mm512_castph_si512(_mm512_mul_round_ph(_mm512_castsi512_ph(t[e]), sv, RNE));
+    }
+    if (!j->scale)
+      for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(sh + 4 * 256 + 32 * e), _MM_HINT_T0);
+    for (int i = 0; i < 4; i++) {
+      lb[i] = _mm512_permutex2var_epi8(t[2 * i], ev, t[2 * i + 1]);
+      hb[i] = _mm512_permutex2var_epi8(t[2 * i], od, t[2 * i + 1]);
+    }
     for (long m = 0; m < j->M; m += 4) {
       long R = j->M - m < 4 ? j->M - m : 4;
-      if (j->bits == 4) {
-        switch (R) { case 4: row4_512(j, n, m, 4); break; case 3: row4_512(j, n, m, 3); break;
-                     case 2: row4_512(j, n, m, 2); break; default: row4_512(j, n, m, 1); }
-      } else {
-        switch (R) { case 4: row8_512(j, n, m, 4); break; case 3: row8_512(j, n, m, 3); break;
-                     case 2: row8_512(j, n, m, 2); break; default: row8_512(j, n, m, 1); }
-      }
+      switch (R) { case 4: row8_spr(j, n, m, 4, lb, hb); break; case 3: row8_spr(j, n, m, 3, lb, hb); break;
+                   case 2: row8_spr(j, n, m, 2, lb, hb); break; default: row8_spr(j, n, m, 1, lb, hb); }
     }
   }
 }
 #endif
 
 /* ---------------------------------------------------------------- path choice */
-enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
 int tp_path(void) { /* the best path this CPU runs */
 #if TP_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
-      && __builtin_cpu_supports("fma")) return PATH_AVX512;
+      && __builtin_cpu_supports("fma"))
+    return __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("avx512vbmi") ? PATH_FP16 : PATH_AVX512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
 #endif
   return PATH_C;
@@ -286,6 +472,7 @@ int tp_path(void) { /* the best path this CPU runs */
 
 static void run_rows1(const job_t *j, long n0, long n1) {
 #if TP_X86
+  if (j->path == PATH_FP16) { rows_spr(j, n0, n1); return; }
   if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
   if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
 #endif
@@ -300,123 +487,21 @@ static void run_rows(const multi_t *mj, long n0, long n1) {
   }
 }
 
-/* ---------------------------------------------------------------- the thread pool */
-/* A call's output rows are cut into chunks that the caller and up to threads - 1 workers claim from one atomic
-   word (generation << 32 | next chunk): a thread that the OS does not schedule claims nothing and is not waited
-   for (the caller takes what is left), so a busy machine does not stall every call. Which thread computes a
-   chunk does not change a bit of it: every output element is one thread's fixed sequence. Workers spin briefly
-   after a call, then sleep. */
-static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
-static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
-static int n_workers;                 /* workers started: thread ids 1..n_workers */
-static atomic_long gen;               /* bumped once per parallel call (wakes the workers) */
-static atomic_ullong claim;           /* (generation << 32) | (chunks << 16) | next chunk index */
-static atomic_long done_chunks;       /* chunks finished in the current call */
-static int sleepers;                  /* under wake_mu */
-static const multi_t *cur_job;
-static int cur_nt;
-static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
-#define MAX_THREADS 256
-static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
+/* the thread pool (host/host_pool.c): fn(arg, n0, n1) over chunks of rows 0 .. N - 1 on up to nt threads */
+void tp_pool_run(void (*fn)(const void *, long, long), const void *arg, long N, int nt);
 
-#define SPINS 20000
-
-static inline void relax(void) {
-#if TP_X86
-  __builtin_ia32_pause();
-#endif
-}
-
-/* claim and run chunks of generation g until none is left (or the call moved on) */
-static void work(unsigned long long g) {
-  for (;;) {
-    unsigned long long c = atomic_load_explicit(&claim, memory_order_acquire);
-    if ((c >> 32) != (g & 0xffffffffull)) return;  /* another call's word */
-    long i = (long)(c & 0xffff), nch = (long)((c >> 16) & 0xffff);
-    if (i >= nch) return;
-    if (!atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
-      continue;
-    /* chunk i of a live call (it cannot finish before this chunk): its job is the one published with the word */
-    const multi_t *j = cur_job;
-    long n0 = i * cur_chunk, n1 = n0 + cur_chunk < j->N ? n0 + cur_chunk : j->N;
-    run_rows(j, n0, n1);
-    atomic_fetch_add_explicit(&done_chunks, 1, memory_order_release);
-  }
-}
-
-static void *worker(void *arg) {
-  int tid = (int)(intptr_t)arg;
-  long seen = start_gen[tid];
-  for (;;) {
-    long g;
-    int spins = 0;
-    while ((g = atomic_load_explicit(&gen, memory_order_acquire)) == seen) {
-      if (++spins < SPINS) { relax(); continue; }
-      pthread_mutex_lock(&wake_mu);
-      sleepers++;
-      while (atomic_load(&gen) == seen) pthread_cond_wait(&wake_cv, &wake_mu);
-      sleepers--;
-      pthread_mutex_unlock(&wake_mu);
-    }
-    seen = g;
-    if (tid < cur_nt) work((unsigned long long)g);  /* a stale cur_nt only meets a claim word of another call */
-  }
-  return NULL;
-}
-
-static void after_fork_child(void) { /* the workers did not survive the fork */
-  pthread_mutex_init(&pool_mu, NULL);
-  pthread_mutex_init(&wake_mu, NULL);
-  pthread_cond_init(&wake_cv, NULL);
-  n_workers = 0; sleepers = 0;
-}
-
-static int atfork_done;
-
-static void parallel(const multi_t *j, int nt) {
-  pthread_mutex_lock(&pool_mu);
-  if (!atfork_done) { pthread_atfork(NULL, NULL, after_fork_child); atfork_done = 1; }
-  while (n_workers < nt - 1) {
-    pthread_t th;
-    start_gen[n_workers + 1] = atomic_load(&gen);
-    pthread_attr_t at;
-    pthread_attr_init(&at);
-    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-    int ok = pthread_create(&th, &at, worker, (void *)(intptr_t)(n_workers + 1)) == 0;
-    pthread_attr_destroy(&at);
-    if (!ok) break;
-    n_workers++;
-  }
-  unsigned long long g = (unsigned long long)atomic_load(&gen) + 1;
-  long chunk = (j->N + 8L * nt - 1) / (8L * nt);
-  if (chunk < 16) chunk = 16;
-  cur_job = j; cur_nt = nt; cur_chunk = chunk; cur_nchunks = (j->N + chunk - 1) / chunk;
-  atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
-  /* a stale worker's compare-exchange on the previous word fails from here on */
-  atomic_store_explicit(&claim, ((g & 0xffffffffull) << 32) | ((unsigned long long)cur_nchunks << 16),
-                        memory_order_release);
-  pthread_mutex_lock(&wake_mu);
-  atomic_store_explicit(&gen, (long)g, memory_order_release);
-  if (sleepers) pthread_cond_broadcast(&wake_cv);
-  pthread_mutex_unlock(&wake_mu);
-  work(g);
-  int spins = 0;
-  while (atomic_load_explicit(&done_chunks, memory_order_acquire) < cur_nchunks) {
-    if (++spins < SPINS) relax(); else sched_yield();
-  }
-  pthread_mutex_unlock(&pool_mu);
-}
+static void run_rows_cb(const void *arg, long n0, long n1) { run_rows((const multi_t *)arg, n0, n1); }
 
 /* ---------------------------------------------------------------- dequantize (prefill) */
-/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened) */
-int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long n0, long n1, long K, int bits,
-                        float *out, long ldo) {
-  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0) return -1;
+/* out fp32 [n1 - n0, K] (row stride ldo) = the weight rows n0 .. n1 - 1 (exact: fp16 centroids widened; either
+   storage, scale NULL or G rows a group) */
+int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, const uint16_t *scale, long G, long n0,
+                        long n1, long K, int bits, float *out, long ldo) {
+  if ((bits != 4 && bits != 8) || K < 1 || ldo < K || n1 < n0 || (scale && G < 1)) return -1;
   const int ne = 1 << bits;
   float t[256];
   for (long n = n0; n < n1; n++) {
-    for (int e = 0; e < ne; e++) t[e] = h2f(cb[n * ne + e]);
+    table_c(cb, scale, G, n, ne, t);
     const uint8_t *c = codes + n * ldc;
     float *o = out + (n - n0) * ldo;
     if (bits == 8) {
@@ -431,7 +516,7 @@ int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, long
 
 /* ---------------------------------------------------------------- entry points */
 static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int path, long *Kp_out) {
-  long blk = path == PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long blk = path == PATH_FP16 && bits == 8 ? 64 : path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
   if (!xp) return NULL;
@@ -441,6 +526,12 @@ static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int 
     if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
       long h = blk / 2;
       for (long k = 0; k < K; k++) dst[(k / blk) * blk + (k & 1) * h + (k % blk) / 2] = src[k];
+    } else if (blk == 64) { /* the byte lookup's column order (xorder64) */
+      for (long k0 = 0; k0 < K; k0 += 64)
+        for (long p = 0; p < 64; p++) {
+          long k = k0 + xorder64(p / 16, p % 16);
+          if (k < K) dst[k0 + p] = src[k];
+        }
     } else {
       memcpy(dst, src, (size_t)K * sizeof(float));
     }
@@ -451,15 +542,16 @@ static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int 
 
 static void run_all(const multi_t *mj, int threads) {
   if (threads < 1) threads = 1;
-  if (threads > MAX_THREADS) threads = MAX_THREADS;
   if (threads > mj->N) threads = (int)mj->N;
-  if (threads == 1) run_rows(mj, 0, mj->N); else parallel(mj, threads);
+  if (threads == 1) run_rows(mj, 0, mj->N); else tp_pool_run(run_rows_cb, mj, mj->N, threads);
 }
 
-/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path() */
+/* returns 0, or -1 (bad arguments), -2 (out of memory); path < 0: tp_path(); scale NULL: per-row tables cb, else
+   the shared storage (cb the groups' tables, G rows a group) */
 int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *codes, long ldc,
-                     const uint16_t *cb, long N, int bits, float *y, long ldy, int threads, int path) {
-  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N) return -1;
+                     const uint16_t *cb, const uint16_t *scale, long G, long N, int bits, float *y, long ldy,
+                     int threads, int path) {
+  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || N < 0 || ldx < K || ldy < N || (scale && G < 1)) return -1;
   if (ldc < (bits == 4 ? (K + 1) / 2 : K)) return -1;
   if (M == 0 || N == 0) return 0;
   if (path < 0) path = tp_path();
@@ -468,7 +560,7 @@ int tp_codebook_gemv(const float *x, long ldx, long M, long K, const uint8_t *co
   if (!xp) return -2;
   multi_t mj;
   mj.nseg = 1; mj.off[0] = 0; mj.off[1] = N; mj.N = N;
-  mj.seg[0] = (job_t){xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path};
+  mj.seg[0] = (job_t){xp, M, K, Kp, codes, ldc, cb, N, y, ldy, bits, path, scale, G};
   run_all(&mj, threads);
   free(xp);
   return 0;
@@ -481,21 +573,24 @@ static float act_f(float g, int act) {
 }
 
 /* Several weights of one input in one call: their output rows side by side, y fp32 [M, N_0 + .. + N_{n-1}].
-   segs: nseg x (codes pointer, ldc, codebook pointer, N) as longs; every segment has `bits`, K columns.
+   segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G) as longs (the two storages of
+   tp_codebook_gemv, per segment); every segment has `bits`, K columns.
    Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
      act 0: y = res[m, n] + y (res NULL: none)
      act 1 (SiLU) / 2 (GELU tanh): nseg 2, N_0 == N_1 = F: y [M, F] (stride ldy) = act(g) * u, the gate / up
      outputs (bias included) computed into a scratch first.
    Each output element is its row's one fixed sequence (batch-invariant, any thread count). */
+#define SEG 6 /* longs per segment */
 int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
                   long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path) {
   if ((bits != 4 && bits != 8) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
-  if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[7]))) return -1;
+  if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[SEG + 3]))) return -1;
   multi_t mj;
   long N = 0;
   for (int s = 0; s < nseg; s++) {
-    if (segs[4 * s + 1] < (bits == 4 ? (K + 1) / 2 : K) || segs[4 * s + 3] < 0) return -1;
-    mj.off[s] = N; N += segs[4 * s + 3];
+    const long *g = segs + SEG * s;
+    if (g[1] < (bits == 4 ? (K + 1) / 2 : K) || g[3] < 0 || (g[4] && g[5] < 1)) return -1;
+    mj.off[s] = N; N += g[3];
   }
   mj.off[nseg] = N; mj.nseg = nseg; mj.N = N;
   if (act ? ldy < N / 2 : ldy < N) return -1;
@@ -511,9 +606,11 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
     if (!out) { free(xp); return -2; }
     ldo = N;
   }
-  for (int s = 0; s < nseg; s++)
-    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)segs[4 * s], segs[4 * s + 1],
-                        (const uint16_t *)segs[4 * s + 2], segs[4 * s + 3], out + mj.off[s], ldo, bits, path};
+  for (int s = 0; s < nseg; s++) {
+    const long *g = segs + SEG * s;
+    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)g[0], g[1], (const uint16_t *)g[2], g[3], out + mj.off[s],
+                        ldo, bits, path, (const uint16_t *)g[4], g[5]};
+  }
   run_all(&mj, threads);
   free(xp);
   for (long m = 0; m < M; m++) {

@@ -129,7 +129,7 @@ int tp_attend(const float *q, long ldq, const float *k, long ldk, const float *v
   if (!sbuf) return -2;
   if (path < 0) path = tp_path();
 #if defined(__x86_64__)
-  if (path == 2) attend_512(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
+  if (path >= 2) attend_512(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
   else if (path == 1) attend_avx2(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
   else
 #endif
