@@ -119,6 +119,44 @@ def test_attention_rows_against_float64(window, softcap):
             assert torch.equal(one, out[m:m + 1])
 
 
+@pytest.mark.parametrize("chunk", range(2))
+def test_fused_gemv_of_the_norm_is_rmsnorm_then_the_gemv(chunk):
+    for i, (bits, M, Ns, K, with_bias) in enumerate(_cases(40, 20 + chunk)):
+        g = torch.Generator().manual_seed(500 + 100 * chunk + i)
+        ws = [_weight(bits, N, K, g) for N in Ns]
+        bias = [torch.randn(N, generator=g) if with_bias and j != 1 else None for j, N in enumerate(Ns)]
+        f = ho.FusedGemv([(c, cb, b) for (c, cb), b in zip(ws, bias)], bits, K)
+        xs = torch.randn(M, K + 3, generator=g)[:, 2:K + 2]  # rows with a stride
+        w, offset = torch.randn(K, generator=g), (0.0, 1.0)[i % 2]
+        res = torch.randn(M, sum(Ns), generator=g)
+        h = ho.rmsnorm(xs.contiguous(), w, 1e-6, offset)
+        for t in (1, 2, 3):
+            assert torch.equal(f(xs, threads=t, norm=(w, 1e-6, offset)), f(h, threads=1)), (bits, M, Ns, K, t)
+            assert torch.equal(f(xs, residual=res, threads=t, norm=(w, 1e-6, offset)), f(h, residual=res, threads=1))
+        if len(Ns) >= 2 and Ns[0] == Ns[1] or i % 5 == 0:  # with the activation (two weights of equal rows)
+            fa = ho.FusedGemv([(ws[0][0], ws[0][1], bias[0]), (ws[0][0], ws[0][1], None)], bits, K, act="silu")
+            assert torch.equal(fa(xs, threads=2, norm=(w, 1e-6, offset)), fa(h, threads=1))
+    with pytest.raises(ValueError, match="norm weight"):
+        f(xs, norm=(w[:-1], 1e-6, 0.0))
+
+
+def test_attention_read_out_of_the_fused_rows_is_attend():
+    g = torch.Generator().manual_seed(4)
+    for Hq, Hkv, hd, start, M, window, softcap in ((4, 2, 8, 0, 1, None, None), (6, 3, 53, 9, 5, 4, None),
+                                                   (9, 3, 64, 120, 2, None, 5.0), (2, 2, 16, 30, 16, 3, 2.0)):
+        rope = Rotary(hd // 2 * 2, 10000.0, None, 512)
+        cos, sin = (t.contiguous() for t in rope.cos_sin(torch.arange(start, start + M)))
+        kc, vc = torch.randn(Hkv, start + M + 3, hd, generator=g), torch.randn(Hkv, start + M + 3, hd, generator=g)
+        kc2, vc2 = kc.clone(), vc.clone()
+        qkv = torch.randn(M, (Hq + 2 * Hkv) * hd, generator=g)
+        q, k, v = (qkv[:, a * hd:b * hd].reshape(M, b - a, hd) for a, b in ((0, Hq), (Hq, Hq + Hkv),
+                                                                             (Hq + Hkv, Hq + 2 * Hkv)))
+        want = ho.attend(q, k, v, cos, sin, kc, vc, start, hd ** -0.5, False, window, softcap)
+        got = ho.attend_fused(qkv, Hq, Hkv, hd, cos, sin, kc2, vc2, start, hd ** -0.5, False, window, softcap,
+                              torch.empty(M, Hq, hd))
+        assert torch.equal(got, want) and torch.equal(kc2, kc) and torch.equal(vc2, vc), (Hq, Hkv, hd, start, M)
+
+
 def test_bad_arguments_are_refused():
     g = torch.Generator().manual_seed(0)
     c, cb = _weight(4, 5, 7, g)

@@ -4,13 +4,16 @@ kernels/host_gemv.py, built the same way): the CPU executor's (models/cpu_ops.py
     FusedGemv(parts)      several per-row codebook weights of one input in one call (q/k/v, gate/up; each part's
                           tables in either storage of kernels/host_gemv.py): their
                           outputs side by side (per-row codebooks concatenate), then per element + bias, and
-                          either + residual or act(gate) * up (SiLU, GELU tanh) -> fp32 [M, N] or [M, F]
+                          either + residual or act(gate) * up (SiLU, GELU tanh) -> fp32 [M, N] or [M, F];
+                          ``norm=(w, eps, offset)``: of rmsnorm(x) instead of x, in the same call
     rmsnorm(x, w, ...)    RMSNorm of fp32 rows (mean of squares in double)
     rope_kv(...)          RoPE of q and k rows, k and v appended to an fp32 cache [Hkv, S, hd] (strided)
     attend(...)           rope_kv, then each row's causal attention over the cache (sliding window, softcap)
+    attend_fused(qkv, ..) attend of q, k, v read out of the fused q/k/v rows by offsets (no views)
 
 Contracts (tests/test_host_ops.py): FusedGemv's outputs are bitwise the single-weight GEMV's
 (``codebook_gemv_host``) plus the epilogue's fp32 adds, so batch-invariant and the same for every thread count;
+with ``norm`` they are bitwise ``rmsnorm`` then the call without it;
 RoPE is the reference's elementwise arithmetic (bitwise ``Rotary.apply`` in fp32); the activation and the norm
 round differently from torch (within fp32 rounding of the float64 reference: ``reference_*`` below).
 Every tensor is fp32 (codes uint8, codebooks fp16) on the CPU with unit stride along its last dim.
@@ -71,13 +74,16 @@ class FusedGemv:
         else:
             self.bias = None
         self._bias_ptr = None if self.bias is None else self.bias.data_ptr()
-        self._fn = self._lib.tp_gemv_multi
+        self._fn, self._fn_norm = self._lib.tp_gemv_multi, self._lib.tp_gemv_multi_norm
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                 threads: int | None = None) -> torch.Tensor:
+                 threads: int | None = None, norm: tuple | None = None) -> torch.Tensor:
         """x fp32 [M, K] -> out fp32 [M, out_features] (+ residual [M, out_features] where given; not with an
-        activation)."""
+        activation). ``norm``: (weight fp32 [K] contiguous, eps, offset): the GEMV reads rmsnorm(x)."""
         _check_rows("x", x, self.in_features)
+        if norm is not None and (norm[0].dtype != torch.float32 or not norm[0].is_contiguous()
+                                 or tuple(norm[0].shape) != (self.in_features,)):
+            raise ValueError(f"host ops: the norm weight must be contiguous fp32 [{self.in_features}]")
         M = x.shape[0]
         if out is None:
             out = torch.empty(M, self.out_features, dtype=torch.float32)
@@ -93,14 +99,20 @@ class FusedGemv:
         t = torch.get_num_threads() if threads is None else int(threads)
         if t < 1:
             raise ValueError(f"host ops: threads must be at least 1, got {t}")
-        return self.run(x, out, residual, t)
+        return self.run(x, out, residual, t, None if norm is None else (norm[0].data_ptr(), norm[1], norm[2]))
 
-    def run(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, threads: int) -> torch.Tensor:
-        """``__call__`` without the argument checks (the CPU executor's own buffers)."""
-        rc = self._fn(x.data_ptr(), x.stride(0), x.shape[0], self.in_features, len(self.parts), self._segs,
-                      self.bits, out.data_ptr(), out.stride(0), self._bias_ptr,
-                      None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-                      self.act, threads, -1)
+    def run(self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, threads: int,
+            norm: tuple | None = None) -> torch.Tensor:
+        """``__call__`` without the argument checks (the CPU executor's own buffers); ``norm``: (weight pointer,
+        eps, offset) or None."""
+        res, ldr = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+        if norm is None:
+            rc = self._fn(x.data_ptr(), x.stride(0), x.shape[0], self.in_features, len(self.parts), self._segs,
+                          self.bits, out.data_ptr(), out.stride(0), self._bias_ptr, res, ldr, self.act, threads, -1)
+        else:
+            rc = self._fn_norm(x.data_ptr(), x.stride(0), x.shape[0], self.in_features, norm[0], float(norm[2]),
+                               float(norm[1]), len(self.parts), self._segs, self.bits, out.data_ptr(), out.stride(0),
+                               self._bias_ptr, res, ldr, self.act, threads, -1)
         if rc != 0:
             raise RuntimeError(f"host fused GEMV failed (code {rc})")
         return out
@@ -175,6 +187,23 @@ def attend(q, k, v, cos, sin, kc, vc, start: int, scale: float, interleave: bool
     out = torch.empty(M, Hq * hd, dtype=torch.float32) if out is None else out
     rc = _lib().tp_attend(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), M, Hq,
                           Hkv, hd, rd, int(bool(interleave)), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                          vc.data_ptr(), kc.stride(0), kc.stride(1), int(start), int(window or 0), float(scale),
+                          float(softcap or 0.0), qo.data_ptr(), out.data_ptr(), out.stride(0), -1)
+    if rc != 0:
+        raise RuntimeError(f"host attention failed (code {rc})")
+    return out
+
+
+def attend_fused(qkv, Hq: int, Hkv: int, hd: int, cos, sin, kc, vc, start: int, scale: float, interleave: bool,
+                 window: int | None, softcap: float | None, qo) -> torch.Tensor:
+    """``attend`` of q, k, v read out of fused q/k/v rows fp32 [M, (Hq + 2 Hkv) hd] (unit column stride), q at
+    column 0, k at Hq hd, v at (Hq + Hkv) hd; ``qo`` the scratch fp32 [M, Hq, hd]; no argument checks (the CPU
+    executor's own buffers, its cache checked when the pass starts)."""
+    M, ld = qkv.shape[0], qkv.stride(0)
+    base = qkv.data_ptr()
+    out = torch.empty(M, Hq * hd)
+    rc = _lib().tp_attend(base, ld, base + 4 * Hq * hd, ld, base + 4 * (Hq + Hkv) * hd, ld, M, Hq, Hkv, hd,
+                          cos.shape[-1], int(bool(interleave)), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
                           vc.data_ptr(), kc.stride(0), kc.stride(1), int(start), int(window or 0), float(scale),
                           float(softcap or 0.0), qo.data_ptr(), out.data_ptr(), out.stride(0), -1)
     if rc != 0:

@@ -5,11 +5,15 @@ positions start .. start + M - 1 over a KVCache of fp32 on the CPU (decode steps
 dense models (attention + MLP blocks) whose projections are 4/8-bit codebooks; other passes run TorchOps.
 
 Layouts: the residual stream is fp32 [M, D] (the reference's [1, M, D] without its batch dim); a layer is a
-handful of calls into C (kernels/host_ops.py): RMSNorm; one GEMV over the fused q/k/v rows (+ bias); RoPE of q
-and k with the k / v append into the cache; o GEMV + residual; RMSNorm; one gate/up GEMV with act(gate) * up;
-down GEMV + residual. Attention is C over the cache's own storage (RoPE, the append, then each row's scores,
-softmax and weighted values: row r over positions up to start + r, its sliding window, softcap). The block
-parameters are built once (``_Plan``), the outputs allocated per call (torch's CPU allocator caches them).
+handful of calls into C (kernels/host_ops.py): RMSNorm + one GEMV over the fused q/k/v rows (+ bias), in one call;
+RoPE of q and k with the k / v append into the cache, and attention; o GEMV + residual; RMSNorm + one gate/up GEMV
+with act(gate) * up, in one call; down GEMV + residual. A norm that feeds a projection (the blocks' ``feeds=``) is
+left pending (``_Normed``) and run by that projection's C call. Where the family has no q/k norms, ``heads``
+returns the fused q/k/v rows themselves (q) and None for k and v: attention reads the three parts by offsets.
+Attention is C over the cache's own storage (RoPE, the append, then each row's scores, softmax and weighted
+values: row r over positions up to start + r, its sliding window, softcap). The block parameters are built once
+(``_Plan``), the outputs allocated per call (torch's CPU allocator caches them). Few Python ops per layer on
+purpose: between two GEMVs the interpreter runs cold (NOTES-engine.md, session 13, second part).
 
 Contracts (tests/test_cpu_ops.py): every op works row by row with one fixed sequence per row, so row r of an M-row
 pass is bitwise the decode step at start + r (VERIFY rows equal decode steps), and the results are the same for
@@ -48,6 +52,19 @@ def _host_parts(mods) -> tuple | None:
     return parts, bits, k
 
 
+class _Normed:
+    """RMSNorm(x) not run yet: x fp32 [M, D] (unit column stride), the norm module ``w``; ``args`` (weight
+    pointer, eps, offset) for the GEMV call that runs it; ``value()`` runs it alone (ho.rmsnorm, the same C)."""
+    __slots__ = ("x", "w", "args")
+
+    def __init__(self, x, w, args):
+        self.x, self.w, self.args = x, w, args
+
+    def value(self) -> torch.Tensor:
+        w = self.w
+        return ho.rmsnorm(self.x, w.weight.detach(), w.eps, w.offset)
+
+
 class _Plan:
     """The model as decoder_forward reads it (embed, layers with their ``blocks``, final_norm, head), its block
     parameters built once (the reference decoder's ``Block.blocks`` builds them at every pass)."""
@@ -67,6 +84,7 @@ class CpuStep:
         g, loc = rotaries
         self.rotaries = {False: g, True: loc if loc is not None else g}
         self._fused: dict = {}
+        self._norms: dict = {}
         self._plan: _Plan | None = None
         self.dense = all(cfg.block_kinds(i) == ("attention", "mlp") for i in range(cfg.num_layers))
 
@@ -75,6 +93,7 @@ class CpuStep:
         the decoder as it is then (Decoder.set_sparsity changes the blocks' parameters)."""
         self._plan = None
         self._fused.clear()
+        self._norms.clear()
 
     def fused(self, w, act: str | None = None):
         """The FusedGemv of projection ``w`` (a module, or a tuple of modules of one input; the plan's objects,
@@ -119,6 +138,7 @@ class CpuOps:
             raise TrapetumError(f"context overflow: position {self.start + self.m} exceeds the KV cache size "
                                 f"{cache.max_len}")
         self._tables: dict = {}
+        self._qo = None
 
     def _rope(self, sliding: bool):
         """cos, sin fp32 [M, rd]: row r as the decode step at start + r computes it (alone: its own length)."""
@@ -136,6 +156,11 @@ class CpuOps:
         wt = w.weight
         if wt.dtype != torch.float32 or x.dtype != torch.float32:
             return w(x)
+        if feeds is not None and eps is None and x.dim() == 2 and x.stride(1) == 1:
+            a = self.step._norms.get(id(w))
+            if a is None:
+                a = self.step._norms[id(w)] = (w, (wt.data_ptr(), float(w.eps), float(w.offset)))
+            return _Normed(x, w, a[1])
         shape = x.shape
         if x.dim() != 2 or x.stride(1) != 1:
             x = x.reshape(-1, shape[-1]).contiguous()
@@ -148,6 +173,8 @@ class CpuOps:
         return x + y
 
     def heads(self, qkv):
+        if not self.cfg.qk_norm and qkv.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1:
+            return qkv, None, None  # attend reads q, k, v out of the fused rows
         return row_heads(self.cfg, qkv)
 
     def sparsify(self, x, t, batch):
@@ -161,6 +188,12 @@ class CpuOps:
     # -- projections -------------------------------------------------------------------------
     def project(self, w, x, residual=None):
         f = self.step.fused(w)
+        if type(x) is _Normed:
+            if f and (residual is None or residual.dtype == torch.float32) and x.x.shape[1] == f.in_features:
+                if residual is not None and residual.stride(-1) != 1:
+                    residual = residual.contiguous()
+                return f.run(x.x, torch.empty(x.x.shape[0], f.out_features), residual, self.threads, x.args)
+            x = x.value()
         if not f or x.dtype != torch.float32 or (residual is not None and residual.dtype != torch.float32):
             mods = tuple(w) if isinstance(w, (tuple, list)) else (w,)
             y = torch.cat([m(x) for m in mods], -1) if len(mods) > 1 else mods[0](x)
@@ -172,6 +205,10 @@ class CpuOps:
 
     def gate_up(self, w, x, feeds=None):
         f = self.step.fused(w, self.cfg.hidden_act)
+        if type(x) is _Normed:
+            if f and x.x.shape[1] == f.in_features:
+                return f.run(x.x, torch.empty(x.x.shape[0], f.out_features), None, self.threads, x.args)
+            x = x.value()
         if not f or x.dtype != torch.float32:
             gate, up, act = w
             return act(gate(x)) * up(x)
@@ -195,6 +232,12 @@ class CpuOps:
         cfg = self.cfg
         kc, vc = self.cache.k[p.layer][0], self.cache.v[p.layer][0]  # [Hkv, max_len, hd]
         cos, sin, inter = self._rope(p.sliding)
+        if k is None:  # q: the fused q/k/v rows fp32 [M, (Hq + 2 Hkv) hd] (heads)
+            if self._qo is None or self._qo.shape[0] != q.shape[0]:
+                self._qo = torch.empty(q.shape[0], cfg.num_heads, cfg.head_dim)
+            return ho.attend_fused(q, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin, kc, vc, self.start,
+                                   cfg.scale, inter, cfg.sliding_window if p.sliding else None, cfg.attn_softcap,
+                                   self._qo)
         if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
             q, k, v = q.float(), k.float(), v.float()
         hd = cfg.head_dim

@@ -10,6 +10,8 @@
                  cache positions lo .. start + m (lo: start + m + 1 - window, or 0), fp32 scores times scale
                  (softcap: tanh(s / cap) * cap), softmax (max subtracted, sums in double), weighted values ->
                  out [M, Hq * hd]; each row alone, as the decode step at its position computes it
+   tp_gemv_multi_norm   host/codebook_host.c's tp_gemv_multi of tp_rmsnorm(x) (the norm into a scratch, then the
+                 GEMV: bitwise the two calls one after the other; one call from Python instead of two)
    The RoPE is the reference's own arithmetic (x * c + (-x') * s with no contraction: -ffp-contract=off), so
    its bits equal torch's elementwise ops. */
 #include <math.h>
@@ -136,4 +138,21 @@ int tp_attend(const float *q, long ldq, const float *k, long ldk, const float *v
   attend_c(qo, M, Hq, Hkv, hd, kc, vc, hs, ps, start, window, scale, softcap, out, ldo, sbuf);
   free(sbuf);
   return 0;
+}
+
+int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
+                  long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path);
+
+/* x [M, K] (row stride ldx), norm weight nw [K], offset noff, eps neps; the rest as tp_gemv_multi's */
+int tp_gemv_multi_norm(const float *x, long ldx, long M, long K, const float *nw, float noff, float neps, int nseg,
+                       const long *segs, int bits, float *y, long ldy, const float *bias, const float *res, long ldr,
+                       int act, int threads, int path) {
+  if (M < 0 || K < 1 || ldx < K) return -1;
+  if (M == 0) return 0;
+  float *h = (float *)malloc((size_t)(M * K) * sizeof(float));
+  if (!h) return -2;
+  int rc = tp_rmsnorm(x, ldx, M, K, nw, noff, neps, h, K);
+  if (rc == 0) rc = tp_gemv_multi(h, K, M, K, nseg, segs, bits, y, ldy, bias, res, ldr, act, threads, path);
+  free(h);
+  return rc;
 }
