@@ -92,6 +92,31 @@ def test_verify_rows_are_bitwise_the_decode_steps_for_every_thread_count(family)
         assert torch.equal(rows, base), (name, threads)
 
 
+def test_whole_layer_calls_are_bitwise_the_ops_one_by_one(family, monkeypatch):
+    """CpuStep runs each plain dense layer in one C call (ho.DenseLayer); forcing every layer through the blocks
+    (one op at a time) gives the same bits, at each thread count; the families with q/k or sandwich norms keep
+    the blocks."""
+    from trapetum.kernels import host_ops as ho
+    from trapetum.models.cpu_ops import CpuStep
+    name, path, _ = family
+    calls, run = [], ho.DenseLayer.__call__
+    monkeypatch.setattr(ho.DenseLayer, "__call__", lambda self, *a: calls.append(1) or run(self, *a))
+    for threads in (1, 2):
+        dec = trapetum.load(path, threads=threads).decoder
+        del calls[:]
+        got = _steps(dec)
+        taken = dec.cpu_step._layers
+        cfg = dec.config
+        plain = not (cfg.qk_norm or cfg.sandwich_norms) and all(
+            cfg.block_kinds(i) == ("attention", "mlp") for i in range(cfg.num_layers))
+        assert taken is not None and all(taken) == plain and any(taken) == plain, name
+        assert len(calls) == (cfg.num_layers * (1 + len(STEPS)) if plain else 0), name
+        with monkeypatch.context() as mp:
+            mp.setattr(CpuStep, "dense_layer", lambda self, layer: None)
+            want = _steps(trapetum.load(path, threads=threads).decoder)
+        assert torch.equal(got, want), (name, threads)
+
+
 def test_other_passes_keep_the_reference_ops(family):
     name, path, _ = family
     dec = trapetum.load(path).decoder

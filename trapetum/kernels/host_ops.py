@@ -10,6 +10,8 @@ kernels/host_gemv.py, built the same way): the CPU executor's (models/cpu_ops.py
     rope_kv(...)          RoPE of q and k rows, k and v appended to an fp32 cache [Hkv, S, hd] (strided)
     attend(...)           rope_kv, then each row's causal attention over the cache (sliding window, softcap)
     attend_fused(qkv, ..) attend of q, k, v read out of the fused q/k/v rows by offsets (no views)
+    DenseLayer(...)       a whole dense layer in one call: norm + q/k/v, attend_fused, o + residual, norm +
+                          gate/up, down + residual (these calls one by one: the same bits)
 
 Contracts (tests/test_host_ops.py): FusedGemv's outputs are bitwise the single-weight GEMV's
 (``codebook_gemv_host``) plus the epilogue's fp32 adds, so batch-invariant and the same for every thread count;
@@ -209,6 +211,52 @@ def attend_fused(qkv, Hq: int, Hkv: int, hd: int, cos, sin, kc, vc, start: int, 
     if rc != 0:
         raise RuntimeError(f"host attention failed (code {rc})")
     return out
+
+
+class _LayerArgs(ctypes.Structure):  # host/cpu_step.c's tp_layer_t
+    _fields_ = [(n, ctypes.c_long) for n in ("D", "Hq", "Hkv", "hd", "F", "window")] + [
+        ("n1w", ctypes.c_void_p), ("n2w", ctypes.c_void_p)] + [
+        (n, ctypes.c_float) for n in ("n1off", "n1eps", "n2off", "n2eps", "scale", "softcap")] + [
+        ("act", ctypes.c_int), ("bits", ctypes.c_int * 4), ("nseg", ctypes.c_int * 4),
+        ("segs", ctypes.c_void_p * 4), ("bias", ctypes.c_void_p * 4)]
+
+
+class DenseLayer:
+    """x + MLP(x + Attn(x)) of one dense layer in one C call. ``qkv, o, gate_up, down``: FusedGemv (gate_up with
+    its activation, o and down without); ``norm1`` / ``norm2``: (weight fp32 [D] contiguous, eps, offset);
+    Hq, Hkv, hd the heads; ``window`` (None: none), ``scale``, ``softcap`` (None: none) as ``attend``'s.
+    ``__call__(x, cos, sin, interleave, kc, vc, start, threads)``: x fp32 [M, D] (unit column stride), the rest
+    as ``attend``'s (kc / vc [Hkv, S, hd]) -> fp32 [M, D]; no argument checks (the CPU executor's buffers)."""
+
+    def __init__(self, qkv: FusedGemv, o: FusedGemv, gate_up: FusedGemv, down: FusedGemv, norm1, norm2, Hq: int,
+                 Hkv: int, hd: int, window, scale: float, softcap):
+        D = qkv.in_features
+        if (qkv.act or o.act or down.act or not gate_up.act or qkv.out_features != (Hq + 2 * Hkv) * hd
+                or o.in_features != Hq * hd or o.out_features != D or gate_up.in_features != D
+                or down.in_features != gate_up.out_features or down.out_features != D):
+            raise ValueError("host ops: the layer's GEMVs do not chain (q/k/v, o, gate/up, down)")
+        for w, _, _ in (norm1, norm2):
+            if w.dtype != torch.float32 or not w.is_contiguous() or tuple(w.shape) != (D,):
+                raise ValueError(f"host ops: the norm weights must be contiguous fp32 [{D}]")
+        self._keep = (qkv, o, gate_up, down, norm1, norm2)
+        a = self.args = _LayerArgs(D=D, Hq=Hq, Hkv=Hkv, hd=hd, F=gate_up.out_features, window=int(window or 0),
+                                   n1w=norm1[0].data_ptr(), n2w=norm2[0].data_ptr(), n1off=float(norm1[2]),
+                                   n1eps=float(norm1[1]), n2off=float(norm2[2]), n2eps=float(norm2[1]),
+                                   scale=float(scale), softcap=float(softcap or 0.0), act=gate_up.act)
+        for i, f in enumerate((qkv, o, gate_up, down)):
+            a.bits[i], a.nseg[i] = f.bits, len(f.parts)
+            a.segs[i] = ctypes.cast(f._segs, ctypes.c_void_p).value
+            a.bias[i] = f._bias_ptr
+        self.D, self._ref, self._fn = D, ctypes.addressof(a), _lib().tp_dense_layer
+
+    def __call__(self, x, cos, sin, interleave: bool, kc, vc, start: int, threads: int) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.D)
+        rc = self._fn(self._ref, x.data_ptr(), x.stride(0), x.shape[0], out.data_ptr(), out.stride(0), cos.shape[-1],
+                      int(interleave), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), kc.stride(-3),
+                      kc.stride(-2), int(start), int(threads))
+        if rc != 0:
+            raise RuntimeError(f"host layer failed (code {rc})")
+        return out
 
 
 def reference_attend(q, kc, vc, start: int, scale: float, window: int | None = None,

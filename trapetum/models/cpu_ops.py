@@ -30,6 +30,7 @@ import torch
 from ..errors import TrapetumError
 from ..kernels import host_ops as ho
 from .batch import MAX_VERIFY_ROWS, ForwardBatch
+from .blocks import layer_forward
 from .blocks.attention import row_heads
 from .config import ModelConfig
 from .sparsity import DENSE_POSITIONS
@@ -85,13 +86,14 @@ class CpuStep:
         self.rotaries = {False: g, True: loc if loc is not None else g}
         self._fused: dict = {}
         self._norms: dict = {}
+        self._layers: list | None = None  # per plan layer: its ho.DenseLayer, or None (the blocks run it)
         self._plan: _Plan | None = None
         self.dense = all(cfg.block_kinds(i) == ("attention", "mlp") for i in range(cfg.num_layers))
 
     def invalidate(self) -> None:
         """Forget the plan and the fused weights (keyed by the plan's objects): the next pass rebuilds them from
         the decoder as it is then (Decoder.set_sparsity changes the blocks' parameters)."""
-        self._plan = None
+        self._plan = self._layers = None
         self._fused.clear()
         self._norms.clear()
 
@@ -105,6 +107,49 @@ class CpuStep:
             ok = spec is not None and (act is None or act in ho.ACTS)
             f = self._fused[id(w)] = ho.FusedGemv(*spec, act=act) if ok else False
         return f
+
+    def _norm_args(self, w):
+        return (w.weight.detach(), float(w.eps), float(w.offset))
+
+    def dense_layer(self, layer):
+        """The plan layer's ho.DenseLayer (one C call for the whole layer), or None where the blocks run it: a
+        layer of attention (no q/k norms, no sandwich norm, no sparsity) then MLP (the same) whose four GEMVs and
+        two fp32 norms the host kernels take."""
+        if [k for k, _ in layer.blocks] != ["attention", "mlp"] or self.cfg.qk_norm:
+            return None
+        (_, pa), (_, pm) = layer.blocks
+        if pa.sparsity is not None or pm.sparsity is not None or pa.post_norm is not None or pm.post_norm is not None:
+            return None
+        if pa.q_norm is not None or any(w.weight.dtype != torch.float32 for w in (pa.input_norm, pm.norm)):
+            return None
+        fs = self.fused(pa.qkv), self.fused(pa.o), self.fused(pm.gate_up, self.cfg.hidden_act), self.fused(pm.down)
+        if not all(fs):
+            return None
+        cfg = self.cfg
+        try:
+            return ho.DenseLayer(*fs, self._norm_args(pa.input_norm), self._norm_args(pm.norm), cfg.num_heads,
+                                 cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window if pa.sliding else None,
+                                 cfg.scale, cfg.attn_softcap)
+        except ValueError:  # shapes that do not chain: the blocks run the layer
+            return None
+
+    def forward(self, forward, batch: ForwardBatch, ops: "CpuOps"):
+        """blocks.decoder_forward over the plan, each layer that ``dense_layer`` takes in one C call (the same
+        ops in the same order: the same bits)."""
+        plan = self._plan
+        if self._layers is None:
+            self._layers = [self.dense_layer(layer) for layer in plan.layers]
+        if not any(self._layers):
+            return forward(batch, ops, plan)
+        x = ops.embed(plan.embed, batch)
+        for layer, dl in zip(plan.layers, self._layers):
+            if dl is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+                x = ops.dense_layer(dl, x, layer.blocks[0][1])
+            else:
+                x = layer_forward(x, batch, ops, layer)
+        if batch.logits == "last":  # decoder_forward's tail
+            x = x[..., -1:, :] if batch.last_row is None else x.index_select(-2, batch.last_row)
+        return ops.logits(plan.head, ops.norm(x, plan.final_norm, feeds=plan.head))
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         """Whether a pass of ``tokens`` [B, T] over ``cache`` runs here."""
@@ -122,10 +167,10 @@ class CpuStep:
         nt = torch.get_num_threads()
         ops = CpuOps(self, cache, batch, nt if self.threads is None else self.threads)
         if nt == 1:
-            return forward(batch, ops, self._plan)
+            return self.forward(forward, batch, ops)
         torch.set_num_threads(1)
         try:
-            return forward(batch, ops, self._plan)
+            return self.forward(forward, batch, ops)
         finally:
             torch.set_num_threads(nt)
 
@@ -226,6 +271,11 @@ class CpuOps:
         logits = self.project(head, h).float()
         cap = self.cfg.final_softcap
         return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    def dense_layer(self, dl, x, p):
+        """A whole layer in one call (CpuStep.dense_layer): x fp32 [M, D]; ``p`` its attention parameters."""
+        cos, sin, inter = self._rope(p.sliding)
+        return dl(x, cos, sin, inter, self.cache.k[p.layer], self.cache.v[p.layer], self.start, self.threads)
 
     # -- attention ---------------------------------------------------------------------------
     def attend(self, q, k, v, batch: ForwardBatch, p, feeds=None):

@@ -12,6 +12,9 @@
                  out [M, Hq * hd]; each row alone, as the decode step at its position computes it
    tp_gemv_multi_norm   host/codebook_host.c's tp_gemv_multi of tp_rmsnorm(x) (the norm into a scratch, then the
                  GEMV: bitwise the two calls one after the other; one call from Python instead of two)
+   tp_dense_layer   one dense decoder layer (tp_layer_t below): norm + q/k/v GEMV, tp_attend reading q / k / v out
+                 of the fused rows, o GEMV + residual, norm + gate/up GEMV with act(gate) * up, down GEMV +
+                 residual: the calls models/cpu_ops.py makes one by one, in one call (the same bits)
    The RoPE is the reference's own arithmetic (x * c + (-x') * s with no contraction: -ffp-contract=off), so
    its bits equal torch's elementwise ops. */
 #include <math.h>
@@ -154,5 +157,40 @@ int tp_gemv_multi_norm(const float *x, long ldx, long M, long K, const float *nw
   int rc = tp_rmsnorm(x, ldx, M, K, nw, noff, neps, h, K);
   if (rc == 0) rc = tp_gemv_multi(h, K, M, K, nseg, segs, bits, y, ldy, bias, res, ldr, act, threads, path);
   free(h);
+  return rc;
+}
+
+/* A dense layer's weights and constants (kernels/host_ops.py DenseLayer builds it; the segment arrays are
+   tp_gemv_multi's, kept alive there). Every GEMV reads fp32 rows of unit stride. */
+typedef struct {
+  long D, Hq, Hkv, hd, F, window;   /* model dim, heads, head dim, gate/up rows each (F), sliding window (0: none) */
+  const float *n1w, *n2w;           /* the two RMSNorm weights [D] */
+  float n1off, n1eps, n2off, n2eps, scale, softcap;
+  int act, bits[4], nseg[4];        /* act: tp_gemv_multi's (1 SiLU, 2 GELU tanh); per GEMV: q/k/v, o, gate/up, down */
+  const long *segs[4];
+  const float *bias[4];             /* NULL: none */
+} tp_layer_t;
+
+/* x [M, D] (row stride ldx) -> out [M, D] (row stride ldo; not x); cos / sin [M, rd], the cache as tp_attend's */
+int tp_dense_layer(const tp_layer_t *L, const float *x, long ldx, long M, float *out, long ldo, long rd,
+                   int interleave, const float *cos, const float *sin, float *kc, float *vc, long hs, long ps,
+                   long start, int threads) {
+  long D = L->D, qd = L->Hq * L->hd, nq = (L->Hq + 2 * L->Hkv) * L->hd, F = L->F;
+  if (M < 1 || ldx < D || ldo < D) return -1;
+  float *qkv = (float *)malloc((size_t)(M * nq) * sizeof(float)), *qo = (float *)malloc((size_t)(M * qd) * sizeof(float));
+  float *a = (float *)malloc((size_t)(M * qd) * sizeof(float)), *x1 = (float *)malloc((size_t)(M * D) * sizeof(float));
+  float *g = (float *)malloc((size_t)(M * F) * sizeof(float));
+  int rc = qkv && qo && a && x1 && g ? 0 : -2;
+  if (!rc) rc = tp_gemv_multi_norm(x, ldx, M, D, L->n1w, L->n1off, L->n1eps, L->nseg[0], L->segs[0], L->bits[0],
+                                   qkv, nq, L->bias[0], NULL, 0, 0, threads, -1);
+  if (!rc) rc = tp_attend(qkv, nq, qkv + qd, nq, qkv + qd + L->Hkv * L->hd, nq, M, L->Hq, L->Hkv, L->hd, rd,
+                          interleave, cos, sin, kc, vc, hs, ps, start, L->window, L->scale, L->softcap, qo, a, qd, -1);
+  if (!rc) rc = tp_gemv_multi(a, qd, M, qd, L->nseg[1], L->segs[1], L->bits[1], x1, D, L->bias[1], x, ldx, 0,
+                              threads, -1);
+  if (!rc) rc = tp_gemv_multi_norm(x1, D, M, D, L->n2w, L->n2off, L->n2eps, L->nseg[2], L->segs[2], L->bits[2], g,
+                                   F, L->bias[2], NULL, 0, L->act, threads, -1);
+  if (!rc) rc = tp_gemv_multi(g, F, M, F, L->nseg[3], L->segs[3], L->bits[3], out, ldo, L->bias[3], x1, D, 0,
+                              threads, -1);
+  free(qkv); free(qo); free(a); free(x1); free(g);
   return rc;
 }
