@@ -148,9 +148,11 @@ def test_bench_cpu_runs_both_paths_and_reports_bandwidth(cbk, tmp_path, capsys):
                            "--out", str(tmp_path)]) == 0
     import json
     res = json.loads((tmp_path / "results.json").read_text())
-    for k in ("torch t=1", "host t=1", "host t=2", "step t=1", "step t=2", "gemv GB/s t=2", "read GB/s t=1"):
+    for k in ("torch t=1", "host t=1", "host t=2", "step t=1", "step t=2", "gemv GB/s t=2", "read GB/s t=1",
+              "step gemv GB/s t=1", "step gemv GB/s t=2"):
         assert len(res["runs"][k]) == 1 and res["runs"][k][0] > 0, k
     assert res["gemv_weight_bytes"] > 0 and "| 2 |" in capsys.readouterr().out
+    assert res["step_gemv_bytes"] == res["gemv_weight_bytes"]  # the step's fused calls read the same bytes
 
 
 def test_bench_cpu_from_the_cli(cbk, tmp_path):

@@ -13,6 +13,11 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
     fp16 tables, or for the shared storage the groups' tables and the fp16 row scales, each row's table formed
     in registers), against the memory read bandwidth measured the same way: a numpy sum over a ``--bw-mb``
     float32 array split over the same number of threads (best of 5 each);
+  * step GEMV GB/s (with the step path): the GEMVs the CPU executor runs in a decode step, as it calls them
+    (``FusedGemv.run``, what ``tp_dense_layer`` calls from C: per layer the fused q/k/v, o, the fused gate/up
+    with its activation, down; then the head), M = 1, in model order, over the same bytes (the parts'
+    ``HostGemv.nbytes``; best of 5). Fewer, larger calls than the per-projection pass above, with no Python
+    argument checks: the time the step's GEMV pass takes (its norms excluded, its activation included);
   * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
 Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``). Prints a
 markdown table (medians over the rounds, with the range; "step / llama.cpp" is the ratio of the medians);
@@ -69,6 +74,44 @@ def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, flo
             g(x, threads)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9, best * 1e3
+
+
+def step_gemvs(decoder) -> list:
+    """(FusedGemv, bytes read) of the GEMVs the CPU step executor runs a decode step, in order (its plan built by a
+    pass first); [] where the executor does not run every projection on the host GEMV."""
+    step = decoder.cpu_step
+    if step is None or step._plan is None:
+        return []
+    act = decoder.config.hidden_act
+    out = []
+    for layer in step._plan.layers:
+        for kind, p in layer.blocks:
+            if kind not in ("attention", "mlp"):
+                return []
+            for w, a in ((p.qkv, None), (p.o, None)) if kind == "attention" else ((p.gate_up, act), (p.down, None)):
+                f = step.fused(w, a)
+                if not f:
+                    return []
+                mods = w[:2] if a else w if isinstance(w, tuple) else (w,)
+                out.append((f, sum(m.host.nbytes for m in mods)))
+    f = step.fused(step._plan.head)
+    return out + [(f, step._plan.head.host.nbytes)] if f else []
+
+
+def step_gemv_bandwidth(calls: list, threads: int, reps: int = 5) -> float:
+    """GB/s of one pass over ``calls`` (step_gemvs) with M = 1 (best of ``reps``)."""
+    import torch
+
+    args = [(f, torch.randn(1, f.in_features), torch.empty(1, f.out_features)) for f, _ in calls]
+    for f, x, y in args:
+        f.run(x, y, None, threads)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for f, x, y in args:
+            f.run(x, y, None, threads)
+        best = min(best, time.perf_counter() - t0)
+    return sum(b for _, b in calls) / best / 1e9
 
 
 def decode_rate(model, ids: list[int], tokens: int) -> float:
@@ -137,6 +180,7 @@ def run_args(a: argparse.Namespace) -> int:
         raise TrapetumError(f"bench cpu: {a.model} has no 4/8-bit codebook projection")
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
         decode_rate(m, ids, 4)
+    steps = step_gemvs(models["step"].decoder) if "step" in models else []
     runs: dict[str, list[float]] = {}
     for r in range(a.rounds):
         for t in threads:
@@ -148,16 +192,20 @@ def run_args(a: argparse.Namespace) -> int:
             gbs, ms = gemv_bandwidth(gemvs, t)
             runs.setdefault(f"gemv GB/s t={t}", []).append(gbs)
             runs.setdefault(f"gemv ms t={t}", []).append(ms)
+            if steps:
+                runs.setdefault(f"step gemv GB/s t={t}", []).append(step_gemv_bandwidth(steps, t))
             runs.setdefault(f"read GB/s t={t}", []).append(read_bandwidth(t, a.bw_mb))
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
     nbytes = sum(g.nbytes for g in gemvs)
     res = {"model": a.model, "cpu": _cpu_name(), "host_path": hg.best_path(), "tokens": a.tokens,
-           "rounds": a.rounds, "gemv_weight_bytes": nbytes, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "rounds": a.rounds, "gemv_weight_bytes": nbytes,
+           "step_gemv_bytes": sum(b for _, b in steps), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "runs": runs}
     lines = [f"{a.model}: {_cpu_name()}, host path {hg.best_path()}, {len(gemvs)} host GEMVs "
              f"({nbytes / 1e6:.1f} MB per step), {a.tokens} new tokens, {a.rounds} rounds alternated",
              "", "| threads | " + " | ".join(f"{p} tok/s" for p in paths) + " | llama.cpp tok/s | step / llama.cpp "
-             "| host GEMV GB/s | read GB/s | GEMV / read |", "|---|" + "---|" * (len(paths) + 5)]
+             "| host GEMV GB/s | read GB/s | GEMV / read | step GEMV GB/s | step GEMV / read |",
+             "|---|" + "---|" * (len(paths) + 7)]
 
     def cell(k):
         v = runs.get(k)
@@ -169,7 +217,8 @@ def run_args(a: argparse.Namespace) -> int:
                  if f"step t={t}" in med and f"llama.cpp t={t}" in med else "-")
         lines.append(f"| {t} | " + " | ".join(cell(f"{p} t={t}") for p in paths) + f" | {cell(f'llama.cpp t={t}')} | "
                      f"{ratio} | {cell(f'gemv GB/s t={t}')} | {cell(f'read GB/s t={t}')} | "
-                     f"{med[f'gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} |")
+                     f"{med[f'gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} | {cell(f'step gemv GB/s t={t}')} | "
+                     + (f"{med[f'step gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} |" if steps else "- |"))
     print("\n".join(lines))
     if a.out:
         out = Path(a.out)

@@ -76,9 +76,9 @@ class _Plan:
 
 
 class CpuStep:
-    """One decoder's CPU step state: its block parameters and fused host weights (built on first use; modules
-    replaced afterwards are not seen: call ``Decoder.use_host_kernels`` again) and the host thread count (None:
-    ``torch.get_num_threads()`` when a pass starts)."""
+    """One decoder's CPU step state: its block parameters, fused host weights and whole-layer calls (built on
+    first use; modules replaced afterwards are not seen: call ``Decoder.use_host_kernels`` again) and the host
+    thread count (None: ``torch.get_num_threads()`` when a pass starts)."""
 
     def __init__(self, cfg: ModelConfig, rotaries, threads: int | None = None):
         self.cfg, self.threads = cfg, threads
