@@ -32,6 +32,7 @@ from ..kernels import dense_host as dh
 from ..kernels import host_ops as ho
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import layer_forward
+from ..models.blocks.attention import row_heads
 from ..models.cpu_ops import CpuOps, _Plan
 from ..models.kv_cache import KVCache
 from ..models.sparsity import DENSE_POSITIONS
@@ -126,6 +127,12 @@ class PagedCpuOps(CpuOps):
         self.kv, self.groups, self.positions = kv, groups, positions
         self.start, self.m = 0, int(positions.numel())
         self._tables: dict = {}
+
+    def norm(self, x, w, eps=None, feeds=None):  # a tensor: this executor's project / gate_up read rows of it
+        return super().norm(x, w, eps)
+
+    def heads(self, qkv):  # views: attend below splits the rows per sequence
+        return row_heads(self.cfg, qkv)
 
     def _rope(self, sliding: bool):
         """cos, sin fp32 [N, rd]: row r as the decode step at its own position computes it."""
