@@ -26,7 +26,8 @@
      gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
      rounding; on each path the two table storages give the same bits.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
-   consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 32); a row's
+   consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 128 by nibble
+   position, then 32; row4_512); a row's
    last partial block of codes is copied into a zeroed local block (padding indices multiply x's zeros).
    Build: gcc -O3 -shared -fPIC -pthread -ffp-contract=off (no FMA contraction outside the intrinsics). */
 #include <stdint.h>
@@ -250,8 +251,18 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 /* ---------------------------------------------------------------- AVX-512 path */
 #define T512 "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 
-/* 4-bit: blocks of 32 columns = 16 code bytes; xp[32b + i] = x[32b + 2i], xp[32b + 16 + i] = x[32b + 2i + 1];
-   even blocks into a0/a1, odd blocks into a2/a3 (two FMA chains per half) */
+/* 4-bit, the row's first K / 128 blocks of 128 columns = 64 code bytes, one load each: dword i of the load holds
+   columns 8i .. 8i + 7 (nibble s: column 8i + s); shifted right by 4s it has column 8i + s in index bits 3:0, the
+   only bits vpermps reads, so xp[128b + 16s + i] = x[128b + 8i + s] and vector s feeds accumulator s % 4.
+   Per 128 codes: 1 load, 7 shifts, 8 vpermps, 8 FMAs (in 32-column steps: 4 vpmovzxbd, 4 shifts, 8 vpermps).
+   The remaining K % 128 columns in blocks of 32 (STEP4_512): 16 code bytes widened to dwords;
+   xp[32b + i] = x[32b + 2i], xp[32b + 16 + i] = x[32b + 2i + 1]; even blocks into a0/a1, odd blocks into a2/a3. */
+#define L128_512(S, A)                                                                              \
+  do {                                                                                              \
+    const __m512 w = _mm512_permutexvar_ps((S) ? _mm512_srli_epi32(v, 4 * (S)) : v, tab);           \
+    for (int r = 0; r < R; r++)                                                                     \
+      A[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(j->xp + (m0 + r) * j->Kp + b * 128 + 16 * (S)), A[r]); \
+  } while (0)
 #define STEP4_512(B, A, C)                                                                          \
   do {                                                                                              \
     const uint8_t *p = c + (B) * 16;                                                                \
@@ -274,7 +285,15 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
   __m512 a0[4], a1[4], a2[4], a3[4];
   for (int r = 0; r < R; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
   uint8_t tail[16];
-  long b = 0;
+  const long nb128 = j->K / 128;
+  for (long b = 0; b < nb128; b++) {
+    const uint8_t *p = c + b * 64;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    L128_512(0, a0); L128_512(1, a1); L128_512(2, a2); L128_512(3, a3);
+    L128_512(4, a0); L128_512(5, a1); L128_512(6, a2); L128_512(7, a3);
+  }
+  long b = 4 * nb128;
   for (; b + 1 < nb; b += 2) { STEP4_512(b, a0, a1); STEP4_512(b + 1, a2, a3); }
   if (b < nb) STEP4_512(b, a0, a1);
   for (int r = 0; r < R; r++)
@@ -523,7 +542,11 @@ static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int 
   for (long m = 0; m < M; m++) {
     const float *src = x + m * ldx;
     float *dst = xp + m * Kp;
-    if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
+    if (bits == 4 && blk == 32) { /* AVX-512: blocks of 128 by nibble position, the rest as below (row4_512) */
+      long k128 = K / 128 * 128;
+      for (long k = 0; k < k128; k++) dst[(k / 128) * 128 + 16 * (k % 8) + (k % 128) / 8] = src[k];
+      for (long k = k128; k < K; k++) dst[(k / 32) * 32 + (k & 1) * 16 + (k % 32) / 2] = src[k];
+    } else if (bits == 4 && blk > 1) { /* de-interleave even / odd columns per block */
       long h = blk / 2;
       for (long k = 0; k < K; k++) dst[(k / blk) * blk + (k & 1) * h + (k % blk) / 2] = src[k];
     } else if (blk == 64) { /* the byte lookup's column order (xorder64) */
