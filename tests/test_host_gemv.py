@@ -61,6 +61,22 @@ def test_matches_float64_reference_batch_and_thread_invariant(chunk):
                     (bits, M, N, K, path, t)
 
 
+def test_the_4bit_128_column_blocks_and_their_remainder():
+    """K at and around multiples of 128 (the AVX-512 4-bit kernel's blocks of 64 code bytes, then 32-column steps):
+    the float64 reference, row m alone, and every thread count, on every path."""
+    for i, K in enumerate((127, 128, 129, 160, 255, 256, 384, 575, 576, 640, 896)):
+        for M in (1, 2, 5):
+            x, codes, cb = _case(4, M, 37, K, seed=500 + 10 * i + M)
+            ref = hg.reference(x, codes, cb, 4, K)
+            for path in PATHS:
+                y = hg.codebook_gemv_host(x, codes, cb, 4, K, threads=1, path=path)
+                assert _rel(y, ref) < 2e-6, (K, M, path, _rel(y, ref))
+                for m in range(M):
+                    assert torch.equal(hg.codebook_gemv_host(x[m:m + 1], codes, cb, 4, K, threads=1, path=path),
+                                       y[m:m + 1]), (K, M, path, m)
+                assert torch.equal(hg.codebook_gemv_host(x, codes, cb, 4, K, threads=3, path=path), y), (K, M, path)
+
+
 @pytest.mark.parametrize("bits", (4, 8))
 def test_deterministic_run_to_run_on_a_model_sized_matrix(bits):
     x, codes, cb = _case(bits, 16, 1536, 576, seed=bits)
