@@ -243,8 +243,8 @@ def test_set_sparsity_and_the_bench_calibration(ckpt):
     eng.set_sparsity(SparsityTable(tuple(SiteThresholds(*[t for t, (i, _) in tags.items() if i == layer])
                                          for layer in range(2))))
     found = {}
-    with _recorded_thresholds([0.25, 0.5], tags, found):
-        eng.prefill(prompt(), all_logits=False)
+    with _recorded_thresholds([0.25, 0.5], tags, found):  # the PREFILL pass, as bench_sparse runs it
+        eng.prefill_pass(torch.as_tensor(prompt(), dtype=torch.long, device=eng.device))
     assert len(found) == 2 * 2 * 4
     assert all(0 < found[(0.25, i, s)] < found[(0.5, i, s)] for i in range(2) for s in SITES)
     eng.set_sparsity(None)
