@@ -34,10 +34,9 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-
-from typing import NamedTuple
 
 from .pack import packed_width, unpack_codes
 

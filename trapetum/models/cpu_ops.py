@@ -134,22 +134,21 @@ class CpuStep:
             return None
 
     def forward(self, forward, batch: ForwardBatch, ops: "CpuOps"):
-        """blocks.decoder_forward over the plan, each layer that ``dense_layer`` takes in one C call (the same
-        ops in the same order: the same bits)."""
+        """``forward`` (blocks.decoder_forward) over the plan, each layer that ``dense_layer`` takes in one C call
+        (the same ops in the same order: the same bits)."""
         plan = self._plan
         if self._layers is None:
             self._layers = [self.dense_layer(layer) for layer in plan.layers]
         if not any(self._layers):
             return forward(batch, ops, plan)
-        x = ops.embed(plan.embed, batch)
-        for layer, dl in zip(plan.layers, self._layers):
+        whole = {id(layer): dl for layer, dl in zip(plan.layers, self._layers)}
+
+        def run(x, batch, ops, layer):
+            dl = whole[id(layer)]
             if dl is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
-                x = ops.dense_layer(dl, x, layer.blocks[0][1])
-            else:
-                x = layer_forward(x, batch, ops, layer)
-        if batch.logits == "last":  # decoder_forward's tail
-            x = x[..., -1:, :] if batch.last_row is None else x.index_select(-2, batch.last_row)
-        return ops.logits(plan.head, ops.norm(x, plan.final_norm, feeds=plan.head))
+                return ops.dense_layer(dl, x, layer.blocks[0][1])
+            return layer_forward(x, batch, ops, layer)
+        return forward(batch, ops, plan, run_layer=run)
 
     def applies(self, tokens: torch.Tensor, cache) -> bool:
         """Whether a pass of ``tokens`` [B, T] over ``cache`` runs here."""

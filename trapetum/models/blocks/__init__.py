@@ -48,16 +48,19 @@ def layer_forward(x, batch, ops, layer):
     return x
 
 
-def decoder_forward(batch, ops, model, on_layer=None):
+def decoder_forward(batch, ops, model, on_layer=None, run_layer=None):
     """Logits fp32 of the rows ``batch.logits`` selects: embedding, the layers, final norm, LM head.
     ``model`` gives ``embed``, ``layers``, ``final_norm``, ``head`` in the backend's form. ``on_layer(i)``
     (profiling, None otherwise): called with -1 after the embedding and with i after layer i (eval/bench_offload.py
-    syncs and reads the clock there; it must not run inside a CUDA graph capture)."""
+    syncs and reads the clock there; it must not run inside a CUDA graph capture). ``run_layer(x, batch, ops,
+    layer)`` (default ``layer_forward``): a backend that runs some layers whole in one call of its own (the CPU
+    executor's dense layers, models/cpu_ops.py) gives it here, the same ops in the same order."""
+    run = layer_forward if run_layer is None else run_layer
     x = ops.embed(model.embed, batch)
     if on_layer is not None:
         on_layer(-1)
     for i, layer in enumerate(model.layers):
-        x = layer_forward(x, batch, ops, layer)
+        x = run(x, batch, ops, layer)
         if on_layer is not None:
             on_layer(i)
     if batch.logits == "last":
