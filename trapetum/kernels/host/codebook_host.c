@@ -145,7 +145,10 @@ static void rows_c(const job_t *j, long n0, long n1) {
 #define PF_MASK8 1 /* 8-bit AVX-512: one per 2 blocks of 32 */
 #endif
 /* PF: software prefetch distance along the codes (bytes): the hardware streamers alone leave the
-                   kernel latency-bound on DRAM */
+                   kernel latency-bound on DRAM. The 4-bit AVX-512 blocks of 128 prefetch into L2 only (T1): into L1
+   (T0) the code lines pushed out the row of x that every code row reads again (19 KB at K = 4864), and a cold
+   896 x 4864 matrix ran 8.8-9.4 GB/s against 12.2-12.4 with T1 (Zen 4, K = 896: the same within the noise;
+   scripts/dev/s14_lib_mb.c, session 14) */
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -290,7 +293,7 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
   const long nb128 = j->K / 128;
   for (long b = 0; b < nb128; b++) {
     const uint8_t *p = c + b * 64;
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T1);  /* into L2: x stays in L1 (PF note above) */
     const __m512i v = _mm512_loadu_si512((const void *)p);
     L128_512(0, a0); L128_512(1, a1); L128_512(2, a2); L128_512(3, a3);
     L128_512(4, a0); L128_512(5, a1); L128_512(6, a2); L128_512(7, a3);
