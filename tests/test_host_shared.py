@@ -82,6 +82,27 @@ def test_bitwise_the_per_row_call_on_the_decoded_tables_and_near_float64(chunk):
                 assert torch.equal(hg.codebook_gemv_host(x[-1:], codes, st, bits, K, path=path), y[-1:])
 
 
+@pytest.mark.skipif("avx512vbmi" not in PATHS, reason="the CPU has no AVX-512 VBMI")
+@pytest.mark.parametrize("chunk", range(2))
+def test_avx512vbmi_gives_avx512_s_bits(chunk):
+    """The avx512vbmi path (the 8-bit lookup by byte permutes, blocks of 64 columns; 4-bit as avx512, M = 1 in its
+    own row loop) gives the avx512 path's results bit for bit: 200 random shapes (K around the blocks of 32, 64
+    and 128 among them), both table storages, M = 1..16, threads 1 and 3."""
+    rng = random.Random(14 + chunk)
+    for i in range(100):
+        bits = rng.choice((4, 8))
+        K = rng.choice((1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 576, 896)) if i % 2 else \
+            rng.randint(1, 1100)
+        N, M = rng.choice((1, 3, 53, rng.randint(1, 300))), rng.choice((1, 1, 2, 3, 4, 5, 16))
+        G = rng.choice((1, 7, 64, 512, N + 5))
+        x, codes, st = _case(bits, M, N, K, G, seed=chunk * 1000 + i, tiny=i % 7 == 0)
+        for tab in (st, decode_shared(st.shared, st.scale, G)):
+            want = hg.codebook_gemv_host(x, codes, tab, bits, K, threads=1, path="avx512")
+            for t in (1, 3):
+                y = hg.codebook_gemv_host(x, codes, tab, bits, K, threads=t, path="avx512vbmi")
+                assert torch.equal(y, want), (bits, M, N, K, G, t)
+
+
 @pytest.mark.parametrize("bits", (4, 8))
 def test_every_formed_table_entry_is_decode_shared_s(bits):
     """One-hot inputs read the tables out exactly: Y[e, n] = table_n[e] (x = identity over K = 2**bits columns,

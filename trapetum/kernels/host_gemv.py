@@ -13,9 +13,9 @@ The codes are the canonical packing of kernels/pack.py (what a ``.cbk`` stores; 
 Contracts (host/codebook_host.c, tests/test_host_gemv.py): row m of y is bitwise the
 M = 1 result for every M (batch invariance); output rows are split over ``threads`` threads (default
 ``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
-for every thread count and run to run. Code paths (``PATHS``): AVX-512 with FP16 and VBMI, AVX-512, AVX2 or
-portable C, the best the CPU runs unless ``path`` names a lower one (they differ only in rounding; the two table
-storages give the same bits on each). ``reference``: float64 dequantize-and-multiply.
+for every thread count and run to run. Code paths (``PATHS``): AVX-512 with FP16 and VBMI, AVX-512 with VBMI,
+AVX-512, AVX2 or portable C, the best the CPU runs unless ``path`` names a lower one (they differ only in rounding,
+except that avx512vbmi gives avx512's bits; the two table storages give the same bits on each). ``reference``: float64 dequantize-and-multiply.
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
@@ -43,8 +43,9 @@ from .pack import packed_width, unpack_codes
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
 SOURCES = (SOURCE, SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs, their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
-PATHS = ("c", "avx2", "avx512", "avx512fp16")  # index = the C side's path number (avx512fp16: AVX-512 with FP16
-# and VBMI: the 8-bit lookup by byte permutes, the shared tables formed by fp16 multiplies)
+PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")  # index = the C side's path number (avx512vbmi:
+# avx512's results bit for bit, the 8-bit lookup by byte permutes; avx512fp16: AVX-512 with FP16 and VBMI: the
+# 8-bit lookup by byte permutes in its own column order, the shared tables formed by fp16 multiplies)
 HOST_BITS = (4, 8)
 GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
 
@@ -151,7 +152,7 @@ def error() -> str | None:
 
 
 def best_path() -> str:
-    """The best code path this CPU runs ("avx512", "avx2" or "c"); the kernels must be available."""
+    """The best code path this CPU runs (one of ``PATHS``); the kernels must be available."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"host kernels unavailable: {_err}")

@@ -21,7 +21,8 @@
      (host/host_pool.c); each element is computed by one thread in a fixed order: results are identical for
      every thread count, every schedule and run to run;
    - code paths: AVX-512 with FP16 and VBMI (avx512fp16: 4-bit as avx512; 8-bit: byte permutes of the table's
-     low / high byte planes, its section below), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
+     low / high byte planes, its section below), AVX-512 with VBMI (avx512vbmi: avx512's results bit for bit, the
+     8-bit lookup by byte permutes), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
      8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit:
      gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
      rounding; on each path the two table storages give the same bits.
@@ -77,8 +78,9 @@ static uint16_t f2h(float f) {
   return (uint16_t)(sign | (u >> 13));
 }
 
-/* code paths (host_gemv.PATHS): avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies */
-enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_FP16 = 3 };
+/* code paths (host_gemv.PATHS): avx512vbmi is avx512 with the 8-bit lookup by byte permutes (the same sums, bit
+   for bit); avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies, its own 8-bit order */
+enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_VBMI = 3, PATH_FP16 = 4 };
 
 /* the avx512fp16 8-bit lookup's column order: the column (within a block of 64) of quarter q's element i */
 static inline long xorder64(long q, long i) { return 16 * (2 * (q & 1) + i / 8) + 8 * (q >> 1) + i % 8; }
@@ -143,7 +145,10 @@ static void rows_c(const job_t *j, long n0, long n1) {
 #define PF_MASK8 1 /* 8-bit AVX-512: one per 2 blocks of 32 */
 #endif
 /* PF: software prefetch distance along the codes (bytes): the hardware streamers alone leave the
-                   kernel latency-bound on DRAM */
+                   kernel latency-bound on DRAM. The 4-bit AVX-512 blocks of 128 prefetch into L2 only (T1): into L1
+   (T0) the code lines pushed out the row of x that every code row reads again (19 KB at K = 4864), and a cold
+   896 x 4864 matrix ran 8.8-9.4 GB/s against 12.2-12.4 with T1 (Zen 4, K = 896: the same within the noise;
+   scripts/dev/s14_lib_mb.c, session 14) */
 __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -288,7 +293,7 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
   const long nb128 = j->K / 128;
   for (long b = 0; b < nb128; b++) {
     const uint8_t *p = c + b * 64;
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T1);  /* into L2: x stays in L1 (PF note above) */
     const __m512i v = _mm512_loadu_si512((const void *)p);
     L128_512(0, a0); L128_512(1, a1); L128_512(2, a2); L128_512(3, a3);
     L128_512(4, a0); L128_512(5, a1); L128_512(6, a2); L128_512(7, a3);
@@ -304,15 +309,15 @@ __attribute__((target(T512), always_inline)) static inline void row4_512(const j
 /* 8-bit: blocks of 32 columns; the row's 256 fp16 entries (as stored) in 8 registers, looked up by 4 two-table
    16-bit permutes (index bits 0..5) and a blend tree on bits 6, 7, then widened to fp32 (no gather: slow where
    microcode mitigates it); even / odd 16-column halves into a0 / a1 */
-__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R,
-                                                                        const __m512i *t) {
+/* blocks b0 .. of 32 columns into a0 / a1, then the row's outputs */
+__attribute__((target(T512), always_inline)) static inline void row8_512_from(const job_t *j, long n, long m0, int R,
+                                                                             const __m512i *t, long b0, __m512 *a0,
+                                                                             __m512 *a1) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 32, full = j->K / 32;
   const __m512i b6 = _mm512_set1_epi16(64), b7 = _mm512_set1_epi16(128);
-  __m512 a0[4], a1[4];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
   uint8_t tail[32];
-  for (long b = 0; b < nb; b++) {
+  for (long b = b0; b < nb; b++) {
     const uint8_t *p = c + b * 32;
     if (!(b & PF_MASK8)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
     if (b >= full) { memset(tail, 0, 32); memcpy(tail, p, j->K - b * 32); p = tail; }
@@ -333,6 +338,13 @@ __attribute__((target(T512), always_inline)) static inline void row8_512(const j
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+__attribute__((target(T512), always_inline)) static inline void row8_512(const job_t *j, long n, long m0, int R,
+                                                                        const __m512i *t) {
+  __m512 a0[4], a1[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  row8_512_from(j, n, m0, R, t, 0, a0, a1);
+}
+
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* the group's fp32 table into gt (when row n leaves the group *g holds) and row n's scale, broadcast */
 __attribute__((target(T512), always_inline)) static inline __m512 group_512(const job_t *j, long n, float *gt,
@@ -346,21 +358,52 @@ __attribute__((target(T512), always_inline)) static inline __m512 group_512(cons
   return _mm512_set1_ps(h2f(j->scale[n]));
 }
 
+/* row n's 8-bit table, 256 fp16 in 8 registers: loaded as stored or (shared storage) formed from the group's fp32
+   table gt: fp16(scale * gt) (RNE) */
+__attribute__((target(T512), always_inline)) static inline void table8_512(const job_t *j, long n, float *gt, long *g,
+                                                                          __m512i *t) {
+  if (j->scale) {
+    __m512 s = group_512(j, n, gt, g);
+    for (int e = 0; e < 8; e++)
+      t[e] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e)), RNE)),
+          _mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e + 16)), RNE), 1);
+  } else {
+    const uint16_t *cbn = j->cb + n * 256;
+    for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
+    for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
+  }
+}
+
+/* row n's 4-bit table, 16 fp32 in one register: widened as stored or (shared storage) fp16(scale * gt) (RNE) */
+__attribute__((target(T512), always_inline)) static inline __m512 table4_512(const job_t *j, long n, float *gt,
+                                                                            long *g) {
+  if (j->scale) {
+    __m512 s = group_512(j, n, gt, g);
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt)), RNE));
+  }
+  _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
+}
+
+/* 4-bit with one row of x (the decode step's GEMVs): rows_512's arithmetic in a function of its own, so that the
+   row loop keeps its state in registers (inside rows_512, beside the 4-row cases, it spilled to the stack: +15-20%
+   GB/s warm on Zen 4, scripts/dev/s14_lib_mb.c) */
+__attribute__((target(T512), noinline)) static void rows4_512_m1(const job_t *j, long n0, long n1) {
+  float gt[256] __attribute__((aligned(64)));
+  long g = -1;
+  for (long n = n0; n < n1; n++) row4_512(j, n, 0, 1, table4_512(j, n, gt, &g));
+}
+
 /* per row: its table in registers (4-bit: 16 fp32 in one; 8-bit: 256 fp16 in 8), loaded as stored or (shared
    storage) formed from the group's fp32 table gt: fp16(scale * gt) (RNE) */
 __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long n1) {
   float gt[256] __attribute__((aligned(64)));
   long g = -1;
+  if (j->bits == 4 && j->M == 1) { rows4_512_m1(j, n0, n1); return; }
   for (long n = n0; n < n1; n++) {
     if (j->bits == 4) {
-      __m512 tab;
-      if (j->scale) {
-        __m512 s = group_512(j, n, gt, &g);
-        tab = _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt)), RNE));
-      } else {
-        tab = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(j->cb + n * 16)));
-        _mm_prefetch((const char *)(j->cb + (n + 16) * 16), _MM_HINT_T0);
-      }
+      const __m512 tab = table4_512(j, n, gt, &g);
       for (long m = 0; m < j->M; m += 4) {
         long R = j->M - m < 4 ? j->M - m : 4;
         switch (R) { case 4: row4_512(j, n, m, 4, tab); break; case 3: row4_512(j, n, m, 3, tab); break;
@@ -368,22 +411,80 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
       }
     } else {
       __m512i t[8];
-      if (j->scale) {
-        __m512 s = group_512(j, n, gt, &g);
-        for (int e = 0; e < 8; e++)
-          t[e] = _mm512_inserti64x4(
-              _mm512_castsi256_si512(_mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e)), RNE)),
-              _mm512_cvtps_ph(_mm512_mul_ps(s, _mm512_load_ps(gt + 32 * e + 16)), RNE), 1);
-      } else {
-        const uint16_t *cbn = j->cb + n * 256;
-        for (int e = 0; e < 8; e++) t[e] = _mm512_loadu_si512((const void *)(cbn + 32 * e));
-        for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(cbn + 4 * 256 + 32 * e), _MM_HINT_T0);
-      }
+      table8_512(j, n, gt, &g, t);
       for (long m = 0; m < j->M; m += 4) {
         long R = j->M - m < 4 ? j->M - m : 4;
         switch (R) { case 4: row8_512(j, n, m, 4, t); break; case 3: row8_512(j, n, m, 3, t); break;
                      case 2: row8_512(j, n, m, 2, t); break; default: row8_512(j, n, m, 1, t); }
       }
+    }
+  }
+}
+/* ---------------------------------------------------------------- AVX-512 with VBMI (path avx512vbmi) */
+/* Zen 4, Ice Lake and later. 4-bit as avx512. 8-bit: blocks of 64 columns looked up as bytes, row8_512's sums bit
+   for bit: the row's 256 fp16 entries (table8_512) split once into low- and high-byte planes (4 + 4 registers of
+   64 bytes), each plane looked up by two 128-entry byte permutes (vpermt2b on index bits 0..6) and a blend on bit
+   7, and the planes put back together into fp16 words in column order by two more vpermt2b (not unpacks: columns
+   stay where row8_512 has them), so the quarters of 16 columns feed a0, a1, a0, a1 as two of row8_512's 32-column
+   blocks do; x as avx512 (natural order). The K % 64 rest in row8_512's blocks of 32. Per 64 columns 6 byte
+   permutes, 2 blends, 1 mask, 4 widenings, 4 FMAs, against row8_512's 8 16-bit permutes, 6 blends, 4 masks. */
+#define TVBMI T512 ",avx512vbmi"
+
+__attribute__((target(TVBMI), always_inline)) static inline void row8_vbmi(const job_t *j, long n, long m0, int R,
+                                                                          const __m512i *t, const __m512i *lb,
+                                                                          const __m512i *hb, __m512i i0, __m512i i1) {
+  const uint8_t *c = j->codes + n * j->ldc;
+  const long nb64 = j->K / 64;  /* whole blocks of 64 inside the stored row */
+  __m512 a0[4], a1[4];
+  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+  for (long b = 0; b < nb64; b++) {
+    const uint8_t *p = c + b * 64;
+    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    const __mmask64 k7 = _mm512_movepi8_mask(v);
+    const __m512i lo = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(lb[0], v, lb[1]),
+                                              _mm512_permutex2var_epi8(lb[2], v, lb[3]));
+    const __m512i hi = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(hb[0], v, hb[1]),
+                                              _mm512_permutex2var_epi8(hb[2], v, hb[3]));
+    const __m512i w0 = _mm512_permutex2var_epi8(lo, i0, hi), w1 = _mm512_permutex2var_epi8(lo, i1, hi);
+    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w0)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1));
+    const __m512 f2 = _mm512_cvtph_ps(_mm512_castsi512_si256(w1)), f3 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1));
+    for (int r = 0; r < R; r++) {
+      const float *x = j->xp + (m0 + r) * j->Kp + b * 64;
+      a0[r] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x), a0[r]);
+      a1[r] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + 16), a1[r]);
+      a0[r] = _mm512_fmadd_ps(f2, _mm512_loadu_ps(x + 32), a0[r]);
+      a1[r] = _mm512_fmadd_ps(f3, _mm512_loadu_ps(x + 48), a1[r]);
+    }
+  }
+  row8_512_from(j, n, m0, R, t, 2 * nb64, a0, a1);
+}
+
+__attribute__((target(TVBMI))) static void rows_vbmi(const job_t *j, long n0, long n1) {
+  if (j->bits == 4) { rows_512(j, n0, n1); return; }
+  uint8_t ev[64], i0b[64], i1b[64];
+  for (int i = 0; i < 64; i++) ev[i] = (uint8_t)(2 * i);  /* the low bytes of 64 words */
+  for (int i = 0; i < 32; i++) {  /* word i: plane lo's byte i, plane hi's byte i (second table: + 64) */
+    i0b[2 * i] = (uint8_t)i; i0b[2 * i + 1] = (uint8_t)(64 + i);
+    i1b[2 * i] = (uint8_t)(32 + i); i1b[2 * i + 1] = (uint8_t)(96 + i);
+  }
+  const __m512i evv = _mm512_loadu_si512((const void *)ev), odv = _mm512_add_epi8(evv, _mm512_set1_epi8(1));
+  const __m512i i0 = _mm512_loadu_si512((const void *)i0b), i1 = _mm512_loadu_si512((const void *)i1b);
+  float gt[256] __attribute__((aligned(64)));
+  long g = -1;
+  for (long n = n0; n < n1; n++) {
+    __m512i t[8], lb[4], hb[4];
+    table8_512(j, n, gt, &g, t);
+    for (int i = 0; i < 4; i++) {
+      lb[i] = _mm512_permutex2var_epi8(t[2 * i], evv, t[2 * i + 1]);
+      hb[i] = _mm512_permutex2var_epi8(t[2 * i], odv, t[2 * i + 1]);
+    }
+    for (long m = 0; m < j->M; m += 4) {
+      long R = j->M - m < 4 ? j->M - m : 4;
+      switch (R) { case 4: row8_vbmi(j, n, m, 4, t, lb, hb, i0, i1); break;
+                   case 3: row8_vbmi(j, n, m, 3, t, lb, hb, i0, i1); break;
+                   case 2: row8_vbmi(j, n, m, 2, t, lb, hb, i0, i1); break;
+                   default: row8_vbmi(j, n, m, 1, t, lb, hb, i0, i1); }
     }
   }
 }
@@ -483,7 +584,8 @@ int tp_path(void) { /* the best path this CPU runs */
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
       && __builtin_cpu_supports("fma"))
-    return __builtin_cpu_supports("avx512fp16") && __builtin_cpu_supports("avx512vbmi") ? PATH_FP16 : PATH_AVX512;
+    return !__builtin_cpu_supports("avx512vbmi") ? PATH_AVX512 : __builtin_cpu_supports("avx512fp16") ? PATH_FP16
+                                                                                                   : PATH_VBMI;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
 #endif
   return PATH_C;
@@ -492,6 +594,7 @@ int tp_path(void) { /* the best path this CPU runs */
 static void run_rows1(const job_t *j, long n0, long n1) {
 #if TP_X86
   if (j->path == PATH_FP16) { rows_spr(j, n0, n1); return; }
+  if (j->path == PATH_VBMI) { rows_vbmi(j, n0, n1); return; }
   if (j->path == PATH_AVX512) { rows_512(j, n0, n1); return; }
   if (j->path == PATH_AVX2) { rows_avx2(j, n0, n1); return; }
 #endif
