@@ -336,3 +336,31 @@ def test_stats_line_says_the_threads_and_bench_cli_reads_it(tiny, capsys):
     code, _, err = main(["generate", tiny, "hi", "-n", "2", "--stats", "-t", "1"], capsys)
     m = STATS.search(err)
     assert code == 0 and m and m.group(4) == "1" and m.group(5) == "--threads", err
+
+
+# ------------------------------------------------------------------ 4. --gptq by default where it costs seconds
+
+@pytest.mark.parametrize("argv, device, want", [
+    ([], "cpu", False), ([], "cuda", True), ([], "cuda:1", True),
+    (["--gptq"], "cpu", True), (["--no-gptq"], "cuda", False),
+    (["--calib", "none"], "cuda", False), (["--codebook", "shared"], "cuda", False),
+])
+def test_gptq_default_follows_the_device(argv, device, want, monkeypatch, tmp_path, capsys):
+    """QUALITY.md "Session 14": GPTQ's files are 3-10% better at the same size for seconds more on the H200, and take
+    minutes more on the CPU, so the default is on for CUDA only (with calibration and per-row codebooks)."""
+    from trapetum.quant import quantize as qmod
+    seen = []
+
+    def fake(src, out, recipe, device, **kw):
+        seen.append((device, recipe.gptq))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(qmod, "quantize_to_cbk", fake)
+    src, calib = tmp_path / "src.gguf", tmp_path / "calib.txt"
+    src.write_bytes(b"x")
+    calib.write_text("some calibration text\n")
+    if "--calib" not in argv:
+        argv = argv + ["--calib", calib]
+    with pytest.raises(SystemExit):
+        trapetum_cli.main([str(a) for a in ["quantize", src, "-o", tmp_path / "o.cbk", "--device", device, *argv]])
+    assert seen == [(device, want)], capsys.readouterr().err
