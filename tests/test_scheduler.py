@@ -67,6 +67,7 @@ class Recording(Scheduler):
 
     def _sample_rows(self, reqs, logits, at=None):
         for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+            assert req.sampled < req.settings.max_new_tokens, req.rid  # no row past max_new_tokens
             self.rows.setdefault(req.rid, []).append(logits[i].clone())
         return super()._sample_rows(reqs, logits, at)
 
@@ -75,6 +76,10 @@ class Recording(Scheduler):
             if req.done:             # the row was its last one sampled
                 self.rows[req.rid].pop()
         return super()._land(read)
+
+    def _preempt(self, req):
+        self.preempted_pending = getattr(self, "preempted_pending", 0) + (req.pending is not None)
+        return super()._preempt(req)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -580,3 +585,47 @@ def test_a_wrong_rows_token_fails_the_comparison(hf_model, alone):
     plain = []
     _mixed_run(hf_model, reqs, eos, False, 400, lambda r: plain.append(_WrongRow(r)) or plain[-1])
     assert plain[0].shuffled == 0
+
+
+def test_a_request_preempted_with_its_token_pending(hf_model):
+    """Overlapped steps over few blocks (tiny prompts, a block of 4 positions): requests preempted while their
+    last token is still pending (its landing may end them: they leave the queue then) give the sequential
+    scheduler's tokens; the grid holds such preemptions."""
+    rng = random.Random(5)
+    pending = 0
+    for case in range(12):
+        reqs = [([1] + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 7))],
+                 GenerationSettings(max_new_tokens=rng.randrange(1, 9), ignore_eos=True,
+                                    **({"temperature": 0.8, "seed": case} if case % 2 else {})))
+                for _ in range(6)]
+        out = {}
+        for overlap in (False, True):
+            sch = _scheduler(hf_model, blocks=6, block_size=4, max_batch=6, chunk=8, overlap=overlap)
+            hs = [sch.submit(p, _copy(s)) for p, s in reqs]
+            sch.run()
+            assert sch.kv.alloc.num_free == sch.kv.num_blocks and not sch.waiting
+            out[overlap] = [h.completion.token_ids for h in hs]
+            pending += getattr(sch, "preempted_pending", 0) if overlap else 0
+        assert out[True] == out[False], case
+    assert pending >= 3
+
+
+def test_a_request_preempted_with_its_last_token_pending_leaves_the_queue(hf_model):
+    """Overlapped, 3 blocks of 4 positions, both prompts folded: B (prompt 4, 2 new tokens) takes the spare block
+    for its second row; the next step A (prompt 3) needs a block, and B, the newest, is preempted while its last
+    token is pending; that token lands and ends B, which leaves the queue (not readmitted): both as sequential."""
+    out = {}
+    for overlap in (False, True):
+        sch = _scheduler(hf_model, blocks=3, block_size=4, max_batch=2, chunk=8, fold=8, prefill_budget=16,
+                         overlap=overlap)
+        a = sch.submit([1, 5, 6], GenerationSettings(max_new_tokens=6, ignore_eos=True))
+        b = sch.submit([1, 7, 8, 9], GenerationSettings(max_new_tokens=2, ignore_eos=True))
+        for _ in range(40):
+            if not sch.has_work:
+                break
+            sch.step()
+        assert not sch.has_work and not sch.waiting and sch.kv.alloc.num_free == 3
+        assert (a.completion.finish_reason, b.completion.finish_reason) == ("length", "length")
+        out[overlap] = (a.completion.token_ids, b.completion.token_ids)
+        assert getattr(sch, "preempted_pending", 0) == (1 if overlap else 0)
+    assert out[True] == out[False]
