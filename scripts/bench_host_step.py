@@ -284,8 +284,9 @@ def overlapped_ms(runner, tables, prompt, base: int, steps: int, host_ms: float,
         else:
             toks = read.tokens()
             busy()
-    if pending is not None:
+    if pending is not None:  # the last step's tokens and host work (the same count of both as sequential)
         pending.tokens()
+        busy()
     return (time.perf_counter() - t0) / steps * 1e3
 
 
