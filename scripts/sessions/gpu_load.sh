@@ -124,7 +124,7 @@ b, q = rows.get("batched", {}), rows.get("sequential", {})
 for n in sorted(set(b) & set(q)):
     if q[n]["throughput_tok_s"]:
         print(f"overlap: {n} clients {b[n]['throughput_tok_s'] / q[n]['throughput_tok_s']:.2f}x the --no-overlap "
-              f"throughput, p50 ITL {b[n]['itl_ms']['p50']} vs {q[n]['itl_ms']['p50']} ms")
+              f"throughput, p50 ITL {f(b[n]['itl_ms']['p50'], 1)} vs {f(q[n]['itl_ms']['p50'], 1)} ms")
 if 1 in b:
     t1, l1 = b[1]["throughput_tok_s"], b[1]["itl_ms"]["p50"]
     for n, bar in ((16, 6), (64, 15)):
