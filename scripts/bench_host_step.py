@@ -15,7 +15,9 @@ timed steps at that size (top 15 by cumulative time).
 ``--worker``: also serve/worker.py's engine thread over the same fake model (``worker_ms``). ``--cbk F.cbk``: also
 the paged GPU runner on a real model, without the scheduler (``runner_ms``: decode wall and device ms per S, and
 one prompt's prefill; ``prefill_parts``: that prefill's engine pass and write-back apart, and the step of the same
-prompt folded into a decode forward beside S decode rows).
+prompt folded into a decode forward beside S decode rows; ``overlapped_ms``: wall ms per decode step of the
+scheduler's sequential and overlapped orders with a host busy-wait of ``--host-ms`` ms a step in place of the
+host's per-token work).
 
 ``--sse``: also the per-token work of the server's streaming path for one event (protocol.chat_chunk + sse, as
 serve/server.py's ``_stream`` formats it, and one ``call_soon_threadsafe`` hop onto a running event loop, as
@@ -51,7 +53,7 @@ class InstantRunner:
     def prefill(self, table, tokens, start):
         return self.table[0, 0]
 
-    def decode(self, tables, tokens, positions):
+    def decode(self, tables, tokens, positions, prev=None, src=None):
         self.calls += 1
         return self.table[self.calls % 4, :len(tokens)]
 
@@ -192,7 +194,8 @@ def worker_ms(tok, S: int, tokens: int, vocab: int, stream: bool) -> tuple[float
     return dt / steps * 1e3, steps
 
 
-def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: int = 38) -> None:
+def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: int = 38,
+              host_ms: tuple = ()) -> None:
     """The paged GPU runner alone (runtime/paged_engine.py) on ``path``: per S, the wall ms of one decode step
     (inputs staged, graph replayed, the logits' argmax read back: what the scheduler waits for) and its device ms
     (CUDA events around the replay), and the wall ms of one prefill forward of ``prompt_len`` tokens (a chat
@@ -243,7 +246,48 @@ def runner_ms(path: str, device: str, sizes: list[int], steps: int, prompt_len: 
         med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3 if xs else float("nan")  # noqa: E731
         print(f"runner S={S:3d}  decode wall {med(wall):7.3f} ms  device {med(dev):7.3f} ms   "
               f"(prefill of {prompt_len} tokens: {pf:.2f} ms)")
+        for h in host_ms:
+            seq, ovl = (overlapped_ms(runner, tables[:S], prompt, prompt_len + 2, steps, h, o) for o in (False, True))
+            print(f"runner S={S:3d}  host {h:4.1f} ms a step: sequential {seq:7.3f} ms/step, overlapped {ovl:7.3f} "
+                  f"ms/step")
     prefill_parts(runner, eng, tables, prompt, sizes, sync)
+
+
+def overlapped_ms(runner, tables, prompt, base: int, steps: int, host_ms: float, overlap: bool) -> float:
+    """Wall ms per decode step of len(tables) rows at positions base .. base + steps - 1 (greedy, the argmax read
+    back through runtime/scheduler._Read, then a busy wait of ``host_ms`` in place of the host's work on the
+    tokens): sequential (enqueue step N, read it, host work), or overlapped (enqueue step N + 1 with step N's
+    tokens taken on the device, then read step N, host work), as runtime/scheduler.py orders them."""
+    from trapetum.runtime.scheduler import _Read
+    S = len(tables)
+
+    def busy():
+        t = time.perf_counter()
+        while time.perf_counter() - t < host_ms / 1e3:
+            pass
+    toks, pending = [prompt[-1]] * S, None
+    if torch.device(runner.eng.device).type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for k in range(steps):
+        pos = [base + k] * S
+        if pending is not None:
+            logits = runner.decode(tables, [0] * S, pos, pending.toks, list(range(S)))
+        else:
+            logits = runner.decode(tables, toks, pos)
+        read = _Read(torch.argmax(logits, -1), [])
+        if overlap:
+            if pending is not None:
+                pending.tokens()
+                busy()
+            pending = read
+        else:
+            toks = read.tokens()
+            busy()
+    if pending is not None:  # the last step's tokens and host work (the same count of both as sequential)
+        pending.tokens()
+        busy()
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def prefill_parts(runner, eng, tables, prompt, sizes, sync, reps: int = 9) -> None:
@@ -293,6 +337,7 @@ def main(argv=None) -> None:
     ap.add_argument("--worker", action="store_true", help="also the worker's steps, without and with streaming")
     ap.add_argument("--cbk", help="also the paged GPU runner's decode step and prefill on this model (runner_ms)")
     ap.add_argument("--device", default="cuda", help="the runner's device (cpu: under TRITON_INTERPRET=1)")
+    ap.add_argument("--host-ms", default="", help="with --cbk: comma list of host ms a step for overlapped_ms")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     tok = None
@@ -316,7 +361,8 @@ def main(argv=None) -> None:
                 best = min(worker_ms(tok, S, a.steps, a.vocab, stream)[0] for _ in range(a.repeat))
                 print(f"worker S={S:3d} {'streamed' if stream else 'dropped '}  {best:7.3f} ms/step")
     if a.cbk:
-        runner_ms(a.cbk, a.device, sizes, a.steps)
+        runner_ms(a.cbk, a.device, sizes, a.steps,
+                  host_ms=tuple(float(x) for x in a.host_ms.split(",") if x))
     if a.sse:
         fmt, hop = sse_us()
         print(f"server per token: SSE chunk format {fmt:.1f} us, call_soon_threadsafe hop {hop:.1f} us")

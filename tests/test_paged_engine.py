@@ -77,6 +77,26 @@ def _requests(n, seed=0):
     return out
 
 
+def _record(sch) -> dict:
+    """Every logits row each request of ``sch`` samples from, by request id; a row of an overlapped step whose
+    request was already done when its token landed (its token dropped) is dropped too."""
+    rows: dict = {}
+    sample, land = sch._sample_rows, sch._land
+
+    def record(reqs, logits, at=None):
+        for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+            rows.setdefault(req.rid, []).append(logits[i].clone())
+        return sample(reqs, logits, at)
+
+    def landed(read):
+        for req, _ in read.entries:
+            if req.done:
+                rows[req.rid].pop()
+        return land(read)
+    sch._sample_rows, sch._land = record, landed
+    return rows
+
+
 def _scheduler(model, blocks, max_batch):
     runner = GpuBatchRunner(_engine(model), blocks, 16)
     return Scheduler(runner, model.tokenizer, model.config.vocab_size, 256, max_batch=max_batch, chunk=16,
@@ -134,6 +154,27 @@ def test_graph_buckets_replay_the_eager_forward(model):
     assert set(runner.graphs) == {(4, 1), (8, 1)}
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the device gather under CUDA graphs, pinned reads")
+def test_overlapped_steps_give_the_sequential_tokens_and_logits_on_the_gpu(model):
+    """64 requests (mixed prompts: folded; greedy and seeded; stop strings), with room for all and with blocks
+    exhausted: overlapped steps (a row's pending token gathered on the device before the graph replays) give
+    bitwise the sequential scheduler's tokens and logits rows."""
+    reqs = _requests(64, seed=2)
+    for blocks in (400, 60):
+        out = {}
+        for overlap in (False, True):
+            runner = GpuBatchRunner(_engine(model), blocks, 16)
+            sch = Scheduler(runner, model.tokenizer, model.config.vocab_size, 256, max_batch=64, chunk=16,
+                            device=DEV, overlap=overlap)
+            rows = _record(sch)
+            hs = [sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})) for p, s in reqs]
+            sch.run()
+            out[overlap] = ([(h.completion.token_ids, h.completion.text) for h in hs], rows)
+        assert out[True][0] == out[False][0], blocks
+        a, b = out[False][1], out[True][1]
+        assert all(len(a[i]) == len(b[i]) and all(torch.equal(x, y) for x, y in zip(a[i], b[i])) for i in a), blocks
+
+
 def test_staged_inputs_are_the_rows_then_padding():
     """``_stage``: tokens and positions of the S real rows, their block tables zero-padded to the width, then
     padding rows (token 0, position 0, the spare block everywhere); a bucket's buffers are reused, and rewritten
@@ -150,6 +191,13 @@ def test_staged_inputs_are_the_rows_then_padding():
         want = torch.stack([r._table(t) for t in tables] + [torch.full((6,), 99, dtype=torch.int32)] * (B - S))
         assert torch.equal(tab, want), (S, B)
     assert set(r._host) == {4, 2}
+    ip, _ = r._stage(4, tables, toks, pos, reuse=True)
+    assert ip[2].tolist() == [-1] * 4  # no pending tokens
+    ip, _ = r._stage(4, tables, [0, toks[1]], pos, reuse=True, src=[3, -1])
+    assert ip[2].tolist() == [3, -1, -1, -1]
+    from trapetum.runtime.paged_engine import _gather
+    _gather(ip, torch.tensor([40, 41, 42, 43]))  # row 0 from entry 3 of the previous step's tokens
+    assert ip[0].tolist() == [43, toks[1], 0, 0]
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the kernels natively (the tests above)")
@@ -187,14 +235,7 @@ def test_scheduler_on_the_engine_under_the_triton_interpreter(model):
     def run(blocks, together):
         sch = Scheduler(GpuBatchRunner(eng, blocks, 16), model.tokenizer, model.config.vocab_size, 64, max_batch=8,
                         chunk=16)
-        rows: dict = {}
-        sample = sch._sample_rows
-
-        def record(reqs, logits, at=None):
-            for req, i in zip(reqs, range(len(reqs)) if at is None else at):
-                rows.setdefault(req.rid, []).append(logits[i].clone())
-            return sample(reqs, logits, at)
-        sch._sample_rows = record
+        rows = _record(sch)
         out = []
         for p, s in reqs:
             out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))
@@ -342,14 +383,7 @@ def test_folded_prompt_rows_through_bucket_48_replay_the_eager_forward(model):
     def run(budget, together):
         sch = Scheduler(GpuBatchRunner(_engine(model), 120, 16), model.tokenizer, model.config.vocab_size, 256,
                         max_batch=12, chunk=16, prefill_budget=budget, fold=256, device=DEV)
-        rows: dict = {}
-        sample = sch._sample_rows
-
-        def record(reqs, logits, at=None):
-            for req, i in zip(reqs, range(len(reqs)) if at is None else at):
-                rows.setdefault(req.rid, []).append(logits[i].clone())
-            return sample(reqs, logits, at)
-        sch._sample_rows = record
+        rows = _record(sch)
         out = []
         for p, s in reqs:
             out.append(sch.submit(p, GenerationSettings(**{**vars(s), "stop": list(s.stop)})))

@@ -3,7 +3,9 @@ paged_ops.py): the allocator's accounting, the paged forwards against the contig
 (within fp32 rounding), the row-independence of the kernels the decode forward uses, and batch invariance:
 64 concurrent requests (mixed prompt lengths, greedy and seeded sampling, stop strings) give exactly the tokens
 each gives alone, also with requests cancelled mid-way and with KV blocks exhausted (queued, or refused with
-KVExhausted), on the reference TorchOps path (fp32 HF model) and on the host-kernel CPU executor (.cbk)."""
+KVExhausted), on the reference TorchOps path (fp32 HF model) and on the host-kernel CPU executor (.cbk); and the
+overlapped steps (``Scheduler(overlap=True)``: step N + 1 enqueued before step N's tokens are read, a row's input
+token taken on the device) give exactly the sequential scheduler's tokens, logits and events."""
 from __future__ import annotations
 
 import random
@@ -21,7 +23,7 @@ from trapetum.runtime import paged_kv
 from trapetum.runtime.paged_kv import BlockAllocator, KVExhausted, PagedKV
 from trapetum.runtime.paged_ops import CpuBatchRunner
 from trapetum.runtime.sampling import GenerationSettings
-from trapetum.runtime.scheduler import Scheduler
+from trapetum.runtime.scheduler import Scheduler, drain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CTX = 256
@@ -65,8 +67,19 @@ class Recording(Scheduler):
 
     def _sample_rows(self, reqs, logits, at=None):
         for req, i in zip(reqs, range(len(reqs)) if at is None else at):
+            assert req.sampled < req.settings.max_new_tokens, req.rid  # no row past max_new_tokens
             self.rows.setdefault(req.rid, []).append(logits[i].clone())
         return super()._sample_rows(reqs, logits, at)
+
+    def _land(self, read):
+        for req, _ in read.entries:  # an overlapped row of a request already done: its token is dropped, and
+            if req.done:             # the row was its last one sampled
+                self.rows[req.rid].pop()
+        return super()._land(read)
+
+    def _preempt(self, req):
+        self.preempted_pending = getattr(self, "preempted_pending", 0) + (req.pending is not None)
+        return super()._preempt(req)
 
 
 def _scheduler(model, blocks=400, block_size=4, **kw):
@@ -285,11 +298,13 @@ def _same_rows(a: list, b: list) -> bool:
     return len(a) <= len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("which", ["hf", "cbk"])
-def test_64_concurrent_requests_give_their_alone_tokens(which, hf_model, cbk_model, alone):
+def test_64_concurrent_requests_give_their_alone_tokens(which, overlap, hf_model, cbk_model, alone):
     reqs, ref, ref_rows = alone[which]
     assert sum(c.finish_reason == "stop" for c in ref) >= 30  # stop strings end requests (``_alone``)
-    sch = _scheduler(hf_model if which == "hf" else cbk_model, max_batch=64, chunk=8, prefill_budget=160)
+    sch = _scheduler(hf_model if which == "hf" else cbk_model, max_batch=64, chunk=8, prefill_budget=160,
+                     overlap=overlap)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     sch.run()
     assert sch.peak_batch >= 24  # decoded together, not one by one
@@ -299,14 +314,16 @@ def test_64_concurrent_requests_give_their_alone_tokens(which, hf_model, cbk_mod
     assert sch.kv.alloc.num_free == sch.kv.num_blocks
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("which", ["hf", "cbk"])
 @pytest.mark.parametrize("blocks", [100, 40])
-def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, blocks, hf_model, cbk_model, alone):
+def test_cancelled_and_exhausted_blocks_leave_the_others_exact(which, blocks, overlap, hf_model, cbk_model, alone):
     """Few blocks (the rest queue; running requests are preempted and rebuilt), freed blocks poisoned
     with NaN and reused, every seventh request cancelled after its third token: the others give their alone
     tokens and logits, the cancelled ones a prefix of theirs."""
     reqs, ref, ref_rows = alone[which]
-    sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=blocks, max_batch=64, chunk=8)
+    sch = _scheduler(hf_model if which == "hf" else cbk_model, blocks=blocks, max_batch=64, chunk=8,
+                     overlap=overlap)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     cancel = {i for i in range(0, 64, 7)}
     cancelled = set()
@@ -422,8 +439,9 @@ def _fold_alone(model, reqs):
     return out, rows
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("which", ["hf", "cbk"])
-def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, hf_model, cbk_model):
+def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, overlap, hf_model, cbk_model):
     """24 requests, prompts of 1..37 tokens (those of at most FOLD fold): batched with 40 prompt rows a step they
     give bitwise the tokens and logits of each alone with one prompt row a step; again with few blocks (queued,
     preempted and rebuilt, freed blocks poisoned with NaN) and every fifth request cancelled, mid-prompt where it
@@ -432,14 +450,14 @@ def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, hf_
     reqs = _requests(24, seed=3)
     assert sum(len(p) <= FOLD for p, _ in reqs) >= 8 and sum(len(p) > FOLD for p, _ in reqs) >= 8
     ref, ref_rows = _fold_alone(model, reqs)
-    sch = _scheduler(model, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    sch = _scheduler(model, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40, overlap=overlap)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     sch.run()
     assert sch.peak_batch >= 12
     for i, (h, c) in enumerate(zip(handles, ref)):
         assert _same(h.completion, c), i
         assert len(sch.rows[i]) == len(ref_rows[i]) and _same_rows(sch.rows[i], ref_rows[i]), i
-    sch = _scheduler(model, blocks=40, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40)
+    sch = _scheduler(model, blocks=40, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40, overlap=overlap)
     handles = [sch.submit(p, _copy(s)) for p, s in reqs]
     cancelled, mid_prompt = set(), 0
     while sch.has_work:
@@ -479,3 +497,135 @@ def test_a_folded_prompt_computes_the_prefill_logits(hf_model):
             assert float((x.double() - y.double()).norm() / y.double().norm()) < 1e-5
     with pytest.raises(TrapetumError, match="fold"):
         _scheduler(hf_model, fold=-1)
+
+
+# -- overlapped steps: the sequential scheduler's tokens, logits and events ------------------------------
+def _mixed_run(model, reqs, eos: dict, overlap: bool, blocks: int, runner_wrap=None):
+    """``reqs`` through one scheduler (prompts of at most FOLD tokens folded, 40 prompt rows a step), request i
+    ending on token ``eos[i]`` as its EOS, every seventh request cancelled once 3 tokens of it landed: each
+    request's completion, its events (text, token, done) and its logits rows; and the scheduler."""
+    sch = _scheduler(model, blocks=blocks, max_batch=64, chunk=8, fold=FOLD, prefill_budget=40, overlap=overlap)
+    if runner_wrap is not None:
+        sch.runner = runner_wrap(sch.runner)
+    hs = [sch.submit(p, _copy(s)) for p, s in reqs]
+    for i, t in eos.items():
+        hs[i].stream.eos = {t}
+    events: dict[int, list] = {i: [] for i in range(len(hs))}
+    while sch.has_work:
+        for r in sch.step():
+            if r.rid % 7 == 0 and not r.done and len(r.stream.out) >= 3:
+                sch.cancel(r)
+        assert all(r.computed <= r.positions for r in sch.active)  # no row past max_new_tokens
+        for i, h in enumerate(hs):
+            events[i] += [(e.text, e.token_id, e.done) for e in drain(h)]
+    assert sch.kv.alloc.num_free == sch.kv.num_blocks and not sch.active and not sch.waiting
+    return [h.completion for h in hs], events, sch
+
+
+def _eos_for(reqs, ref) -> dict:
+    """An EOS for every fourth request that does not ignore it: its third token alone (so EOS ends it early)."""
+    return {i: c.token_ids[2] for i, ((_, s), c) in enumerate(zip(reqs, ref))
+            if i % 4 == 3 and not s.ignore_eos and len(c.token_ids) > 3}
+
+
+@pytest.mark.parametrize("blocks", [400, 60])
+def test_overlapped_steps_give_the_sequential_tokens_logits_and_events(hf_model, alone, blocks):
+    """64 mixed requests (prompts of 1..37 tokens, those of at most FOLD folded; greedy, seeded sampling, the
+    repetition penalty; stop strings, EOS, max_new_tokens; cancellations), with room for all and with blocks
+    exhausted (queued, preempted and rebuilt; freed blocks poisoned with NaN): overlapped steps give bitwise the
+    sequential scheduler's completions, events and logits rows, each request's events at most a step later."""
+    reqs, ref, _ = alone["hf"]
+    eos = _eos_for(reqs, ref)
+    assert len(eos) >= 8
+    seq, seq_events, a = _mixed_run(hf_model, reqs, eos, False, blocks)
+    got, got_events, b = _mixed_run(hf_model, reqs, eos, True, blocks)
+    assert b.overlap and not a.overlap
+    for i in range(len(reqs)):
+        assert _same(got[i], seq[i]), i
+        assert got_events[i] == seq_events[i], i
+        assert len(b.rows[i]) == len(a.rows[i]) and _same_rows(b.rows[i], a.rows[i]), i
+    finish = [c.finish_reason for c in seq]
+    assert finish.count("cancelled") >= 5 and finish.count("length") >= 5 and finish.count("stop") >= 20
+    by_eos = sum(c.finish_reason == "stop" and i in eos and eos[i] not in c.token_ids for i, c in enumerate(seq))
+    assert by_eos >= 3  # EOS ended requests (it is never among the completion's tokens)
+    if blocks == 60:
+        assert a.preemptions > 0 and b.preemptions > 0
+    assert b.steps <= a.steps + 1 + len(reqs)  # (a step more at the end, and a finished request's extra row)
+
+
+class _WrongRow:
+    """A runner whose overlapped rows take the token of the next pending row (a mutation the tests must see)."""
+
+    def __init__(self, runner):
+        self.runner, self.kv = runner, runner.kv
+        self.prefill, self.replay = runner.prefill, runner.replay
+        self.shuffled = 0
+
+    def decode(self, tables, tokens, positions, prev=None, src=None):
+        if prev is not None:
+            live = [j for j in src if j >= 0]
+            if len(live) > 1:
+                rot = dict(zip(live, live[1:] + live[:1]))
+                src = [rot[j] if j >= 0 else j for j in src]
+                self.shuffled += 1
+        return self.runner.decode(tables, tokens, positions, prev, src)
+
+
+def test_a_wrong_rows_token_fails_the_comparison(hf_model, alone):
+    """The mutation check: overlapped rows fed another row's pending token change some completions (so the
+    comparison above would fail), and only the overlapped run sees pending tokens."""
+    reqs, ref, _ = alone["hf"]
+    reqs = reqs[:24]
+    eos = _eos_for(reqs, ref)
+    seq, _, _ = _mixed_run(hf_model, reqs, eos, False, 400)
+    wrong = []
+    got, _, sch = _mixed_run(hf_model, reqs, eos, True, 400, lambda r: wrong.append(_WrongRow(r)) or wrong[-1])
+    assert wrong[0].shuffled > 3
+    assert sum(not _same(g, c) for g, c in zip(got, seq)) >= 3
+    plain = []
+    _mixed_run(hf_model, reqs, eos, False, 400, lambda r: plain.append(_WrongRow(r)) or plain[-1])
+    assert plain[0].shuffled == 0
+
+
+def test_a_request_preempted_with_its_token_pending(hf_model):
+    """Overlapped steps over few blocks (tiny prompts, a block of 4 positions): requests preempted while their
+    last token is still pending (its landing may end them: they leave the queue then) give the sequential
+    scheduler's tokens; the grid holds such preemptions."""
+    rng = random.Random(5)
+    pending = 0
+    for case in range(12):
+        reqs = [([1] + [rng.randrange(3, 300) for _ in range(rng.randrange(0, 7))],
+                 GenerationSettings(max_new_tokens=rng.randrange(1, 9), ignore_eos=True,
+                                    **({"temperature": 0.8, "seed": case} if case % 2 else {})))
+                for _ in range(6)]
+        out = {}
+        for overlap in (False, True):
+            sch = _scheduler(hf_model, blocks=6, block_size=4, max_batch=6, chunk=8, overlap=overlap)
+            hs = [sch.submit(p, _copy(s)) for p, s in reqs]
+            sch.run()
+            assert sch.kv.alloc.num_free == sch.kv.num_blocks and not sch.waiting
+            out[overlap] = [h.completion.token_ids for h in hs]
+            pending += getattr(sch, "preempted_pending", 0) if overlap else 0
+        assert out[True] == out[False], case
+    assert pending >= 3
+
+
+def test_a_request_preempted_with_its_last_token_pending_leaves_the_queue(hf_model):
+    """Overlapped, 3 blocks of 4 positions, both prompts folded: B (prompt 4, 2 new tokens) takes the spare block
+    for its second row; the next step A (prompt 3) needs a block, and B, the newest, is preempted while its last
+    token is pending; that token lands and ends B, which leaves the queue (not readmitted): both as sequential."""
+    out = {}
+    for overlap in (False, True):
+        sch = _scheduler(hf_model, blocks=3, block_size=4, max_batch=2, chunk=8, fold=8, prefill_budget=16,
+                         overlap=overlap)
+        a = sch.submit([1, 5, 6], GenerationSettings(max_new_tokens=6, ignore_eos=True))
+        b = sch.submit([1, 7, 8, 9], GenerationSettings(max_new_tokens=2, ignore_eos=True))
+        for _ in range(40):
+            if not sch.has_work:
+                break
+            sch.step()
+        assert not sch.has_work and not sch.waiting and sch.kv.alloc.num_free == 3
+        assert (a.completion.finish_reason, b.completion.finish_reason) == ("length", "length")
+        out[overlap] = (a.completion.token_ids, b.completion.token_ids)
+        assert getattr(sch, "preempted_pending", 0) == (1 if overlap else 0)
+    assert out[True] == out[False]

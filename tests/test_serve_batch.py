@@ -203,3 +203,27 @@ def test_fold_prompts_flag_reaches_the_scheduler(model_dir):
         assert m.batch_scheduler(**opts).fold == want, argv
     with pytest.raises(TrapetumError, match="--fold-prompts"):
         cmd._batch(parse(["x.cbk", "--max-batch", "4", "--fold-prompts", "-1"]))
+
+
+def test_overlap_flag_reaches_the_scheduler(model_dir):
+    """``serve --overlap / --no-overlap`` -> the batch options -> Scheduler.overlap (default: the CPU runner's,
+    off); the batch API takes it too, and the completions are the same either way."""
+    import argparse
+
+    import trapetum
+    from trapetum.commands import serve as cmd
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    cmd.register(sub)
+    parse = sub.choices["serve"].parse_args
+    m = trapetum.load(str(model_dir))
+    for argv, want in (([], False), (["--overlap"], True), (["--no-overlap"], False)):
+        opts = cmd._batch(parse(["x.cbk", "--max-batch", "4", "--kv-blocks", "40", *argv]))
+        assert m.batch_scheduler(**opts).overlap is want, argv
+    got = {}
+    for overlap in (False, True):
+        sch = m.batch_scheduler(4, kv_blocks=40, overlap=overlap)
+        reqs = [sch.submit(m.encode(p), m._settings(None, {"max_new_tokens": 6, "ignore_eos": True}))
+                for p in ("Hello there", "A much longer prompt of some words", "x")]
+        sch.run()
+        got[overlap] = [r.completion.token_ids for r in reqs]
+    assert got[True] == got[False]

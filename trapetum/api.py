@@ -203,7 +203,7 @@ class Model:
     def batch_scheduler(self, max_batch: int = DEFAULT_MAX_BATCH, kv_blocks: int | None = None,
                         kv_mem: float | None = None, block_size: int = KV_BLOCK, chunk: int = PREFILL_CHUNK,
                         on_full: str = "queue", gpu: bool = False, prefill_budget: int | None = None,
-                        fold: int | None = None):
+                        fold: int | None = None, overlap: bool | None = None):
         """A Scheduler (continuous batching over a paged KV cache, runtime/scheduler.py): up to ``max_batch``
         requests decoded together, each producing exactly the tokens it produces alone. The cache: ``kv_blocks``
         blocks of ``block_size`` positions, or ``kv_mem`` GiB of them (default: room for max_batch full contexts,
@@ -212,7 +212,9 @@ class Model:
         UnsupportedError). ``prefill_budget``: prompt positions prefilled per step, a forward counting as at least
         ``chunk`` (default one chunk: one prefill forward per step). ``fold``: prompts of at most this many tokens
         go into the decode forward as rows, up to ``prefill_budget`` rows a step (default the runner's: 128 on the
-        GPU engine, 0 on the CPU; runtime/scheduler.py). A drafter (``draft=``) is not used by batched
+        GPU engine, 0 on the CPU; runtime/scheduler.py). ``overlap``: enqueue each decode step before the host
+        handles the previous step's tokens (the same tokens, events a step later; default on on the GPU engine,
+        off on the CPU; runtime/scheduler.py). A drafter (``draft=``) is not used by batched
         decoding."""
         from .runtime.paged_kv import PagedKV
         from .runtime.scheduler import Scheduler
@@ -244,7 +246,7 @@ class Model:
             runner = CpuBatchRunner(self.decoder, PagedKV(self.config, kv_blocks, block_size, dtype, self.device))
         return Scheduler(runner, self.tokenizer, self.config.vocab_size, self.context_size, max_batch=max_batch,
                          chunk=chunk, prefill_budget=prefill_budget, on_full=on_full, device=self.device,
-                         fold=fold)
+                         fold=fold, overlap=overlap)
 
     def generate_batch(self, prompts: list, settings: GenerationSettings | list | None = None, *,
                        max_batch: int | None = None, kv_blocks: int | None = None, kv_mem: float | None = None,

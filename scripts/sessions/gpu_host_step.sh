@@ -4,7 +4,8 @@
 #   1. the random Llama-2-7B-shape 4-bit .cbk of gpu_load.sh (kept in /tmp when that ran on this machine);
 #   2. python3 scripts/bench_host_step.py: the scheduler over an instant runner (host ms per step at S rows,
 #      full vocab and --vocab 512), the worker with and without the server's per-token SSE work, and the paged GPU
-#      runner alone on the .cbk (decode wall / device ms per S, one 38-token prefill);
+#      runner alone on the .cbk (decode wall / device ms per S, one 38-token prefill; overlapped_ms: sequential
+#      vs overlapped steps with 0, 2 and 6 ms of host work a step, session 14);
 #   3. the same runner part under --prefill-budget's question: how long one prefill forward takes (printed).
 # Usage on the device: OUT=... bash scripts/sessions/gpu_host_step.sh
 OUT=${OUT:-out/gpu-host-step}
@@ -25,6 +26,6 @@ timeout "$(budget 120 300)" python3 scripts/bench_host_step.py --tokenizer "$TOK
 timeout "$(budget 60 240)" python3 scripts/bench_host_step.py --tokenizer "$TOK" --vocab 512 \
   > "$OUT/host_vocab512.txt" 2>&1; echo "host, vocab 512 rc=$? ($(since))"; cat "$OUT/host_vocab512.txt"
 timeout "$(budget 240 10)" python3 scripts/bench_host_step.py --tokenizer "$TOK" --sizes 1,4,16,64 --steps 50 \
-  --repeat 1 --vocab 512 --cbk "$F" --device cuda > "$OUT/runner.txt" 2>&1; echo "runner rc=$? ($(since))"
+  --repeat 1 --vocab 512 --cbk "$F" --device cuda --host-ms 0,2,6 > "$OUT/runner.txt" 2>&1; echo "runner rc=$? ($(since))"
 cat "$OUT/runner.txt"
 tar czf "$OUT/logs.tgz" -C "$L" .

@@ -10,7 +10,10 @@
 #   4. `trapetum serve F.cbk --device cuda --max-batch 64 --gpu-batch --kv-mem 32`, then `trapetum bench load --url`
 #      at 1, 4, 16, 64 clients (128 tokens each, 8 requests per client), one call per level (a level cut by the
 #      budget leaves the others' JSON);
-#   5. the baseline, if the budget allows: `serve --max-batch 1` (one request at a time on the engine's decode
+#   5. if the budget allows, the same batched server with `--no-overlap` (session 14: the scheduler's sequential
+#      steps, the host's work on a step's tokens not overlapped with the next step) at 1, 16 and 64 clients, so
+#      that overlap on (the default, step 4) and off compare in one run;
+#   6. the baseline, if the budget allows: `serve --max-batch 1` (one request at a time on the engine's decode
 #      graph) at 1 and 16 clients, 16 requests each.
 # Full results under $OUT (JSON per level, logs); a table with the issue's bars printed last.
 # Usage on the device: OUT=... bash scripts/sessions/gpu_load.sh
@@ -82,6 +85,12 @@ if serve batched 120 $BATCH; then
   python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8765/health', timeout=5).text)" > "$OUT/health_batched.json" 2>&1
 fi
 stop_serve
+if (( deadline - $(date +%s) > 110 )) && serve sequential 120 $BATCH --no-overlap; then
+  level sequential 1 30 70 --per-client 8
+  level sequential 16 30 45 --per-client 8
+  level sequential 64 60 10 --per-client 8
+fi
+stop_serve
 if (( deadline - $(date +%s) > 75 )) && serve single 50 --max-batch 1; then
   level single 1 30 15 --requests 16
   level single 16 30 5 --requests 16
@@ -111,7 +120,11 @@ for name, levels in rows.items():
         print(f"| {name} | {n} | {r['requests']} ({r['errors']}) | {f(r['throughput_tok_s'], 1)} | {f(x)} | "
               f"{f(r['ttft_s']['p50'])} / {f(r['ttft_s']['p99'])} | {f(i['p50'], 1)} / {f(i['p90'], 1)} / {f(i['p99'], 1)} "
               f"| {f(xi)} | {r['peak_running']} |")
-b = rows.get("batched", {})
+b, q = rows.get("batched", {}), rows.get("sequential", {})
+for n in sorted(set(b) & set(q)):
+    if q[n]["throughput_tok_s"]:
+        print(f"overlap: {n} clients {b[n]['throughput_tok_s'] / q[n]['throughput_tok_s']:.2f}x the --no-overlap "
+              f"throughput, p50 ITL {f(b[n]['itl_ms']['p50'], 1)} vs {f(q[n]['itl_ms']['p50'], 1)} ms")
 if 1 in b:
     t1, l1 = b[1]["throughput_tok_s"], b[1]["itl_ms"]["p50"]
     for n, bar in ((16, 6), (64, 15)):

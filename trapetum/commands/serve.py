@@ -63,6 +63,9 @@ def register(subparsers) -> None:
                    help="prompts of at most N tokens run as rows of the batch's decode forward (up to the prefill "
                         "budget's rows a step) instead of a prefill forward (default 128 with --gpu-batch, 0 on "
                         "the CPU; 0: never)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlapped batch steps: the next decode step runs on the device while the host streams the "
+                        "previous step's tokens (the same tokens; default on with --gpu-batch, off on the CPU)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted, else 413 (default 1 MiB)")
     p.add_argument("--device", default=None,
@@ -147,6 +150,8 @@ def _batch(args) -> dict | None:
         if args.fold_prompts < 0:
             raise TrapetumError(f"--fold-prompts: at least 0, got {args.fold_prompts}")
         out["fold"] = args.fold_prompts
+    if args.overlap is not None:
+        out["overlap"] = args.overlap
     return out
 
 

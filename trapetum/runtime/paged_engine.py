@@ -7,9 +7,15 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         into the blocks (every layer in one launch for K and one for V: PagedKV.write_all / gather_all; the table
         and tokens uploaded without a host sync); logits fp32 [V] of the chunk's last row. A function of the
         sequence's own chunk and prefix alone.
-    decode(tables, tokens, positions)   one DECODE forward over S rows, each its own sequence (or, replay and the
+    decode(tables, tokens, positions, prev=None, src=None)   one DECODE forward over S rows, each its own sequence (or, replay and the
         scheduler's folded prompts, several rows of one sequence at consecutive positions: all rows' K/V are
         written before any row attends, and a row sees only positions below its length): PagedEngineOps.
+        ``prev`` (int64 [R] on the device: the previous step's sampled tokens, maybe still being computed) and
+        ``src`` (per row an index into it, -1: the row's token from ``tokens``): the scheduler's overlapped steps
+        (runtime/scheduler.py); the indices travel with the host inputs and one gather on the device writes the
+        rows' tokens into the forward's token input before it runs (stream order, no host sync).
+    overlap   the scheduler's default ``overlap`` (True: the host's work on a step's tokens runs while the device
+        computes the next step).
     fold_prompt   the scheduler's default ``fold`` (FOLD_PROMPT): a short prompt as decode rows costs its row
         groups of the batched GEMVs, where ``prefill`` dequantizes every weight of the model (NOTES-serving.md,
         session 12).
@@ -54,6 +60,14 @@ from .paged_kv import PagedKV
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 192, 256)  # above 16: whole groups of 16 GEMV rows
 FOLD_PROMPT = 128  # the scheduler's default ``fold``: prompts up to this long run as decode rows
+
+
+def _gather(ip: torch.Tensor, prev: torch.Tensor | None) -> None:
+    """Rows of ``ip`` (int64 [3, B] on the device: tokens; positions; sources) whose source is an index into
+    ``prev`` take their token from there (tiny device ops, no host sync); nothing without ``prev``."""
+    if prev is not None:
+        src = ip[2]
+        ip[0].copy_(torch.where(src >= 0, prev.index_select(0, src.clamp(min=0)), ip[0]))
 
 
 def _groups(n: int, step: int = MAX_VERIFY_ROWS):
@@ -127,6 +141,7 @@ class GpuBatchRunner:
     """The scheduler's forwards (module docstring) over a GpuEngine."""
 
     fold_prompt = FOLD_PROMPT
+    overlap = True
 
     def __init__(self, eng, num_blocks: int, block_size: int = 16):
         cfg = eng.cfg
@@ -201,35 +216,38 @@ class GpuBatchRunner:
         return logits
 
     @torch.inference_mode()
-    def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int],
+               prev: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
         eng = self.eng
         S = len(tokens)
         graph = eng.use_graph and S <= BUCKETS[-1]
         B = next(b for b in BUCKETS if b >= S) if graph else S
         C = self.chunk_bound(max(positions) + 1)
-        ip, tab = self._stage(B, tables, tokens, positions, reuse=graph)
+        ip, tab = self._stage(B, tables, tokens, positions, reuse=graph, src=src)
         if not graph:
             ip, tab = ip.to(eng.device), tab.to(eng.device)
+            _gather(ip, prev)
             return self._forward(ip[0], ip[1], tab, C)
         entry = self.graphs.get((B, C))
         if entry is None:
-            entry = self.graphs[B, C] = self._capture(B, C, ip, tab)
+            entry = self.graphs[B, C] = self._capture(B, C, ip, tab, prev)
         g, ip_b, tab_b, logits = entry
         ip_b.copy_(ip, non_blocking=True)
         tab_b.copy_(tab, non_blocking=True)
         self._staged.record()  # the host buffers are rewritten only after these copies ran (``_stage``)
+        _gather(ip_b, prev)
         g.replay()
         return logits[:S].clone()
 
-    def _stage(self, B: int, tables, tokens, positions, reuse: bool):
-        """The inputs of B rows on the host: int64 [2, B] (tokens; positions) and int32 [B, W] (block tables; 0
-        past a table's end), rows past the S real ones padding rows (token 0 at position 0 of the spare block).
-        ``reuse``: the bucket's page-locked buffers (uploaded with no host sync; first waiting until the previous
-        upload from them ran), else fresh ones."""
+    def _stage(self, B: int, tables, tokens, positions, reuse: bool, src=None):
+        """The inputs of B rows on the host: int64 [3, B] (tokens; positions; ``src``, -1 for none) and int32
+        [B, W] (block tables; 0 past a table's end), rows past the S real ones padding rows (token 0 at position
+        0 of the spare block). ``reuse``: the bucket's page-locked buffers (uploaded with no host sync; first
+        waiting until the previous upload from them ran), else fresh ones."""
         if reuse:
             if B not in self._host:
                 pin = torch.device(self.eng.device).type == "cuda"
-                self._host[B] = (torch.empty(2, B, dtype=torch.long, pin_memory=pin),
+                self._host[B] = (torch.empty(3, B, dtype=torch.long, pin_memory=pin),
                                  torch.empty(B, self.width, dtype=torch.int32, pin_memory=pin))
                 if pin and self._staged is None:
                     self._staged = torch.cuda.Event()
@@ -237,10 +255,13 @@ class GpuBatchRunner:
                 self._staged.synchronize()
             ip, tab = self._host[B]
         else:
-            ip, tab = torch.empty(2, B, dtype=torch.long), torch.empty(B, self.width, dtype=torch.int32)
+            ip, tab = torch.empty(3, B, dtype=torch.long), torch.empty(B, self.width, dtype=torch.int32)
         S = len(tokens)
         a, t = ip.numpy(), tab.numpy()
-        a[0, :S], a[1, :S], a[:, S:] = tokens, positions, 0
+        a[0, :S], a[1, :S], a[:2, S:] = tokens, positions, 0
+        a[2] = -1
+        if src is not None:
+            a[2, :S] = src
         t[:S], t[S:] = 0, self.pad_block
         for i, blocks in enumerate(tables):
             t[i, :blocks.numel()] = blocks.cpu().numpy()
@@ -260,12 +281,14 @@ class GpuBatchRunner:
                              seq_lens=lens, positions=pos)
         return decoder_forward(batch, PagedEngineOps(eng, self.kv, tab, pos, lens, chunks), eng.model)
 
-    def _capture(self, B: int, C: int, ip, tab):
-        """Bucket B's graph (split grid of C chunks) over static inputs ip_b int64 [2, B] (tokens; positions), tab_b int32 [B, W], filled
-        from the host rows ``ip``, ``tab`` first (the warm-up forwards write the real rows' K/V: the same bits)."""
+    def _capture(self, B: int, C: int, ip, tab, prev=None):
+        """Bucket B's graph (split grid of C chunks) over static inputs ip_b int64 [3, B] (tokens; positions;
+        sources of ``_gather``, not read by the graph), tab_b int32 [B, W], filled from the host rows ``ip``,
+        ``tab`` and ``prev`` first (the warm-up forwards write the real rows' K/V: the same bits)."""
         dev = self.eng.device
         ip_b = ip.to(dev)
         tab_b = tab.to(dev)
+        _gather(ip_b, prev)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -5,8 +5,10 @@ blocks (models/blocks) run by executors whose every row is computed independentl
         contiguous scratch cache (a size fixed by that sequence alone), the decoder's own forward over it (the
         CPU executor for chunks of up to 16 rows where it applies, the reference TorchOps otherwise), the new rows
         written back into the blocks; logits fp32 [V] of the chunk's last row.
-    CpuBatchRunner.decode(tables, tokens, positions)   one decode row per sequence, S sequences in one forward:
-        logits fp32 [S, V].
+    CpuBatchRunner.decode(tables, tokens, positions, prev=None, src=None)   one decode row per sequence, S
+        sequences in one forward: logits fp32 [S, V]. ``prev`` (int64 tensor, the previous step's sampled tokens)
+        and ``src`` (per row an index into it, or -1: the row's token from ``tokens``): the scheduler's overlapped
+        steps (runtime/scheduler.py) hand a row's input token that is not yet on the host so; here it is read.
     CpuBatchRunner.replay(table, tokens, start)   up to 16 decode rows of one sequence in one forward, no logits
         (rebuilding a preempted request's cache). Executors (chosen as ``Decoder.forward`` chooses: the host-kernel CPU executor for
         dense models whose projections run the host GEMV, TorchOps otherwise):
@@ -192,6 +194,7 @@ class CpuBatchRunner:
     row's own decode computation here, so a fold is exact but runs a prompt row by row)."""
 
     fold_prompt = 0
+    overlap = False  # the scheduler's default: overlapped steps buy nothing where the forward is the host's
 
     def __init__(self, decoder, kv: PagedKV):
         self.decoder, self.kv, self.cfg = decoder, kv, decoder.config
@@ -212,7 +215,11 @@ class CpuBatchRunner:
         return logits
 
     @torch.inference_mode()
-    def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(self, tables: list[torch.Tensor], tokens: list[int], positions: list[int],
+               prev: torch.Tensor | None = None, src: list[int] | None = None) -> torch.Tensor:
+        if prev is not None:
+            got = prev.tolist()
+            tokens = [got[j] if j >= 0 else t for t, j in zip(tokens, src)]
         groups = [Group(i, 1, int(positions[i]), tables[i]) for i in range(len(tokens))]
         return self._rows(Mode.DECODE, groups, tokens, [int(p) for p in positions], True)
 

@@ -30,6 +30,20 @@ A row's bits are then those of a decode step at its position whatever the split 
 short prompt costs a few row groups of the batched GEMVs (about what 16 more decode rows cost per 16 prompt
 tokens) instead of a prefill forward that dequantizes every weight. Whether a prompt folds depends on its length
 alone, so a request still takes the same path alone and in any batch.
+Overlapped steps (``overlap``; default the runner's ``overlap``: on for the GPU runner, off on the CPU): step N + 1's
+decode forward and sampling are enqueued before the host reads step N's tokens, so that the host's work on them
+(TokenStream pushes, the caller's delivery) runs while the device computes N + 1. A row of N + 1 whose input is a
+token of N not yet on the host takes it on the device (``runner.decode``'s ``prev``: step N's sampled tensor,
+``src``: each row's index into it, -1 for a host token). Then every read enqueued before N + 1's forward lands
+(step N's decode tokens, step N + 1's prefill first tokens) and is pushed. A request that step N finished (EOS, a
+stop string, cancelled) had a row in N + 1: that row's token is dropped when it lands (its sampler is the finished
+request's, never used again); its blocks are freed after N + 1 was enqueued, and whatever uses them next (a decode
+row, a prefill chunk and its write-back, a poisoning fill) is enqueued later on the same stream, so it runs after
+N + 1. max_new_tokens is known in advance: no row is planned past it (``sampled``). A preempted request keeps its
+pending token (it lands before the request can be readmitted: readmission is at a later step's admission, and
+every token fed as a row before the preemption was sampled at least two steps earlier, so its rebuild reads only
+landed tokens). A request's sampler is called in the same order (its rows are in token order either way), so the
+tokens are exactly the sequential scheduler's; its events arrive one step later.
 ``cancel(req)`` ends a request at once (blocks freed, "cancelled"). Each request's StreamEvents collect in
 ``req.events`` (the caller drains them); ``req.done`` is set with the last one.
 
@@ -67,7 +81,9 @@ class Request:
     table: torch.Tensor | None = None
     computed: int = 0                 # positions in the KV cache
     target: int = 0                   # positions to rebuild before decoding again (a preempted request)
-    last: int | None = None           # the last sampled token (the next decode row's input)
+    last: int | None = None           # the last sampled token on the host (the next decode row's input)
+    pending: tuple | None = None      # (_Read, index): a sampled token not yet on the host (overlapped steps)
+    sampled: int = 0                  # tokens sampled so far (landed or pending)
     sampler: Sampler | None = None
     events: collections.deque = field(default_factory=collections.deque)
     completion: object = None
@@ -85,14 +101,19 @@ class Request:
     def _table(self) -> None:
         self.table = torch.tensor(self.blocks, dtype=torch.long)
 
+    @property
+    def has_token(self) -> bool:
+        """Whether the request has sampled its first token (landed or pending)."""
+        return self.last is not None or self.pending is not None
+
 
 class Scheduler:
     """Continuous batching over ``runner``: its ``kv`` (a PagedKV), ``prefill(table, tokens, start)`` -> logits [V]
-    and ``decode(tables, tokens, positions)`` -> logits [S, V] (runtime/paged_ops.py)."""
+    and ``decode(tables, tokens, positions, prev=None, src=None)`` -> logits [S, V] (runtime/paged_ops.py)."""
 
     def __init__(self, runner, tokenizer: Tokenizer | None, vocab_size: int, context_size: int, *,
                  max_batch: int = 16, chunk: int = 64, prefill_budget: int | None = None, on_full: str = "queue",
-                 device: str | torch.device = "cpu", fold: int | None = None):
+                 device: str | torch.device = "cpu", fold: int | None = None, overlap: bool | None = None):
         if max_batch < 1:
             raise TrapetumError(f"max batch: at least 1, got {max_batch}")
         if chunk < 1:
@@ -107,12 +128,16 @@ class Scheduler:
         if self.fold < 0:
             raise TrapetumError(f"fold: prompts of at most this many tokens fold into the decode forward, at least 0, "
                                 f"got {self.fold}")
+        self.overlap = bool(getattr(runner, "overlap", False) if overlap is None else overlap)
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []   # admitted, in admission order
         self._ids = itertools.count()
         self.steps = 0
         self.peak_batch = 0               # most requests decoded in one forward
         self.preemptions = 0
+        self._inflight: _Read | None = None  # the last decode step's tokens, not yet landed (overlapped steps)
+        self._reads: list[_Read] = []        # this step's prefill first tokens, landing after its decode forward
+        self._touched: list[Request] = []
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, prompt: list[int], settings: GenerationSettings, t0: float | None = None) -> Request:
@@ -137,8 +162,6 @@ class Scheduler:
         """End ``req`` now ("cancelled"; its blocks freed). A finished request is left as it is."""
         if req.done:
             return
-        if req.state == "waiting":
-            self.waiting.remove(req)
         self._finish(req, "cancelled")
 
     def load(self) -> dict:
@@ -147,26 +170,31 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self._inflight)
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One scheduler step (module docstring); returns the requests that got events."""
         self.steps += 1
-        touched: list[Request] = []
+        self._touched, self._reads = [], []
         self._admit()
-        budget = self.prefill_budget
+        budget, fresh = self.prefill_budget, []  # fresh: a first token sampled by this step's prefill
         for req in [r for r in self.active if r.state == "prefill" and not self._folded(r)]:
             while budget > 0 and req.state == "prefill":
-                budget -= max(self._prefill(req, touched), self.chunk)  # a forward costs at least a chunk
+                budget -= max(self._prefill(req, fresh), self.chunk)  # a forward costs at least a chunk
             if budget <= 0:
                 break
         rows = []
-        for r in [r for r in self.active if r.state == "decode" and r not in touched]:
+        for r in [r for r in self.active if r.state == "decode" and r not in fresh
+                  and r.sampled < r.settings.max_new_tokens]:  # (overlapped: the last one may be pending)
             if r.state == "decode" and self._grow(r):  # (an earlier _grow may have preempted r)
                 rows.append(r)
         rows = [r for r in rows if r.state == "decode"]
-        tables, toks, pos = [r.table for r in rows], [r.last for r in rows], [r.computed for r in rows]
+        prev = self._inflight
+        src = [-1 if r.pending is None else r.pending[1] for r in rows]  # a pending token: the last step's
+        assert all(r.pending is None or r.pending[0] is prev for r in rows)
+        tables, pos = [r.table for r in rows], [r.computed for r in rows]
+        toks = [0 if r.pending is not None else r.last for r in rows]
         folds, left = [], self.prefill_budget  # (request, rows) of the folded prompts, after the decode rows
         for r in [r for r in self.active if r.state == "prefill" and self._folded(r)]:
             if left <= 0:
@@ -177,28 +205,36 @@ class Scheduler:
             tables += [r.table] * n
             toks += r.prompt[r.computed:r.computed + n]
             pos += range(r.computed, r.computed + n)
+        read = None
         if rows or folds:
             self.peak_batch = max(self.peak_batch, len(rows))
-            logits = self.runner.decode(tables, toks, pos)
+            if any(i >= 0 for i in src):
+                logits = self.runner.decode(tables, toks, pos, prev.toks, src + [-1] * (len(toks) - len(rows)))
+            else:
+                logits = self.runner.decode(tables, toks, pos)
             sample, at = list(rows), list(range(len(rows)))  # the sampled requests, each one's logits row
+            for r in rows:
+                r.computed += 1
             row = len(rows)
             for r, n in folds:
                 row += n
                 r.computed += n
-                if r.computed == len(r.prompt) and r.last is None:  # a first token (a rebuilt request has one)
+                if r.computed == len(r.prompt) and not r.has_token:  # a first token (a rebuilt request has one)
                     r.state = "decode"
                     sample.append(r)
                     at.append(row - 1)
-                elif r.last is not None and r.computed >= max(len(r.prompt), r.target):
+                elif r.has_token and r.computed >= max(len(r.prompt), r.target):
                     r.state, r.target = "decode", 0
-            toks = _read(self._sample_rows(sample, logits, at))  # the step's one host read
-            for r, i in zip(sample[:len(rows)], at):
-                r.computed += 1
-                self._push(r, toks[i])
-            for r, i in zip(sample[len(rows):], at[len(rows):]):
-                self._push(r, toks[i])
-            touched += sample
-        return touched
+            if sample:  # the step's one host read
+                read = self._sampled(sample, self._sample_rows(sample, logits, at), at)
+        # land what was enqueued before this step's decode forward (overlapped), else everything now
+        landing = ([prev] if prev is not None else []) + self._reads
+        self._inflight = read if self.overlap else None
+        if not self.overlap and read is not None:
+            landing.append(read)
+        for rd in landing:
+            self._land(rd)
+        return self._touched
 
     def run(self) -> None:
         """Steps until nothing is waiting or running."""
@@ -209,23 +245,23 @@ class Scheduler:
         """Whether ``req``'s remaining prompt positions go into the decode forward (module docstring)."""
         return len(req.prompt) <= self.fold and req.computed < len(req.prompt)
 
-    def _prefill(self, req: Request, touched: list) -> int:
+    def _prefill(self, req: Request, fresh: list) -> int:
         """One prompt chunk of ``req`` (or, rebuilding, up to MAX_VERIFY_ROWS of its fed tokens); positions done."""
         P = len(req.prompt)
         if req.computed < P:
             n = min(self.chunk - req.computed % self.chunk, P - req.computed)
             logits = self.runner.prefill(req.table, req.prompt[req.computed:req.computed + n], req.computed)
             req.computed += n
-            if req.computed == P and req.last is None:
+            if req.computed == P and not req.has_token:
                 req.state = "decode"
                 self._take(req, logits)
-                touched.append(req)
+                fresh.append(req)
         else:
             fed = req.stream.out[req.computed - P:req.target - P]
             n = min(len(fed), MAX_VERIFY_ROWS)
             self.runner.replay(req.table, fed[:n], req.computed)
             req.computed += n
-        if req.last is not None and req.computed >= max(P, req.target):
+        if req.has_token and req.computed >= max(P, req.target):
             req.state, req.target = "decode", 0
         return n
 
@@ -248,7 +284,7 @@ class Scheduler:
         self.active.remove(req)
         self.kv.free(req.blocks)
         req.blocks, req.table = [], None
-        req.target = max(req.target, req.computed) if req.last is not None else 0
+        req.target = max(req.target, req.computed) if req.has_token else 0
         req.computed, req.state = 0, "waiting"
         self.waiting.appendleft(req)
 
@@ -289,8 +325,32 @@ class Scheduler:
         return out
 
     def _take(self, req: Request, logits: torch.Tensor) -> None:
-        """Sample ``req``'s next token from its logits row [V] and push it (``_push``)."""
-        self._push(req, _read(self._sample_rows([req], logits.reshape(1, -1)))[0])
+        """Sample ``req``'s next token from its logits row [V]; it lands (``_land``) now, or overlapped after this
+        step's decode forward was enqueued."""
+        read = self._sampled([req], self._sample_rows([req], logits.reshape(1, -1)))
+        if self.overlap:
+            self._reads.append(read)
+        else:
+            self._land(read)
+
+    def _sampled(self, reqs: list[Request], toks: torch.Tensor, at: list[int] | None = None) -> _Read:
+        """``reqs``' new tokens (entry ``at[i]`` of ``toks``) on their way to the host, pending until they land."""
+        read = _Read(toks, list(zip(reqs, range(len(reqs)) if at is None else at)))
+        for r, i in read.entries:
+            r.sampled += 1
+            r.pending = (read, i)
+        return read
+
+    def _land(self, read: _Read) -> None:
+        """Read tokens on the host and push them; a request already done (finished by an earlier token, or
+        cancelled) drops its token."""
+        toks = read.tokens()
+        for r, i in read.entries:
+            if r.pending is not None and r.pending[0] is read:
+                r.pending = None
+            if not r.done:
+                self._push(r, toks[i])
+                self._touched.append(r)
 
     def _push(self, req: Request, tok: int) -> None:
         """Stream ``req``'s new token; finish the request if it is done."""
@@ -303,6 +363,8 @@ class Scheduler:
     def _finish(self, req: Request, finish: str | None) -> None:
         if req in self.active:
             self.active.remove(req)
+        elif req.state == "waiting" and req in self.waiting:  # (a preempted request whose pending token ends it)
+            self.waiting.remove(req)
         if req.blocks:
             self.kv.free(req.blocks)
             req.blocks = []
@@ -312,14 +374,25 @@ class Scheduler:
         req.state = "done"
 
 
-def _read(toks: torch.Tensor) -> list[int]:
-    """``toks`` on the host. On CUDA the wait for the step's kernels is a CUDA event's, which releases the GIL
-    (the server's event-loop thread formats and sends the previous step's tokens meanwhile), then the copy."""
-    if toks.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-    return toks.tolist()
+class _Read:
+    """Sampled tokens ``toks`` (int64 [R], on the logits' device) on their way to the host, ``entries`` (request,
+    index into toks). On CUDA an asynchronous copy into page-locked memory and an event after it are enqueued at
+    once, so that ``tokens()`` later waits for these tokens alone, not for forwards enqueued since; the wait is a
+    CUDA event's, which releases the GIL (the server's event-loop thread formats and sends tokens meanwhile)."""
+
+    def __init__(self, toks: torch.Tensor, entries: list):
+        self.toks, self.entries, self.done = toks, entries, None
+        self.host = toks
+        if toks.is_cuda:
+            self.host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            self.host.copy_(toks, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 def drain(req: Request) -> list[StreamEvent]:
