@@ -213,8 +213,8 @@ class Model:
         ``chunk`` (default one chunk: one prefill forward per step). ``fold``: prompts of at most this many tokens
         go into the decode forward as rows, up to ``prefill_budget`` rows a step (default the runner's: 128 on the
         GPU engine, 0 on the CPU; runtime/scheduler.py). ``overlap``: enqueue each decode step before the host
-        handles the previous step's tokens (the same tokens, events a step later; default on on the GPU engine,
-        off on the CPU; runtime/scheduler.py). A drafter (``draft=``) is not used by batched
+        handles the previous step's tokens (the same tokens, events a step later; default off: opt-in until
+        measured on a GPU; runtime/scheduler.py). A drafter (``draft=``) is not used by batched
         decoding."""
         from .runtime.paged_kv import PagedKV
         from .runtime.scheduler import Scheduler

@@ -12,7 +12,7 @@
 #      budget leaves the others' JSON);
 #   5. if the budget allows, the same batched server with `--no-overlap` (session 14: the scheduler's sequential
 #      steps, the host's work on a step's tokens not overlapped with the next step) at 1, 16 and 64 clients, so
-#      that overlap on (the default, step 4) and off compare in one run;
+#      that overlap on (BATCH passes --overlap, step 4) and off compare in one run;
 #   6. the baseline, if the budget allows: `serve --max-batch 1` (one request at a time on the engine's decode
 #      graph) at 1 and 16 clients, 16 requests each.
 # Full results under $OUT (JSON per level, logs); a table with the issue's bars printed last.
@@ -24,7 +24,7 @@ OUT=${OUT:-out/gpu-load}
 DEVICE=${DEVICE:-cuda}
 TESTS=${TESTS:-1}
 MAX_TOKENS=${MAX_TOKENS:-128}
-BATCH=${BATCH:---max-batch 64 --gpu-batch --kv-mem 32}
+BATCH=${BATCH:---max-batch 64 --gpu-batch --kv-mem 32 --overlap}
 SET=${SET:-}
 BUDGET_S=${BUDGET_S:-410}
 SKIP_BUILD=1

@@ -141,7 +141,7 @@ class GpuBatchRunner:
     """The scheduler's forwards (module docstring) over a GpuEngine."""
 
     fold_prompt = FOLD_PROMPT
-    overlap = True
+    overlap = False  # opt-in (serve --overlap) until the H200 has measured it: NOTES-serving.md, session 14
 
     def __init__(self, eng, num_blocks: int, block_size: int = 16):
         cfg = eng.cfg
