@@ -34,8 +34,9 @@ GADGETS = {  # template -> what the one-line reason says
     "{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}": "recurses too deeply",
     "{{ range(10**9) | list | length }}": "MAX_RANGE",
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}": "longer than 2 s",
+    # the memory cap trips first on an idle machine, the time limit on a loaded one: either is the refusal
     "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}":
-        "memory",
+        ("memory", "longer than 2 s"),
     "{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}": "output is longer",
     "{{ '%2000000000d' % 1 }}": "width",
     "{% if %}": "does not compile",
@@ -62,7 +63,8 @@ def test_gadget_is_one_line_error_naming_the_file(template):
     msg = str(e.value)
     assert time.perf_counter() - t0 < 4.5, msg
     assert msg.startswith("/models/evil.gguf: chat template") and "\n" not in msg, msg
-    assert GADGETS[template] in msg, msg
+    want = GADGETS[template]
+    assert any(w in msg for w in ((want,) if isinstance(want, str) else want)), msg
     assert not e.value.rejected
 
 
