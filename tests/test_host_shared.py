@@ -7,8 +7,11 @@ few M, threads 1 and 2; against the float64 reference; the CPU modules and decod
 as stored (no per-row tables) and give the bits of the expanded file."""
 from __future__ import annotations
 
+import math
 import random
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,23 +87,71 @@ def test_bitwise_the_per_row_call_on_the_decoded_tables_and_near_float64(chunk):
 
 @pytest.mark.skipif("avx512vbmi" not in PATHS, reason="the CPU has no AVX-512 VBMI")
 @pytest.mark.parametrize("chunk", range(2))
-def test_avx512vbmi_gives_avx512_s_bits(chunk):
-    """The avx512vbmi path (the 8-bit lookup by byte permutes, blocks of 64 columns; 4-bit as avx512, M = 1 in its
-    own row loop) gives the avx512 path's results bit for bit: 200 random shapes (K around the blocks of 32, 64
-    and 128 among them), both table storages, M = 1..16, threads 1 and 3."""
+def test_avx512vbmi_4bit_gives_avx512_s_bits(chunk):
+    """The avx512vbmi path's 4-bit GEMV is avx512's (M = 1 in its own row loop) bit for bit: 100 random shapes (K
+    around the blocks of 32 and 128 among them), both table storages, M = 1..16, threads 1 and 3."""
     rng = random.Random(14 + chunk)
-    for i in range(100):
-        bits = rng.choice((4, 8))
+    for i in range(50):
         K = rng.choice((1, 31, 32, 33, 63, 64, 65, 127, 128, 129, 191, 192, 193, 576, 896)) if i % 2 else \
             rng.randint(1, 1100)
         N, M = rng.choice((1, 3, 53, rng.randint(1, 300))), rng.choice((1, 1, 2, 3, 4, 5, 16))
         G = rng.choice((1, 7, 64, 512, N + 5))
-        x, codes, st = _case(bits, M, N, K, G, seed=chunk * 1000 + i, tiny=i % 7 == 0)
+        x, codes, st = _case(4, M, N, K, G, seed=chunk * 1000 + i, tiny=i % 7 == 0)
         for tab in (st, decode_shared(st.shared, st.scale, G)):
-            want = hg.codebook_gemv_host(x, codes, tab, bits, K, threads=1, path="avx512")
+            want = hg.codebook_gemv_host(x, codes, tab, 4, K, threads=1, path="avx512")
             for t in (1, 3):
-                y = hg.codebook_gemv_host(x, codes, tab, bits, K, threads=t, path="avx512vbmi")
-                assert torch.equal(y, want), (bits, M, N, K, G, t)
+                y = hg.codebook_gemv_host(x, codes, tab, 4, K, threads=t, path="avx512vbmi")
+                assert torch.equal(y, want), (M, N, K, G, t)
+
+
+def _r32(f: Fraction) -> float:
+    """The exact rational f rounded to fp32 (nearest, ties to even; normal range)."""
+    if f == 0:
+        return 0.0
+    e = math.frexp(float(f))[1]
+    while abs(f) * Fraction(2) ** (24 - e) < 2 ** 23:
+        e -= 1
+    while abs(f) * Fraction(2) ** (24 - e) >= 2 ** 24:
+        e += 1
+    return float(np.float32(round(f * Fraction(2) ** (24 - e)) * Fraction(2) ** (e - 24)))
+
+
+def _bytes_order_emulated(x, w):
+    """host/codebook_host.c row8_bytes for one row of x and one weight row w (fp32 values), emulated exactly: blocks
+    of 64 columns, quarter q's lane i takes column 64 b + xorder64(q, i) into accumulator q by one fp32 FMA (padding
+    columns multiply x's zeros), then ((a0 + a1) + (a2 + a3)) and _mm512_reduce_add_ps's tree (GCC)."""
+    f32 = np.float32
+    K = len(x)
+    acc = [[f32(0)] * 16 for _ in range(4)]
+    for b in range(0, K, 64):
+        for q in range(4):
+            for i in range(16):
+                k = b + 16 * (2 * (q & 1) + i // 8) + 8 * (q >> 1) + i % 8
+                if k < K:
+                    acc[q][i] = f32(_r32(Fraction(float(w[k])) * Fraction(float(x[k])) + Fraction(float(acc[q][i]))))
+    v = [(acc[0][i] + acc[1][i]) + (acc[2][i] + acc[3][i]) for i in range(16)]
+    t3 = [v[8 + i] + v[i] for i in range(8)]
+    t6 = [t3[4 + i] + t3[i] for i in range(4)]
+    return float((t6[0] + t6[2]) + (t6[1] + t6[3]))
+
+
+@pytest.mark.skipif("avx512vbmi" not in PATHS, reason="the CPU has no AVX-512 VBMI")
+def test_avx512vbmi_8bit_is_the_byte_lookup_s_order_exactly():
+    """The 8-bit byte-plane lookup of avx512vbmi (and avx512fp16, the same function) is bitwise its documented
+    sequence of fp32 FMAs and adds (an exact emulation): K around the blocks of 64, both storages, threads 1 and 3,
+    M = 3 (batch invariance: every row of x its M = 1 sequence)."""
+    rng = random.Random(18)
+    for i, K in enumerate((1, 5, 63, 64, 65, 127, 128, 129, 200, 257)):
+        N, G = rng.randint(1, 5), rng.choice((1, 2, 512))
+        x, codes, st = _case(8, 3, N, K, G, seed=500 + i, tiny=i % 4 == 3)
+        w = decode_shared(st.shared, st.scale, G).float()
+        idx = unpack_codes(codes, 8, K).long()
+        want = torch.tensor([[_bytes_order_emulated(x[m].numpy(), w[n][idx[n]].numpy()) for n in range(N)]
+                             for m in range(3)])
+        for tab in (st, decode_shared(st.shared, st.scale, G)):
+            for t in (1, 3):
+                y = hg.codebook_gemv_host(x, codes, tab, 8, K, threads=t, path="avx512vbmi")
+                assert torch.equal(y, want), (N, K, G, t, (y - want).abs().max())
 
 
 @pytest.mark.parametrize("bits", (4, 8))

@@ -15,7 +15,8 @@ M = 1 result for every M (batch invariance); output rows are split over ``thread
 ``torch.get_num_threads()``), each element computed by one thread in a fixed order, so results are identical
 for every thread count and run to run. Code paths (``PATHS``): AVX-512 with FP16 and VBMI, AVX-512 with VBMI,
 AVX-512, AVX2 or portable C, the best the CPU runs unless ``path`` names a lower one (they differ only in rounding,
-except that avx512vbmi gives avx512's bits; the two table storages give the same bits on each). ``reference``: float64 dequantize-and-multiply.
+except that avx512vbmi gives avx512's 4-bit and avx512fp16's 8-bit bits; the two table storages give the same bits on
+each). ``reference``: float64 dequantize-and-multiply.
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
@@ -44,8 +45,8 @@ SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
 SOURCES = (SOURCE, SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs, their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")  # index = the C side's path number (avx512vbmi:
-# avx512's results bit for bit, the 8-bit lookup by byte permutes; avx512fp16: AVX-512 with FP16 and VBMI: the
-# 8-bit lookup by byte permutes in its own column order, the shared tables formed by fp16 multiplies)
+# avx512's 4-bit results bit for bit, the 8-bit lookup by byte permutes in its own column order; avx512fp16: the
+# same with the shared tables formed by fp16 multiplies, bitwise avx512vbmi's)
 HOST_BITS = (4, 8)
 GEMV_ROWS = 16  # CodebookLinear: rows up to this many take the GEMV (decode, verify), more the dequantized matmul
 

@@ -21,8 +21,8 @@
      (host/host_pool.c); each element is computed by one thread in a fixed order: results are identical for
      every thread count, every schedule and run to run;
    - code paths: AVX-512 with FP16 and VBMI (avx512fp16: 4-bit as avx512; 8-bit: byte permutes of the table's
-     low / high byte planes, its section below), AVX-512 with VBMI (avx512vbmi: avx512's results bit for bit, the
-     8-bit lookup by byte permutes), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
+     low / high byte planes, row8_bytes), AVX-512 with VBMI (avx512vbmi: 4-bit avx512's results bit for bit, 8-bit
+     avx512fp16's: the same byte lookup on the same tables), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
      8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit:
      gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
      rounding; on each path the two table storages give the same bits.
@@ -78,8 +78,9 @@ static uint16_t f2h(float f) {
   return (uint16_t)(sign | (u >> 13));
 }
 
-/* code paths (host_gemv.PATHS): avx512vbmi is avx512 with the 8-bit lookup by byte permutes (the same sums, bit
-   for bit); avx512fp16 is avx512 forming the shared storage's tables by fp16 multiplies, its own 8-bit order */
+/* code paths (host_gemv.PATHS): avx512vbmi is avx512 (4-bit, bit for bit) with the 8-bit lookup by byte permutes
+   in its own column order (row8_bytes); avx512fp16 is avx512vbmi forming the shared storage's tables by fp16
+   multiplies (the same bits) */
 enum { PATH_C = 0, PATH_AVX2 = 1, PATH_AVX512 = 2, PATH_VBMI = 3, PATH_FP16 = 4 };
 
 /* the avx512fp16 8-bit lookup's column order: the column (within a block of 64) of quarter q's element i */
@@ -420,87 +421,22 @@ __attribute__((target(T512))) static void rows_512(const job_t *j, long n0, long
     }
   }
 }
-/* ---------------------------------------------------------------- AVX-512 with VBMI (path avx512vbmi) */
-/* Zen 4, Ice Lake and later. 4-bit as avx512. 8-bit: blocks of 64 columns looked up as bytes, row8_512's sums bit
-   for bit: the row's 256 fp16 entries (table8_512) split once into low- and high-byte planes (4 + 4 registers of
-   64 bytes), each plane looked up by two 128-entry byte permutes (vpermt2b on index bits 0..6) and a blend on bit
-   7, and the planes put back together into fp16 words in column order by two more vpermt2b (not unpacks: columns
-   stay where row8_512 has them), so the quarters of 16 columns feed a0, a1, a0, a1 as two of row8_512's 32-column
-   blocks do; x as avx512 (natural order). The K % 64 rest in row8_512's blocks of 32. Per 64 columns 6 byte
-   permutes, 2 blends, 1 mask, 4 widenings, 4 FMAs, against row8_512's 8 16-bit permutes, 6 blends, 4 masks. */
+/* ---------------------------------------------------------------- the 8-bit byte-plane lookup (avx512vbmi, avx512fp16) */
+/* Zen 4, Ice Lake and later (VBMI); Sapphire Rapids and later also with FP16. 8-bit: blocks of 64 columns looked up
+   as bytes: the row's 256 fp16 entries split once into low- and high-byte planes (4 + 4 registers of 64 bytes,
+   planes8), each looked up by two 128-entry byte permutes (vpermt2b on index bits 0..6) and a blend on bit 7, the
+   planes interleaved back into fp16 words by two unpacks and widened. The unpacks leave 128-bit lane j of word
+   vector h holding columns 16j + 8h + 0..7, so x is prepared in that order (xorder64; K padded to a multiple of 64,
+   the row's partial last block copied into a zeroed local block) and the four fp32 quarters q = 2h + half feed four
+   accumulators: per 64 columns 4 byte permutes, 2 blends, 1 mask, 2 unpacks, 2 extracts, 4 widenings, 4 FMAs.
+   Both paths give the same bits (their tables are bitwise the same: the header's fp16(scale * shared), formed by
+   fp32 multiplies and vcvtps2ph on avx512vbmi, by vmulph on avx512fp16). Until session 14's second part avx512vbmi
+   put the planes back by two vpermt2b in row8_512's column order (avx512's bits); the unpacks ran the Qwen head
+   (151,936 x 896, shared tables) 8-10% faster on Zen 4 (scripts/dev/s14_head8_probe.py). */
 #define TVBMI T512 ",avx512vbmi"
 
-__attribute__((target(TVBMI), always_inline)) static inline void row8_vbmi(const job_t *j, long n, long m0, int R,
-                                                                          const __m512i *t, const __m512i *lb,
-                                                                          const __m512i *hb, __m512i i0, __m512i i1) {
-  const uint8_t *c = j->codes + n * j->ldc;
-  const long nb64 = j->K / 64;  /* whole blocks of 64 inside the stored row */
-  __m512 a0[4], a1[4];
-  for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-  for (long b = 0; b < nb64; b++) {
-    const uint8_t *p = c + b * 64;
-    _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
-    const __m512i v = _mm512_loadu_si512((const void *)p);
-    const __mmask64 k7 = _mm512_movepi8_mask(v);
-    const __m512i lo = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(lb[0], v, lb[1]),
-                                              _mm512_permutex2var_epi8(lb[2], v, lb[3]));
-    const __m512i hi = _mm512_mask_blend_epi8(k7, _mm512_permutex2var_epi8(hb[0], v, hb[1]),
-                                              _mm512_permutex2var_epi8(hb[2], v, hb[3]));
-    const __m512i w0 = _mm512_permutex2var_epi8(lo, i0, hi), w1 = _mm512_permutex2var_epi8(lo, i1, hi);
-    const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(w0)), f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w0, 1));
-    const __m512 f2 = _mm512_cvtph_ps(_mm512_castsi512_si256(w1)), f3 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(w1, 1));
-    for (int r = 0; r < R; r++) {
-      const float *x = j->xp + (m0 + r) * j->Kp + b * 64;
-      a0[r] = _mm512_fmadd_ps(f0, _mm512_loadu_ps(x), a0[r]);
-      a1[r] = _mm512_fmadd_ps(f1, _mm512_loadu_ps(x + 16), a1[r]);
-      a0[r] = _mm512_fmadd_ps(f2, _mm512_loadu_ps(x + 32), a0[r]);
-      a1[r] = _mm512_fmadd_ps(f3, _mm512_loadu_ps(x + 48), a1[r]);
-    }
-  }
-  row8_512_from(j, n, m0, R, t, 2 * nb64, a0, a1);
-}
-
-__attribute__((target(TVBMI))) static void rows_vbmi(const job_t *j, long n0, long n1) {
-  if (j->bits == 4) { rows_512(j, n0, n1); return; }
-  uint8_t ev[64], i0b[64], i1b[64];
-  for (int i = 0; i < 64; i++) ev[i] = (uint8_t)(2 * i);  /* the low bytes of 64 words */
-  for (int i = 0; i < 32; i++) {  /* word i: plane lo's byte i, plane hi's byte i (second table: + 64) */
-    i0b[2 * i] = (uint8_t)i; i0b[2 * i + 1] = (uint8_t)(64 + i);
-    i1b[2 * i] = (uint8_t)(32 + i); i1b[2 * i + 1] = (uint8_t)(96 + i);
-  }
-  const __m512i evv = _mm512_loadu_si512((const void *)ev), odv = _mm512_add_epi8(evv, _mm512_set1_epi8(1));
-  const __m512i i0 = _mm512_loadu_si512((const void *)i0b), i1 = _mm512_loadu_si512((const void *)i1b);
-  float gt[256] __attribute__((aligned(64)));
-  long g = -1;
-  for (long n = n0; n < n1; n++) {
-    __m512i t[8], lb[4], hb[4];
-    table8_512(j, n, gt, &g, t);
-    for (int i = 0; i < 4; i++) {
-      lb[i] = _mm512_permutex2var_epi8(t[2 * i], evv, t[2 * i + 1]);
-      hb[i] = _mm512_permutex2var_epi8(t[2 * i], odv, t[2 * i + 1]);
-    }
-    for (long m = 0; m < j->M; m += 4) {
-      long R = j->M - m < 4 ? j->M - m : 4;
-      switch (R) { case 4: row8_vbmi(j, n, m, 4, t, lb, hb, i0, i1); break;
-                   case 3: row8_vbmi(j, n, m, 3, t, lb, hb, i0, i1); break;
-                   case 2: row8_vbmi(j, n, m, 2, t, lb, hb, i0, i1); break;
-                   default: row8_vbmi(j, n, m, 1, t, lb, hb, i0, i1); }
-    }
-  }
-}
-/* ---------------------------------------------------------------- AVX-512 with FP16 and VBMI (path avx512fp16) */
-/* Sapphire Rapids and later. The shared storage's tables formed by fp16 multiplies: vmulph rounds the exact
-   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ), the bits of the fp32 product rounded
-   by vcvtps2ph. 8-bit: blocks of 64 columns looked up as bytes: the row's 256 fp16 entries split once into low-
-   and high-byte planes (4 + 4 registers of 64 bytes), each looked up by two 128-entry byte permutes (vpermt2b on
-   index bits 0..6) and a blend on bit 7, the planes interleaved back into fp16 words and widened: 23 vector uops
-   per 64 columns where the 16-bit permutes take 34. The unpacks leave 128-bit lane j of word vector h holding
-   columns 16j + 8h + 0..7, so x is prepared in that order (xorder64) and the four fp32 quarters q = 2h + half
-   feed four accumulators. */
-#define TSPR T512 ",avx512fp16,avx512vbmi"
-
-__attribute__((target(TSPR), always_inline)) static inline void row8_spr(const job_t *j, long n, long m0, int R,
-                                                                        const __m512i *lb, const __m512i *hb) {
+__attribute__((target(TVBMI), always_inline)) static inline void row8_bytes(const job_t *j, long n, long m0, int R,
+                                                                           const __m512i *lb, const __m512i *hb) {
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 64, full = j->K / 64;
   __m512 a[4][4];
@@ -532,12 +468,49 @@ __attribute__((target(TSPR), always_inline)) static inline void row8_spr(const j
         _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3])));
 }
 
-__attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long n1) {
+/* a row's 256 fp16 entries t[8] (32 a register) split into their low- and high-byte planes lb[4], hb[4] */
+__attribute__((target(TVBMI), always_inline)) static inline void planes8(const __m512i *t, __m512i *lb, __m512i *hb) {
   const __m512i ev = _mm512_set_epi8(126, 124, 122, 120, 118, 116, 114, 112, 110, 108, 106, 104, 102, 100, 98, 96,
                                      94, 92, 90, 88, 86, 84, 82, 80, 78, 76, 74, 72, 70, 68, 66, 64, 62, 60, 58, 56,
                                      54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26, 24, 22, 20, 18, 16,
-                                     14, 12, 10, 8, 6, 4, 2, 0);
+                                     14, 12, 10, 8, 6, 4, 2, 0);  /* the low bytes of 64 words */
   const __m512i od = _mm512_add_epi8(ev, _mm512_set1_epi8(1));
+  for (int i = 0; i < 4; i++) {
+    lb[i] = _mm512_permutex2var_epi8(t[2 * i], ev, t[2 * i + 1]);
+    hb[i] = _mm512_permutex2var_epi8(t[2 * i], od, t[2 * i + 1]);
+  }
+}
+
+__attribute__((target(TVBMI), always_inline)) static inline void rows8_bytes(const job_t *j, long n, const __m512i *t) {
+  __m512i lb[4], hb[4];
+  planes8(t, lb, hb);
+  for (long m = 0; m < j->M; m += 4) {
+    long R = j->M - m < 4 ? j->M - m : 4;
+    switch (R) { case 4: row8_bytes(j, n, m, 4, lb, hb); break; case 3: row8_bytes(j, n, m, 3, lb, hb); break;
+                 case 2: row8_bytes(j, n, m, 2, lb, hb); break; default: row8_bytes(j, n, m, 1, lb, hb); }
+  }
+}
+
+/* path avx512vbmi: 4-bit as avx512; 8-bit: the row's table by table8_512 (fp32 products, vcvtps2ph), looked up as
+   bytes */
+__attribute__((target(TVBMI))) static void rows_vbmi(const job_t *j, long n0, long n1) {
+  if (j->bits == 4) { rows_512(j, n0, n1); return; }
+  float gt[256] __attribute__((aligned(64)));
+  long g = -1;
+  for (long n = n0; n < n1; n++) {
+    __m512i t[8];
+    table8_512(j, n, gt, &g, t);
+    rows8_bytes(j, n, t);
+  }
+}
+
+/* ---------------------------------------------------------------- AVX-512 with FP16 and VBMI (path avx512fp16) */
+/* Sapphire Rapids and later. The shared storage's tables formed by fp16 multiplies: vmulph rounds the exact
+   product once to nearest even (FP16 arithmetic ignores MXCSR's FTZ / DAZ), the bits of the fp32 product rounded
+   by vcvtps2ph. 8-bit: the byte-plane lookup above (row8_bytes). */
+#define TSPR TVBMI ",avx512fp16"
+
+__attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long n1) {
   for (long n = n0; n < n1; n++) {
     const uint16_t *sh = j->scale ? j->cb + (n / j->G) * (1 << j->bits) : j->cb + n * (1 << j->bits);
     if (j->bits == 4) {
@@ -556,7 +529,7 @@ __attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long
       }
       continue;
     }
-    __m512i t[8], lb[4], hb[4];
+    __m512i t[8];
     const __m512h sv = _mm512_castsi512_ph(_mm512_set1_epi16(j->scale ? (short)j->scale[n] : 0));
     for (int e = 0; e < 8; e++) {
       t[e] = _mm512_loadu_si512((const void *)(sh + 32 * e));
@@ -564,15 +537,7 @@ __attribute__((target(TSPR))) static void rows_spr(const job_t *j, long n0, long
     }
     if (!j->scale)
       for (int e = 0; e < 8; e++) _mm_prefetch((const char *)(sh + 4 * 256 + 32 * e), _MM_HINT_T0);
-    for (int i = 0; i < 4; i++) {
-      lb[i] = _mm512_permutex2var_epi8(t[2 * i], ev, t[2 * i + 1]);
-      hb[i] = _mm512_permutex2var_epi8(t[2 * i], od, t[2 * i + 1]);
-    }
-    for (long m = 0; m < j->M; m += 4) {
-      long R = j->M - m < 4 ? j->M - m : 4;
-      switch (R) { case 4: row8_spr(j, n, m, 4, lb, hb); break; case 3: row8_spr(j, n, m, 3, lb, hb); break;
-                   case 2: row8_spr(j, n, m, 2, lb, hb); break; default: row8_spr(j, n, m, 1, lb, hb); }
-    }
+    rows8_bytes(j, n, t);
   }
 }
 #endif
@@ -638,7 +603,7 @@ int tp_codebook_dequant(const uint8_t *codes, long ldc, const uint16_t *cb, cons
 
 /* ---------------------------------------------------------------- entry points */
 static float *prepare_x(const float *x, long ldx, long M, long K, int bits, int path, long *Kp_out) {
-  long blk = path == PATH_FP16 && bits == 8 ? 64 : path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
+  long blk = path >= PATH_VBMI && bits == 8 ? 64 : path >= PATH_AVX512 ? 32 : path == PATH_AVX2 ? (bits == 4 ? 16 : 8) : 1;
   long Kp = (K + blk - 1) / blk * blk;
   float *xp = (float *)calloc((size_t)(M * Kp), sizeof(float));
   if (!xp) return NULL;
