@@ -35,6 +35,7 @@ def test_wheel_holds_the_cuda_headers_and_every_package_file(tmp_path):
     headers = {n for n in want if n.endswith(".cuh")}
     assert {"trapetum/kernels/cuda/pdl.cuh", "trapetum/kernels/cuda/act.cuh"} <= headers
     assert "trapetum/kernels/host/codebook_host.c" in names  # the host kernels' source (compiled at first use)
+    assert "trapetum/kernels/host/codebook_host_512.c" in names and "trapetum/kernels/host/codebook_host.h" in names
     assert sorted(want - names) == [], "files missing from the wheel"
     version = (ROOT / "trapetum" / "_version.py").read_text().split('__version__ = "')[1].split('"')[0]
     assert wheels[0].name.startswith(f"trapetum-{version}-")  # the version comes from trapetum/_version.py

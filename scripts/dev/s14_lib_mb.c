@@ -1,6 +1,6 @@
 /* Session 14: the host library's tp_codebook_gemv alone (no Python), M = 1, warm (one matrix repeated) or cold
    (NMAT matrices in turn), per-row or shared tables, to set against s14_gemv_mb.c's bare row kernels.
-     gcc -O3 -shared -fPIC -pthread -ffp-contract=off trapetum/kernels/host/codebook_host.c \
+     gcc -O3 -shared -fPIC -pthread -ffp-contract=off trapetum/kernels/host/codebook_host.c trapetum/kernels/host/codebook_host_512.c \
          trapetum/kernels/host/host_pool.c trapetum/kernels/host/cpu_step.c -o /tmp/lib.so -lm
      gcc -O2 scripts/dev/s14_lib_mb.c /tmp/lib.so -o /tmp/libmb -Wl,-rpath,/tmp
      /tmp/libmb BITS K N NMAT REPS WARM PATH THREADS [G]     (G > 0: shared tables, G rows a group)

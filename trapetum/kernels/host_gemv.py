@@ -20,7 +20,8 @@ each). ``reference``: float64 dequantize-and-multiply.
 ``HostGemv``: one weight, checked once; its ``matmul`` serves many rows (prefill) from blocks of rows
 dequantized in C into a temporary (``dequantize``, exact) and multiplied by torch.
 
-The C sources ship in the package (kernels/host/codebook_host.c, its thread pool host_pool.c, and cpu_step.c: the
+The C sources ship in the package (kernels/host/codebook_host.c with its AVX-512 paths in codebook_host_512.c and
+their shared codebook_host.h, the thread pool host_pool.c, and cpu_step.c: the
 decode step's small ops of kernels/host_ops.py, one library) and are compiled at first use with the system's C compiler (gcc or cc, about a
 second) into ``~/.cache/trapetum/host/``, keyed on the source texts and the compiler; no compiler or a failed build is reported once as a warning (``error()``) and ``available()``
 turns False: callers keep their torch path.
@@ -42,7 +43,9 @@ import torch
 from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
-SOURCES = (SOURCE, SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs, their thread pool, the decode step's small ops
+SOURCES = (SOURCE, SOURCE.parent / "codebook_host_512.c", SOURCE.parent / "host_pool.c",
+           SOURCE.parent / "cpu_step.c")  # one library: the GEMVs (codebook_host.h shared), their thread pool, the
+# decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")  # index = the C side's path number (avx512vbmi:
 # avx512's 4-bit results bit for bit, the 8-bit lookup by byte permutes in its own column order; avx512fp16: the
@@ -70,12 +73,13 @@ def _compiler() -> str | None:
 
 def compile_library(name: str, sources, link: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The shared library ``name`` built from ``sources`` with FLAGS by the system's C compiler, cached in
-    ``cache_dir()`` under a key of the source texts, the compiler version and the flags (every host library of the
-    package is built so)."""
+    ``cache_dir()`` under a key of the source texts (the headers beside them included), the compiler version and the
+    flags (every host library of the package is built so)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (gcc or cc on PATH); install gcc for the host kernels")
-    src = b"".join(p.read_bytes() for p in sources)
+    headers = sorted({h for p in sources for h in Path(p).parent.glob("*.h")})
+    src = b"".join(Path(p).read_bytes() for p in [*sources, *headers])
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     key = hashlib.sha256(src + ver.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
