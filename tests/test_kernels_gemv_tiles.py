@@ -139,3 +139,24 @@ def test_tiles_real_shapes_bitwise_single_rows_gpu(case, gpb):
     x2 = x.clone()
     x2[16:] = 6e4 * torch.sign(torch.randn(mx - 16, k, device="cuda", generator=gen)).half()
     assert torch.equal(call(x2, None)[:16], call(x, None)[:16])
+
+
+@requires_cuda
+@pytest.mark.parametrize("m,gpb,bits", [(3, 1, 4), (16, 2, 4), (17, 1, 8), (64, 2, 4), (64, 2, 8)])
+def test_tiles_option_runs_the_two_tile_kernel_gpu(m, gpb, bits):
+    """grouped_gemv_tiles = 2 launches cb_gemv_mma_tiles_kernel (3..256 rows; the bitwise tests above would also
+    pass if the option were ignored), tiles = 1 does not; 1 and 2 rows keep the in-place kernel."""
+    from torch.profiler import ProfilerActivity, profile
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    codes, cb = _gpu_weights(97, 512, bits, gen)
+    kc = cg.tile_codes(codes)
+
+    def names(rows, kopts):
+        x = torch.randn(rows, 512, device="cuda", generator=gen).half()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cg.codebook_gemv(x, kc, cb, bits, tiled=True, kopts=kopts)
+            torch.cuda.synchronize()
+        return " ".join(e.key for e in prof.key_averages())
+    assert "cb_gemv_mma_tiles_kernel" in names(m, TWO[gpb])
+    assert "cb_gemv_mma_tiles_kernel" not in names(m, ONE[gpb])
+    assert "cb_gemv_mma_tiles_kernel" not in names(2, TWO[gpb])
