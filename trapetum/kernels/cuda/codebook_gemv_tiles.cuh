@@ -8,19 +8,25 @@ namespace trapetum_mma {
 
 constexpr int kTiles = 2;                       // weight tiles a block
 constexpr int kTilesThreads = kTiles * kThreads;  // 512: warps 0..7 tile 0, 8..15 tile 1
-constexpr int kXAhead = 2;                      // x pieces in flight (cp.async) ahead of the one in use
-constexpr int kXSlots = kXAhead + 2;            // staged pieces a warp pair (ring; why + 2: below)
+// x pieces in flight (cp.async) ahead of the one in use, and the ring of staged pieces a warp pair (why + 2: below):
+// 6 / 2 pieces of 1 / 2 KB at GB = 1 / 2, 48 / 32 KB in flight an SM (today's kernels hold one piece a warp
+// in registers: 16 / 32 KB an SM at two blocks); slot counts powers of two.
+template <int GB>
+struct XRing {
+  static constexpr int ahead = GB == 1 ? 6 : 2;
+  static constexpr int slots = ahead + 2;
+};
 
-// The grid of cb_gemv_mma_tiles_kernel: pairs of 16-row weight tiles x super-groups of GB groups of 16 rows (block b:
-// pair b / S, super-group b % S, groups_block's mapping with pairs for tiles; the super-groups of a pair are neighbours).
+// The grid of cb_gemv_mma_tiles_kernel: pairs of 16-row weight tiles x super-groups of GB groups of 16 rows (block
+// b: pair b / S, super-group b % S, groups_block's mapping with pairs for tiles; a pair's super-groups neighbours).
 __host__ __device__ inline int tiles_grid(int N, int M, int GB) {
   return ((N + 15) / 16 + kTiles - 1) / kTiles * (((M + 15) / 16 + GB - 1) / GB);
 }
 
-// Dynamic shared memory: kTiles 64 KB tables, then per warp pair (warp w of each tile) kXSlots staged pieces of
-// GB KB each ([group i][n-tile nt][lane] uint4: 2 GB x 512 bytes). GB = 1: 160 KB, GB = 2: 192 KB.
+// Dynamic shared memory: kTiles 64 KB tables, then per warp pair (warp w of each tile) XRing<GB>::slots staged
+// pieces of GB KB each ([group i][n-tile nt][lane] uint4: 2 GB x 512 bytes): 192 KB at GB = 1 and 2.
 template <int GB>
-struct TilesSmem { static constexpr int bytes = kTiles * kTabWords * 4 + kWarps * kXSlots * GB * 1024; };
+struct TilesSmem { static constexpr int bytes = kTiles * kTabWords * 4 + kWarps * XRing<GB>::slots * GB * 1024; };
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
   // src-size 0 (rows past the group's): 16 zero bytes, nothing read
@@ -39,17 +45,17 @@ __device__ __forceinline__ void lds128(uint32_t a, uint32_t (&v)[4]) {
 // fragment of each k-step once for the groups (dequant_tile) and each group's two n-tile mmas: exactly the
 // instructions of cb_gemv_mma_groups_kernel on its tile, and each tile's 8 warps are reduced in order by
 // reduce_store on that tile's own table memory. So every row keeps the bits of its one-row call; only the way x
-// reaches the registers changes. x: warps w and w + 8 consume the same chunks in the same order, so for each
-// 16-byte piece (k-steps 2p, 2p + 1 of a chunk) warp 8 i + w copies n-tile i (rows g + 8 i, lane (g, t): the
-// global uint4 it would load itself, group-wise fragment order) of every group into the pair's staging slot with
-// cp.async (16 bytes a lane, zero-filled past the group's rows), kXAhead pieces ahead; both wait for their own
-// copies of the piece in use, meet at the pair's named barrier (id 1 + w, 64 threads) and read both n-tiles with
-// ld.shared.v4 (512 contiguous bytes a warp instruction: no conflicts). Slot reuse: piece s + kXAhead goes into
-// the slot of piece s + kXAhead - kXSlots = s - 2, which both warps read before the barrier of piece s - 1 that this
-// warp has passed. A tile past N (odd tile count) builds no table, loads no codes and computes nothing, but its
-// warps still stage their half of x and join the barriers; its reduce_store stores nothing (row0 >= N, o >= F).
-// M <= 16 (3..16 rows, fragment-order x = group 0's group-wise order): GB = 1; the n-tile-1 mmas are skipped when
-// the group has <= 8 rows (block-uniform; n-tile 0's chains are unchanged, as in the NT = 1 kernel).
+// reaches the registers changes. x: warps w and w + 8 consume the same chunks in the same order, so for each 16-byte
+// piece (k-steps 2p, 2p + 1 of a chunk) warp 8 i + w copies n-tile i (rows g + 8 i, lane (g, t): the global uint4 it
+// would load itself, group-wise fragment order) of every group into the pair's staging slot with cp.async (16 bytes a
+// lane, zero-filled past the group's rows), XRing<GB>::ahead pieces ahead; both wait for their own copies of the piece
+// in use, meet at the pair's named barrier (id 1 + w, 64 threads) and read both n-tiles with ld.shared.v4 (512
+// contiguous bytes a warp instruction: no conflicts). Slot reuse: piece s + ahead goes into the slot of piece s + ahead
+// - slots = s - 2, which both warps read before the barrier of piece s - 1 that this warp has passed. A tile past N
+// (odd tile count) builds no table, loads no codes and computes nothing, but its warps still stage their half of x and
+// join the barriers; its reduce_store stores nothing (row0 >= N, o >= F).
+// M <= 16 (3..16 rows, fragment-order x = group 0's group-wise order): GB = 1; the n-tile-1 mmas are skipped when the
+// group has <= 8 rows (block-uniform; n-tile 0's chains are unchanged, as in the NT = 1 kernel).
 template <int BITS, int EPI, int GB>
 __global__ void __launch_bounds__(kTilesThreads, 1)
 cb_gemv_mma_tiles_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes,
@@ -79,8 +85,8 @@ cb_gemv_mma_tiles_kernel(const half* __restrict__ x, const uint8_t* __restrict__
   asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
   const uint32_t lane4 = (uint32_t)lane * 4u | ((uint32_t)ti << 8);  // sel_byte<true>: + ti * 64 KB
   constexpr int PT = XPieces<BITS>::value;
-  constexpr int kSlotBytes = GB * 1024;
-  const uint32_t xs = sb + kTiles * kTabWords * 4 + w * (kXSlots * kSlotBytes) + lane * 16;
+  constexpr int kSlotBytes = GB * 1024, kAhead = XRing<GB>::ahead, kSlots = XRing<GB>::slots;
+  const uint32_t xs = sb + kTiles * kTabWords * 4 + w * (kSlots * kSlotBytes) + lane * 16;
   const uint4* xg = reinterpret_cast<const uint4*>(x) + (size_t)g0 * 2 * K;  // 16 K halves = 2 K uint4 per group
   const int niter = nchunks > w ? (nchunks - w + kWarps - 1) / kWarps : 0;  // the same for both warps of a pair
   const int npieces = niter * PT;
@@ -93,7 +99,7 @@ cb_gemv_mma_tiles_kernel(const half* __restrict__ x, const uint8_t* __restrict__
   auto stage = [&](int s) {
     if (s < npieces) {
       const int c = w + kWarps * (s / PT), p = s % PT, row = ti * 8 + g;
-      const uint32_t dst = xs + (uint32_t)((s % kXSlots) * kSlotBytes + ti * 512);
+      const uint32_t dst = xs + (uint32_t)((s % kSlots) * kSlotBytes + ti * 512);
 #pragma unroll
       for (int i = 0; i < GB; ++i) {
         if (i >= ng) continue;  // block-uniform
@@ -112,7 +118,7 @@ cb_gemv_mma_tiles_kernel(const half* __restrict__ x, const uint8_t* __restrict__
     for (int nt = 0; nt < 2; ++nt) acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.0f;
 
 #pragma unroll
-  for (int s = 0; s < kXAhead; ++s) stage(s);
+  for (int s = 0; s < kAhead; ++s) stage(s);
   int s = 0;
   for (int it = 0; it < niter; ++it) {
     const int c = w + kWarps * it;
@@ -121,11 +127,11 @@ cb_gemv_mma_tiles_kernel(const half* __restrict__ x, const uint8_t* __restrict__
     const uint32_t wb4[4] = {qb0.x, qb0.y, qb0.z, qb0.w};
 #pragma unroll
     for (int p = 0; p < PT; ++p, ++s) {
-      stage(s + kXAhead);
-      cp_async_wait<kXAhead>();  // this warp's copies of piece s have landed
+      stage(s + kAhead);
+      cp_async_wait<kAhead>();  // this warp's copies of piece s have landed
       bar_pair(1 + w);           // and the partner's
       if (!active) continue;     // warp-uniform
-      const uint32_t src = xs + (uint32_t)((s % kXSlots) * kSlotBytes);
+      const uint32_t src = xs + (uint32_t)((s % kSlots) * kSlotBytes);
       uint32_t xc[GB][2][4];
 #pragma unroll
       for (int i = 0; i < GB; ++i) {
