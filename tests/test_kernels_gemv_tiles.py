@@ -77,7 +77,7 @@ def test_tiles_random_shapes_gpu(seed):
 @requires_cuda
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("f", [1, 8, 53, 97, 257])
+@pytest.mark.parametrize("f", [1, 53, 97, 256, 257])
 def test_tiles_gate_up_gpu(f, act, bits):
     """Gate/up epilogues (EPI 1, 2) at awkward F (ceil(F / 8) tiles, odd counts included): float64 agreement and
     the bits of tiles = 1 on every row; M <= 16 also with the output in fragment order (the down GEMV's input)."""
@@ -147,6 +147,8 @@ def test_tiles_option_runs_the_two_tile_kernel_gpu(m, gpb, bits):
     """grouped_gemv_tiles = 2 launches cb_gemv_mma_tiles_kernel (3..256 rows; the bitwise tests above would also
     pass if the option were ignored), tiles = 1 does not; 1 and 2 rows keep the in-place kernel."""
     from torch.profiler import ProfilerActivity, profile
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("192 KB of shared memory a block: sm_90 (elsewhere tiles = 2 runs today's kernels)")
     gen = torch.Generator(device="cuda").manual_seed(m)
     codes, cb = _gpu_weights(97, 512, bits, gen)
     kc = cg.tile_codes(codes)

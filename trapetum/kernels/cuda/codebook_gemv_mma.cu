@@ -506,6 +506,18 @@ static void launch_tiles(const Args& a, cudaStream_t stream, bool pdl) {
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
 
+// Whether the current device gives a block the two-tile kernel's shared memory (sm_90: 227 KB; sm_80: 163 KB, no):
+// where it does not, tpb = 2 runs today's kernels (the same bits).
+inline bool tiles_fit() {
+  constexpr int kDevices = 64;
+  static int optin[kDevices] = {};  // 0: not looked up yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return false;
+  if (optin[dev] == 0 &&
+      cudaDeviceGetAttribute(&optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return false;
+  return optin[dev] >= TilesSmem<2>::bytes && optin[dev] >= TilesSmem<1>::bytes;
+}
+
 template <int BITS, int GB>
 static void by_epi_tiles(const Args& a, int epi, cudaStream_t s, bool pdl) {
   if (epi == 0) launch_tiles<BITS, 0, GB>(a, s, pdl);
@@ -524,11 +536,12 @@ static void by_epi_groups(const Args& a, int epi, cudaStream_t s, bool pdl) {
 // M > 16 (tiled codes, group-wise fragment-order x): gpb = 2 / 4: up to gpb groups of 16 rows per block, one
 // dequantization for all of them (cb_gemv_mma_groups_kernel); gpb = 1: a block per group (GROUPED, session 10).
 // tpb = 2 (tiled codes, M >= kFragRows): blocks over two weight tiles sharing each x piece
-// (cb_gemv_mma_tiles_kernel), GB = 2 when gpb = 2 and M > 16, else 1; the same bits.
+// (cb_gemv_mma_tiles_kernel), GB = 2 when gpb = 2 and M > 16, else 1; the same bits (devices without its 192 KB of
+// shared memory a block: today's kernels).
 template <int BITS, bool TILED>
 static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl, int gpb, int tpb) {
   if (a.M < kFragRows) by_epi<BITS, TILED, 1, false>(a, epi, s, pdl);
-  else if (TILED && tpb == 2) {
+  else if (TILED && tpb == 2 && tiles_fit()) {
     if (a.M > 16 && gpb == 2) by_epi_tiles<BITS, 2>(a, epi, s, pdl);
     else by_epi_tiles<BITS, 1>(a, epi, s, pdl);
   } else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
