@@ -498,7 +498,7 @@ static void launch_tiles(const Args& a, cudaStream_t stream, bool pdl) {
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev >= kDevices || !attr_set[dev]) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    // one 512-thread block an SM with 160 / 192 KB: the largest configuration
+    // one 512-thread block an SM with 192 KB: the largest configuration
     C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     if (dev < kDevices) attr_set[dev] = true;
   }
