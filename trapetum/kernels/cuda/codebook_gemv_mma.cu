@@ -444,19 +444,25 @@ struct Args {
   int M, N, K, KB, has_res, F, ypt;
 };
 
+constexpr int kAttrDevices = 64;
+// kern's dynamic shared memory size and carveout, set once per device (function attributes are per device; done:
+// the caller's flags, one array per kernel instantiation)
+template <typename Kern>
+static void set_smem_once(Kern kern, bool (&done)[kAttrDevices], int smem_bytes, int carveout) {
+  int dev = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kAttrDevices && done[dev]) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
+  if (dev < kAttrDevices) done[dev] = true;
+}
+
 template <int BITS, int NT, int EPI, bool TILED, bool XF, bool GROUPED = false>
 static void launch(const Args& a, cudaStream_t stream, bool pdl) {
   auto kern = cb_gemv_mma_kernel<BITS, NT, EPI, TILED, XF, GROUPED>;
   const int smem_bytes = kTabWords * 4;
-  constexpr int kDevices = 64;
-  static bool attr_set[kDevices] = {};  // function attributes are per device
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kDevices || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, Carveout<NT, XF>::value));
-    if (dev < kDevices) attr_set[dev] = true;
-  }
+  static bool attr_set[kAttrDevices] = {};
+  set_smem_once(kern, attr_set, smem_bytes, Carveout<NT, XF>::value);
   const int grid = (a.N + 15) / 16 * (GROUPED ? (a.M + 15) / 16 : 1);
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream, pdl,
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
@@ -473,17 +479,9 @@ template <int BITS, int EPI, int GB>
 static void launch_groups(const Args& a, cudaStream_t stream, bool pdl) {
   auto kern = cb_gemv_mma_groups_kernel<BITS, EPI, GB>;
   const int smem_bytes = kTabWords * 4;
-  constexpr int kDevices = 64;
-  static bool attr_set[kDevices] = {};  // function attributes are per device
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kDevices || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    // GB = 2: two blocks an SM (as the 16-row kernel); GB = 4: one block (98 KB asked: the 100 KB configuration)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        GB <= 2 ? Carveout<2, true>::value : 43));
-    if (dev < kDevices) attr_set[dev] = true;
-  }
+  static bool attr_set[kAttrDevices] = {};
+  // GB = 2: two blocks an SM (as the 16-row kernel); GB = 4: one block (98 KB asked: the 100 KB configuration)
+  set_smem_once(kern, attr_set, smem_bytes, GB <= 2 ? Carveout<2, true>::value : 43);
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, groups_grid(a.N, a.M, GB), kThreads, smem_bytes, stream, pdl,
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
@@ -492,16 +490,8 @@ template <int BITS, int EPI, int GB>
 static void launch_tiles(const Args& a, cudaStream_t stream, bool pdl) {
   auto kern = cb_gemv_mma_tiles_kernel<BITS, EPI, GB>;
   constexpr int smem_bytes = TilesSmem<GB>::bytes;
-  constexpr int kDevices = 64;
-  static bool attr_set[kDevices] = {};  // function attributes are per device
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kDevices || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    // one 512-thread block an SM with 192 KB: the largest configuration
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    if (dev < kDevices) attr_set[dev] = true;
-  }
+  static bool attr_set[kAttrDevices] = {};
+  set_smem_once(kern, attr_set, smem_bytes, 100);  // one 512-thread block an SM with 192 KB: the largest configuration
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, tiles_grid(a.N, a.M, GB), kTilesThreads, smem_bytes, stream, pdl,
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
@@ -509,10 +499,9 @@ static void launch_tiles(const Args& a, cudaStream_t stream, bool pdl) {
 // Whether the current device gives a block the two-tile kernel's shared memory (sm_90: 227 KB; sm_80: 163 KB, no):
 // where it does not, tpb = 2 runs today's kernels (the same bits).
 inline bool tiles_fit() {
-  constexpr int kDevices = 64;
-  static int optin[kDevices] = {};  // 0: not looked up yet
+  static int optin[kAttrDevices] = {};  // 0: not looked up yet
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) return false;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kAttrDevices) return false;
   if (optin[dev] == 0 &&
       cudaDeviceGetAttribute(&optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return false;
   return optin[dev] >= TilesSmem<2>::bytes && optin[dev] >= TilesSmem<1>::bytes;

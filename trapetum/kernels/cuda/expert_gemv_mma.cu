@@ -122,15 +122,8 @@ template <int BITS, int EPI, bool TILED>
 static void launch_expert(const ExpertArgs& a, cudaStream_t stream, bool pdl) {
   auto kern = cb_expert_mma_kernel<BITS, EPI, TILED>;
   const int smem_bytes = kTabWords * 4;
-  constexpr int kDevices = 64;
-  static bool attr_set[kDevices] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= kDevices || !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    if (dev < kDevices) attr_set[dev] = true;
-  }
+  static bool attr_set[kAttrDevices] = {};
+  set_smem_once(kern, attr_set, smem_bytes, 100);  // codebook_gemv_mma.cu's launcher helper
   const dim3 grid((a.N + 15) / 16, a.pairs);
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem_bytes, stream, pdl, a.x, a.idx, a.idx64, a.codes,
                                       a.cb, a.cs, a.cbs, a.y, a.part, a.N, a.K, a.KB, a.F, a.ks));
