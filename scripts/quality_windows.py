@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from trapetum.api import Model, load_checkpoint
+from trapetum.api import load
 from trapetum.eval.perplexity import perplexity, tokenize_file
 from trapetum.settings import Options
 
@@ -35,8 +35,8 @@ def split_spec(spec: str) -> tuple[str, str | None]:
 def score(spec: str, text: str, first: int, ctx: int, device: str) -> dict:
     path, sparsity = split_spec(spec)
     t0 = time.perf_counter()
-    model = Model(load_checkpoint(path), device=device, dtype=torch.float32,
-                  options=Options.from_env().replace(engine="reference"), sparsity=sparsity)
+    model = load(path, device=device, dtype=torch.float32, options=Options.from_env().replace(engine="reference"),
+                 sparsity=sparsity)
     ids = tokenize_file(model.tokenizer, text)
     r = perplexity(model.decoder, ids, ctx, None, progress=False)
     per = r.nll_per_window
