@@ -65,7 +65,7 @@ def register(subparsers) -> None:
                         "the CPU; 0: never)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="overlapped batch steps: the next decode step runs on the device while the host streams the "
-                        "previous step's tokens (the same tokens, events a step later; default off: not yet measured on a GPU)")
+                        "previous step's tokens (the same tokens, events a step later; default on with --gpu-batch, off on the CPU)")
     p.add_argument("--max-body", type=_positive, default=1 << 20, metavar="BYTES",
                    help="largest request body accepted, else 413 (default 1 MiB)")
     p.add_argument("--device", default=None,

@@ -141,7 +141,7 @@ class GpuBatchRunner:
     """The scheduler's forwards (module docstring) over a GpuEngine."""
 
     fold_prompt = FOLD_PROMPT
-    overlap = False  # opt-in (serve --overlap) until the H200 has measured it: NOTES-serving.md, session 14
+    overlap = True  # measured on the H200 (BENCHMARKS.md, session 15): 1.10x / 1.25x / 1.33x at 1 / 16 / 64 clients
 
     def __init__(self, eng, num_blocks: int, block_size: int = 16):
         cfg = eng.cfg

@@ -30,7 +30,8 @@ A row's bits are then those of a decode step at its position whatever the split 
 short prompt costs a few row groups of the batched GEMVs (about what 16 more decode rows cost per 16 prompt
 tokens) instead of a prefill forward that dequantizes every weight. Whether a prompt folds depends on its length
 alone, so a request still takes the same path alone and in any batch.
-Overlapped steps (``overlap``; default the runner's ``overlap``: off on both until measured on a GPU): step N + 1's
+Overlapped steps (``overlap``; default the runner's ``overlap``: on for the GPU runner, measured on the H200 in
+session 15; off on the CPU, whose forward is the host's own work): step N + 1's
 decode forward and sampling are enqueued before the host reads step N's tokens, so that the host's work on them
 (TokenStream pushes, the caller's delivery) runs while the device computes N + 1. A row of N + 1 whose input is a
 token of N not yet on the host takes it on the device (``runner.decode``'s ``prev``: step N's sampled tensor,
