@@ -158,12 +158,16 @@ def measure(path: Path, args, text: Path, ref_greedy: list[list[int]] | None) ->
     t0 = time.perf_counter()
     dec = Decoder.from_checkpoint(ck, dtype=torch.float32, device=args.device).eval()
     ids = tokenize_file(ck.tokenizer, text)
-    r = perplexity(dec, ids, args.ctx, args.windows, progress=False)
-    res = {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows,
-           "nll_per_window": r.nll_per_window}
-    if args.all_windows:
+    if args.all_windows:  # one pass: every window scores ctx - 1 tokens, so the first N's NLL is their mean
         ra = perplexity(dec, ids, args.ctx, None, progress=False)
-        res.update(ppl_all=ra.ppl, windows_all=ra.windows, tokens_all=ra.tokens)
+        per = ra.nll_per_window[:args.windows]
+        nll = sum(per) / len(per)
+        res = {"ppl": math.exp(nll), "nll": nll, "tokens": len(per) * (args.ctx - 1), "windows": len(per),
+               "nll_per_window": per, "ppl_all": ra.ppl, "windows_all": ra.windows, "tokens_all": ra.tokens}
+    else:
+        r = perplexity(dec, ids, args.ctx, args.windows, progress=False)
+        res = {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows,
+               "nll_per_window": r.nll_per_window}
     outs = [greedy_tokens(dec, ck.tokenizer.encode(p), args.greedy_tokens) for p in PROMPTS]
     res["greedy"] = outs
     if ref_greedy is not None:

@@ -87,6 +87,33 @@ def test_projection_bits_per_weight(tmp_path):
     assert bq.proj_bytes(cbk) == pytest.approx(want, rel=0.02)
 
 
+def test_first_and_all_windows_from_one_pass(tmp_path):
+    """--all-windows scores every window once; the first N windows' figures are their share of that pass, equal
+    to a separate first-N run."""
+    import argparse
+    import tiny_models
+    from trapetum.eval.perplexity import perplexity, tokenize_file
+    from trapetum.formats.detect import load_checkpoint
+    from trapetum.models.decoder import Decoder
+    import torch
+    from trapetum.quant.quantize import Recipe, quantize_to_cbk
+    tiny_models.build("llama2", tmp_path / "src", tokenizer=True)
+    cbk = tmp_path / "m.cbk"
+    quantize_to_cbk(str(tmp_path / "src"), cbk, Recipe(bits=4, head_bits=8, weighted=False, iters=2).validate(),
+                    progress=False, log=lambda s: None)
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"word{i % 97} and more text {i}" for i in range(700)))
+    args = argparse.Namespace(device="cpu", ctx=64, windows=3, all_windows=True, greedy_tokens=2)
+    res = bq.measure(cbk, args, text, None)
+    ck = load_checkpoint(str(cbk))
+    dec = Decoder.from_checkpoint(ck, dtype=torch.float32, device="cpu").eval()
+    ids = tokenize_file(ck.tokenizer, text)
+    first, every = perplexity(dec, ids, 64, 3, progress=False), perplexity(dec, ids, 64, None, progress=False)
+    assert every.windows > 3 and res["windows"] == 3 and res["windows_all"] == every.windows
+    assert res["ppl"] == pytest.approx(first.ppl, rel=1e-12) and res["tokens"] == first.tokens
+    assert res["ppl_all"] == every.ppl and res["ppl"] != res["ppl_all"]
+
+
 def _row(kind, name, ppl, size, **kw):
     return {"kind": kind, "name": name, "ppl": ppl, "file_bytes": size, "proj_bpw": 4.5, "bpw_file": 5.0,
             "windows": 2, "agree": 7, **kw}
