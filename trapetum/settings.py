@@ -32,9 +32,6 @@ bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (2): the 4-/8-bit
 (batched decode) gives a block 1 group of 16 rows (a block per group), 2 (two an SM) or 4 (one block an SM), each
 weight dequantized once for the groups of a block (the same bits in every mode; bench_kernels ``--only rows``
 times them: at 64 rows 2 took 0.82-0.88x the time of 1 on the H200, 4 measured slower in the 64-row paged step);
-``kernels.grouped_gemv_tiles`` (1): 2 gives the mma GEMV on 3..256 rows of tiled codes blocks of 512 threads over two
-16-row weight tiles that load each x piece once for both (shared memory, cp.async), halving x's L2 traffic, the bits
-unchanged; with ``grouped_gemv_groups`` 1 or 2 (4 is a ConfigError); off until measured (bench_kernels kinds ``-t2``);
 ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
@@ -70,7 +67,6 @@ MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
-GROUPED_GEMV_TILES = (1, 2)
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -122,10 +118,6 @@ class KernelOptions:
     # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel, the
     # default: at 4 the 7B 64-row paged step's GEMVs took 10.3 ms against 8.3 ms, NOTES-kernels.md session 11)
     grouped_gemv_groups: int = 2
-    # mma GEMV on 3..256 rows (tiled codes): 16-row weight tiles per block, 1 (today's kernels) or 2 (a 512-thread
-    # block over two tiles sharing each x piece through shared memory, the same bits; with grouped_gemv_groups
-    # 1 or 2). Off until the GPU has run it (NOTES-kernels.md session 14).
-    grouped_gemv_tiles: int = 1
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
@@ -143,11 +135,6 @@ class KernelOptions:
         if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
             raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
                               f"got {self.grouped_gemv_groups!r}")
-        if self.grouped_gemv_tiles not in GROUPED_GEMV_TILES:
-            raise ConfigError(f"kernels.grouped_gemv_tiles: expected one of {GROUPED_GEMV_TILES}, "
-                              f"got {self.grouped_gemv_tiles!r}")
-        if self.grouped_gemv_tiles == 2 and self.grouped_gemv_groups == 4:
-            raise ConfigError("kernels.grouped_gemv_tiles: 2 takes grouped_gemv_groups 1 or 2, got 4")
         if self.sparse_kernel not in ("cuda", "compact", "masked"):
             raise ConfigError(f"kernels.sparse_kernel: expected cuda, compact or masked, got {self.sparse_kernel!r}")
         if not 0 <= int(self.sparse_rows) <= 16:

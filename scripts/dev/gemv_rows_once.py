@@ -1,13 +1,13 @@
 """A few launches of one multi-row codebook GEMV (tiled codes, random data), for Nsight Compute: no timing here,
-ncu measures (NOTES-kernels.md session 14: is the >16-row GEMV bound by x re-read from L2?).
+ncu measures (NOTES-kernels.md sessions 14-15: is the >16-row GEMV bound by x re-read from L2? session 15: no).
 Usage: ncu --kernel-name regex:cb_gemv_mma --launch-skip 2 --launch-count 1 --metrics ... \
-           python scripts/dev/gemv_rows_once.py [--shape 4096x11008] [--rows 64] [--bits 4] [--groups 2] [--tiles 1]"""
+           python scripts/dev/gemv_rows_once.py [--shape 4096x11008] [--rows 64] [--bits 4] [--groups 2]"""
 import argparse
 
 import torch
 
 from trapetum.kernels import codebook_gemv as cg
-from trapetum.settings import GROUPED_GEMV_GROUPS, GROUPED_GEMV_TILES, KernelOptions
+from trapetum.settings import GROUPED_GEMV_GROUPS, KernelOptions
 
 
 def main():
@@ -16,7 +16,6 @@ def main():
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--bits", type=int, choices=(4, 8), default=4)
     ap.add_argument("--groups", type=int, choices=GROUPED_GEMV_GROUPS, default=2)
-    ap.add_argument("--tiles", type=int, choices=GROUPED_GEMV_TILES, default=1)
     ap.add_argument("--launches", type=int, default=4)
     a = ap.parse_args()
     k, n = (int(v) for v in a.shape.split("x"))
@@ -26,11 +25,11 @@ def main():
     kc = cg.tile_codes(codes)
     x = torch.randn(a.rows, k, device="cuda", generator=g).half()
     y = torch.empty(a.rows, n, device="cuda", dtype=torch.float16)
-    ko = KernelOptions(pdl="off", grouped_gemv_groups=a.groups, grouped_gemv_tiles=a.tiles)
+    ko = KernelOptions(pdl="off", grouped_gemv_groups=a.groups)
     for _ in range(a.launches):
         cg.codebook_gemv(x, kc, cb, a.bits, out=y, tiled=True, kopts=ko)
     torch.cuda.synchronize()
-    print(f"{a.launches} launches {a.shape} rows {a.rows} bits {a.bits} groups {a.groups} tiles {a.tiles}")
+    print(f"{a.launches} launches {a.shape} rows {a.rows} bits {a.bits} groups {a.groups}")
 
 
 if __name__ == "__main__":

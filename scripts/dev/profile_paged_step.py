@@ -10,7 +10,7 @@ import torch
 from trapetum.formats.detect import load_checkpoint
 from trapetum.runtime.engine import GpuEngine
 from trapetum.runtime.paged_engine import GpuBatchRunner
-from trapetum.settings import GROUPED_GEMV_GROUPS, GROUPED_GEMV_TILES, Options
+from trapetum.settings import GROUPED_GEMV_GROUPS, Options
 
 
 def main():
@@ -20,12 +20,9 @@ def main():
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--grouped-groups", type=int, choices=GROUPED_GEMV_GROUPS, default=1,
                     help="KernelOptions.grouped_gemv_groups: row groups of 16 a block of the >16-row mma GEMV")
-    ap.add_argument("--grouped-tiles", type=int, choices=GROUPED_GEMV_TILES, default=1,
-                    help="KernelOptions.grouped_gemv_tiles: 16-row weight tiles a block sharing x (2: opt-in)")
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
-    eng = GpuEngine(load_checkpoint(a.cbk), 1024, device="cuda", options=Options().replace(kernels={"grouped_gemv_groups": a.grouped_groups,
-                                                                                  "grouped_gemv_tiles": a.grouped_tiles}))
+    eng = GpuEngine(load_checkpoint(a.cbk), 1024, device="cuda", options=Options().replace(kernels={"grouped_gemv_groups": a.grouped_groups}))
     per, plen = 8, 38
     runner = GpuBatchRunner(eng, max(sizes) * per, 16)
     tables = [torch.arange(i * per, (i + 1) * per) for i in range(max(sizes))]

@@ -1,7 +1,6 @@
 // Host check of the grouped codebook GEMV's helpers (trapetum/kernels/cuda/codebook_gemv_groups.cuh), built by
 // tests/test_kernels_gemv_grouped.py with nvcc and run on the CPU: the grid covers every (weight tile, row group)
-// once, and every lane reads its group's fragment-order x; the two-tile grid (codebook_gemv_tiles.cuh) covers
-// every (weight tile, row group) once. Prints "OK n" or a FAIL line (exit 1).
+// once, and every lane reads its group's fragment-order x. Prints "OK n" or a FAIL line (exit 1).
 #ifndef TRAPETUM_CBGEMV_CU
 #define TRAPETUM_CBGEMV_CU "codebook_gemv_mma.cu"
 #endif
@@ -54,28 +53,6 @@ int main() {
                     ++checked;
                   }
           }
-      }
-  // the two-tile grid (tiles_grid, cb_gemv_mma_tiles_kernel): every (weight tile, row group) once, as tile 2 P + i
-  // of pair P (a second tile past the last one computes nothing), M = 3..256 (GB = 1 also takes M <= 16)
-  for (int GB : {1, 2})
-    for (int M = 3; M <= kMaxGroupedRows; ++M)
-      for (int N : {1, 16, 17, 48, 53, 97, 4096 + 16}) {
-        const int G = (M + 15) / 16, tiles = (N + 15) / 16, grid = tiles_grid(N, M, GB);
-        std::vector<int> seen(tiles * G, 0);
-        for (int b = 0; b < grid; ++b) {
-          int pair, g0, ng;
-          groups_block(b, M, GB, pair, g0, ng);
-          if (pair < 0 || pair * kTiles >= tiles || ng < 1 || ng > GB || g0 < 0 || g0 + ng > G) {
-            printf("FAIL tiles block %d M %d N %d GB %d: pair %d g0 %d ng %d\n", b, M, N, GB, pair, g0, ng);
-            return 1;
-          }
-          for (int ti = 0; ti < kTiles; ++ti)
-            if (pair * kTiles + ti < tiles)
-              for (int i = 0; i < ng; ++i) seen[(pair * kTiles + ti) * G + g0 + i]++;
-        }
-        for (int v : seen)
-          if (v != 1) { printf("FAIL tiles coverage M %d N %d GB %d\n", M, N, GB); return 1; }
-        ++checked;
       }
   printf("OK %lld\n", checked);
   return 0;

@@ -19,8 +19,7 @@ the same run, with PDL off and, for the codebook GEMVs, on; beside them the code
 multi-row work (experimental variant 11) and cuBLAS (which is not batch-invariant). More than 16 rows (batched
 decode, tiled codes: one launch over groups of 16 rows): the production kinds run the default of
 ``KernelOptions.grouped_gemv_groups`` (1: a block per group), the kinds ``-g4`` / ``-g2`` / ``-g1`` 4 and 2 groups
-a block and a block per group; the kinds that cannot take more than 16 rows report an error at those M. The kinds
-``-t2`` / ``-g1t2`` (``KernelOptions.grouped_gemv_tiles`` = 2, M >= 3): blocks over two weight tiles sharing x.
+a block and a block per group; the kinds that cannot take more than 16 rows report an error at those M.
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ import datetime as _dt
 import json
 import math
 import platform
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -272,22 +270,10 @@ ROW_KINDS = {  # kind -> (label, shapes)
     "cb4-g1": ("4-bit GEMV (tiled), M > 16: a block per row group (session 10)", ROWS_4BIT),
     "gu4-g1": ("4-bit gate/up SiLU (tiled), M > 16: a block per row group (session 10)", ROWS_GATE_UP),
     "cb8-g1": ("8-bit GEMV (LM head, tiled), M > 16: a block per row group (session 10)", ROWS_8BIT),
-    "cb4-t2": ("4-bit GEMV (tiled), M >= 3: two weight tiles a block sharing x (2 row groups a block)", ROWS_4BIT),
-    "cb4-g1t2": ("4-bit GEMV (tiled), M >= 3: two weight tiles a block sharing x, 1 row group a block", ROWS_4BIT),
-    "gu4-t2": ("4-bit gate/up SiLU (tiled), M >= 3: two weight tiles a block sharing x", ROWS_GATE_UP),
-    "cb8-t2": ("8-bit GEMV (LM head, tiled), M >= 3: two weight tiles a block sharing x", ROWS_8BIT),
     "fp16": ("fp16 GEMV (ours)", ROWS_DENSE),
     "fp16-gu": ("fp16 gate/up SiLU (ours)", ROWS_GATE_UP),
     "cublas": ("cuBLAS fp16 matmul (not batch-invariant)", ROWS_DENSE),
 }
-
-
-def _kind_blocks(kind: str, kopts: KernelOptions) -> tuple[int, int]:
-    """(grouped_gemv_groups, grouped_gemv_tiles) of a row kind: suffix -gG, -tT or -gGtT, else kopts'."""
-    m = re.fullmatch(r"(?:g([124]))?(?:t([12]))?", kind.rsplit("-", 1)[-1]) if "-" in kind else None
-    groups = int(m.group(1)) if m and m.group(1) else kopts.grouped_gemv_groups
-    tiles = int(m.group(2)) if m and m.group(2) else kopts.grouped_gemv_tiles
-    return groups, tiles
 
 
 def bench_rows(rows=(1, 2, 4, 8, 16), kopts: KernelOptions = DEFAULT_KERNELS, kinds=tuple(ROW_KINDS)) -> list[dict]:
@@ -298,10 +284,10 @@ def bench_rows(rows=(1, 2, 4, 8, 16), kopts: KernelOptions = DEFAULT_KERNELS, ki
     for kind in kinds:
         label, shapes = ROW_KINDS[kind]
         pdl_modes = ("off", "all") if kind in ("cb4", "cb4-frag", "gu4", "cb8") else ("off",)
-        groups, tiles = _kind_blocks(kind, kopts)
+        groups = {"g4": 4, "g2": 2, "g1": 1}.get(kind.rsplit("-", 1)[-1], kopts.grouped_gemv_groups)
         for k, n in shapes:
             for pdl_mode in pdl_modes:
-                ko = dataclasses.replace(kopts, pdl=pdl_mode, grouped_gemv_groups=groups, grouped_gemv_tiles=tiles)
+                ko = dataclasses.replace(kopts, pdl=pdl_mode, grouped_gemv_groups=groups)
                 gen = torch.Generator(device="cuda").manual_seed(k + n)
                 r = {"kernel": label, "kind": kind, "shape": f"{k}x{n}" if not kind.startswith(("gu", "fp16-gu"))
                      else f"{k}x2*{n}", "pdl": pdl_mode, "us": {}}

@@ -341,7 +341,7 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
                                     int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0,
-                                    int(kopts.grouped_gemv_groups), int(kopts.grouped_gemv_tiles))
+                                    int(kopts.grouped_gemv_groups))
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, residual, y, kopts=kopts)
     else:  # one row at a time: the same matrix-vector product whatever M is
@@ -382,7 +382,7 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
-                                    xf, pt, int(kopts.grouped_gemv_groups), int(kopts.grouped_gemv_tiles))
+                                    xf, pt, int(kopts.grouped_gemv_groups))
         return Fragments(y, out_frag_bits) if pt else (y.view(f) if squeeze else y)
     elif be == "triton":
         _triton_gemv(x2, codes, codebook, bits, None, y, epi=ACTS[act], f=f, kopts=kopts)

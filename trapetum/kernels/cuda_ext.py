@@ -24,12 +24,12 @@ from ..settings import DEFAULT_KERNELS, KernelOptions
 
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu", "expert_gemv_mma.cu")
-HEADERS = ("pdl.cuh", "act.cuh", "ptx.cuh", "codebook_gemv_groups.cuh", "codebook_gemv_tiles.cuh")  # included by
-# the sources (PDL, epilogue activations, PTX helpers, the grouped and the two-tile codebook GEMVs)
+HEADERS = ("pdl.cuh", "act.cuh", "ptx.cuh", "codebook_gemv_groups.cuh")  # included by the sources (PDL, epilogue
+# activations, PTX helpers, the grouped codebook GEMV)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,
-                 int64_t x_frag, int64_t y_pt, int64_t gpb, int64_t tpb);
+                 int64_t x_frag, int64_t y_pt, int64_t gpb);
 void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w);
 void dense_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor res, torch::Tensor y, int64_t epi,
                 int64_t has_res, int64_t f, int64_t pdl);

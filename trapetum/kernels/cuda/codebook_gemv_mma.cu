@@ -39,8 +39,7 @@
 // x in place (M = 1 is the decode path: no copy, no extra launch; only the lanes of row 0 load).
 // Requirements (checked by the Python wrapper): code bytes per row % 64 == 0 (in % 128 == 0 for 4-bit,
 // in % 64 == 0 for 8-bit), 1 <= M <= 16, or <= 256 on tiled codes
-// (more than 16 rows: groups of 16 in one launch, cb_gemv_mma_groups_kernel or GROUPED; opt-in on tiled codes,
-// 3 rows or more: two weight tiles a block sharing each x piece, cb_gemv_mma_tiles_kernel), sm_80+.
+// (more than 16 rows: groups of 16 in one launch, cb_gemv_mma_groups_kernel or GROUPED), sm_80+.
 #define TRAPETUM_CBGEMV_MMA_CU 1  // expert_gemv_mma.cu builds on this file
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -66,11 +65,8 @@ using trapetum_ptx::mma16816;
 
 // Byte offset of table entry (byte k of w) for this lane: (byte << 8) | lane*4, one PRMT.
 // Table layout: word e*64 + h*32 + lane  (entry e, row half h), so byte offset e*256 + h*128 + lane*4.
-// TB (several 64 KB tables, cb_gemv_mma_tiles_kernel): byte 1 of lane4 (the table's index) becomes byte 2 of the
-// offset, + table * 64 KB in the same PRMT (for lane4 < 256 both selectors give the same offset).
-template <bool TB = false>
 __device__ __forceinline__ uint32_t sel_byte(uint32_t w, uint32_t lane4, int k) {
-  return __byte_perm(w, lane4, (TB ? 0x6504 : 0x5504) | (k << 4));
+  return __byte_perm(w, lane4, 0x5504 | (k << 4));
 }
 
 template <int BITS>
@@ -127,22 +123,22 @@ struct CodeStream {
 
 // The A fragment (rows g, g+8 of the tile; k pairs) of 16-column k-step j of one chunk for one lane: table lookups
 // of the chunk's code words wa4 (row g) / wb4 (row g+8). It depends on the codes only, never on x or M.
-template <int BITS, bool TB = false>
+template <int BITS>
 __device__ __forceinline__ void dequant_tile(uint32_t (&A)[4], const uint32_t (&wa4)[4], const uint32_t (&wb4)[4],
                                              int j, const uint32_t sb, const uint32_t lane4) {
   if (BITS == 4) {
     const uint32_t wa = wa4[j >> 1], wb = wb4[j >> 1];
     const int k0 = (j & 1) * 2;  // byte of the word holding columns (2j, 2j+1) of this lane
-    A[0] = lds(sb + sel_byte<TB>(wa, lane4, k0));
-    A[2] = lds(sb + sel_byte<TB>(wa, lane4, k0 + 1));
-    A[1] = lds(sb + 128 + sel_byte<TB>(wb, lane4, k0));
-    A[3] = lds(sb + 128 + sel_byte<TB>(wb, lane4, k0 + 1));
+    A[0] = lds(sb + sel_byte(wa, lane4, k0));
+    A[2] = lds(sb + sel_byte(wa, lane4, k0 + 1));
+    A[1] = lds(sb + 128 + sel_byte(wb, lane4, k0));
+    A[3] = lds(sb + 128 + sel_byte(wb, lane4, k0 + 1));
   } else {
     const uint32_t wa = wa4[j], wb = wb4[j];
-    A[0] = __byte_perm(lds(sb + sel_byte<TB>(wa, lane4, 0)), lds(sb + sel_byte<TB>(wa, lane4, 1)), 0x5410);
-    A[2] = __byte_perm(lds(sb + sel_byte<TB>(wa, lane4, 2)), lds(sb + sel_byte<TB>(wa, lane4, 3)), 0x5410);
-    A[1] = __byte_perm(lds(sb + 128 + sel_byte<TB>(wb, lane4, 0)), lds(sb + 128 + sel_byte<TB>(wb, lane4, 1)), 0x5410);
-    A[3] = __byte_perm(lds(sb + 128 + sel_byte<TB>(wb, lane4, 2)), lds(sb + 128 + sel_byte<TB>(wb, lane4, 3)), 0x5410);
+    A[0] = __byte_perm(lds(sb + sel_byte(wa, lane4, 0)), lds(sb + sel_byte(wa, lane4, 1)), 0x5410);
+    A[2] = __byte_perm(lds(sb + sel_byte(wa, lane4, 2)), lds(sb + sel_byte(wa, lane4, 3)), 0x5410);
+    A[1] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 0)), lds(sb + 128 + sel_byte(wb, lane4, 1)), 0x5410);
+    A[3] = __byte_perm(lds(sb + 128 + sel_byte(wb, lane4, 2)), lds(sb + 128 + sel_byte(wb, lane4, 3)), 0x5410);
   }
 }
 
@@ -416,7 +412,6 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 }  // namespace trapetum_mma
 
 #include "codebook_gemv_groups.cuh"  // more than 16 rows: cb_gemv_mma_groups_kernel
-#include "codebook_gemv_tiles.cuh"   // 3..256 rows, two weight tiles a block sharing x: cb_gemv_mma_tiles_kernel
 
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
@@ -486,34 +481,6 @@ static void launch_groups(const Args& a, cudaStream_t stream, bool pdl) {
                                       a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
 }
 
-template <int BITS, int EPI, int GB>
-static void launch_tiles(const Args& a, cudaStream_t stream, bool pdl) {
-  auto kern = cb_gemv_mma_tiles_kernel<BITS, EPI, GB>;
-  constexpr int smem_bytes = TilesSmem<GB>::bytes;
-  static bool attr_set[kAttrDevices] = {};
-  set_smem_once(kern, attr_set, smem_bytes, 100);  // one 512-thread block an SM with 192 KB: the largest configuration
-  C10_CUDA_CHECK(trapetum_pdl::launch(kern, tiles_grid(a.N, a.M, GB), kTilesThreads, smem_bytes, stream, pdl,
-                                      a.x, a.codes, a.cb, a.res, a.y, a.M, a.N, a.K, a.KB, a.has_res, a.F, a.ypt));
-}
-
-// Whether the current device gives a block the two-tile kernel's shared memory (sm_90: 227 KB; sm_80: 163 KB, no):
-// where it does not, tpb = 2 runs today's kernels (the same bits).
-inline bool tiles_fit() {
-  static int optin[kAttrDevices] = {};  // 0: not looked up yet
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kAttrDevices) return false;
-  if (optin[dev] == 0 &&
-      cudaDeviceGetAttribute(&optin[dev], cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) return false;
-  return optin[dev] >= TilesSmem<2>::bytes && optin[dev] >= TilesSmem<1>::bytes;
-}
-
-template <int BITS, int GB>
-static void by_epi_tiles(const Args& a, int epi, cudaStream_t s, bool pdl) {
-  if (epi == 0) launch_tiles<BITS, 0, GB>(a, s, pdl);
-  else if (epi == 1) launch_tiles<BITS, 1, GB>(a, s, pdl);
-  else launch_tiles<BITS, 2, GB>(a, s, pdl);
-}
-
 template <int BITS, int GB>
 static void by_epi_groups(const Args& a, int epi, cudaStream_t s, bool pdl) {
   if (epi == 0) launch_groups<BITS, 0, GB>(a, s, pdl);
@@ -524,16 +491,10 @@ static void by_epi_groups(const Args& a, int epi, cudaStream_t s, bool pdl) {
 // M = 1, 2: x read in place (NT = 1); M = 3..8: fragment-order x, NT = 1; M = 9..16: fragment-order x, NT = 2;
 // M > 16 (tiled codes, group-wise fragment-order x): gpb = 2 / 4: up to gpb groups of 16 rows per block, one
 // dequantization for all of them (cb_gemv_mma_groups_kernel); gpb = 1: a block per group (GROUPED, session 10).
-// tpb = 2 (tiled codes, M >= kFragRows): blocks over two weight tiles sharing each x piece
-// (cb_gemv_mma_tiles_kernel), GB = 2 when gpb = 2 and M > 16, else 1; the same bits (devices without its 192 KB of
-// shared memory a block: today's kernels).
 template <int BITS, bool TILED>
-static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl, int gpb, int tpb) {
+static void dispatch(const Args& a, int epi, cudaStream_t s, bool pdl, int gpb) {
   if (a.M < kFragRows) by_epi<BITS, TILED, 1, false>(a, epi, s, pdl);
-  else if (TILED && tpb == 2 && tiles_fit()) {
-    if (a.M > 16 && gpb == 2) by_epi_tiles<BITS, 2>(a, epi, s, pdl);
-    else by_epi_tiles<BITS, 1>(a, epi, s, pdl);
-  } else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
+  else if (a.M <= 8) by_epi<BITS, TILED, 1, true>(a, epi, s, pdl);
   else if (a.M <= 16 || !TILED) by_epi<BITS, TILED, 2, true>(a, epi, s, pdl);  // !TILED: M <= 16 (checked)
   else if (gpb == 1) by_epi<BITS, TILED, 2, true, TILED>(a, epi, s, pdl);
   else if constexpr (TILED) {
@@ -563,11 +524,10 @@ void cb_dequant4(torch::Tensor codes, torch::Tensor cb, torch::Tensor w) {
 // x_frag: x is already in fragment order (M >= kFragRows; written so by its producer): no copy launch.
 // y_pt (epi 1, 2): 0 = y row-major, else y in the fragment order of PT = y_pt pieces (the consumer's bits).
 // gpb (M > 16, tiled): row groups of 16 per block, 1 (a block per group), 2 or 4 (one dequantization for the groups
-// of a block; KernelOptions.grouped_gemv_groups). tpb (tiled, M >= 3): weight tiles per block, 1 or 2 (two tiles
-// sharing each x piece, gpb 1 or 2; KernelOptions.grouped_gemv_tiles).
+// of a block; KernelOptions.grouped_gemv_groups).
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,
-                 int64_t x_frag, int64_t y_pt, int64_t gpb, int64_t tpb) {
+                 int64_t x_frag, int64_t y_pt, int64_t gpb) {
   using namespace trapetum_mma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
@@ -591,7 +551,6 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
   TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual shape");
   TORCH_CHECK(!x_frag || (M >= kFragRows && M <= 16), "x_frag: fragment-order x needs 3 to 16 rows");
   TORCH_CHECK(gpb == 1 || gpb == 2 || gpb == 4, "gpb: row groups per block 1, 2 or 4");
-  TORCH_CHECK(tpb == 1 || (tpb == 2 && gpb != 4), "tpb: weight tiles per block 1, or 2 with gpb 1 or 2");
   TORCH_CHECK(y_pt == 0 || (epi != 0 && M <= 16 && (y_pt == 2 || y_pt == 4) && f % (32 * y_pt) == 0), "y_pt");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
@@ -610,10 +569,10 @@ void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::
     a.x = reinterpret_cast<const half*>(xf.data_ptr<at::Half>());
   }
   const int e = (int)epi;
-  const int gp = (int)gpb, tp = (int)tpb;
-  if (bits == 4 && tiled) dispatch<4, true>(a, e, s, use_pdl, gp, tp);
-  else if (bits == 4) dispatch<4, false>(a, e, s, use_pdl, gp, tp);
-  else if (tiled) dispatch<8, true>(a, e, s, use_pdl, gp, tp);
-  else dispatch<8, false>(a, e, s, use_pdl, gp, tp);
+  const int gp = (int)gpb;
+  if (bits == 4 && tiled) dispatch<4, true>(a, e, s, use_pdl, gp);
+  else if (bits == 4) dispatch<4, false>(a, e, s, use_pdl, gp);
+  else if (tiled) dispatch<8, true>(a, e, s, use_pdl, gp);
+  else dispatch<8, false>(a, e, s, use_pdl, gp);
 }
 #endif
