@@ -416,7 +416,7 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
 #ifdef TRAPETUM_SASS_ONLY
 // Explicit instantiations for `nvcc -cubin` + cuobjdump (NOTES-kernels.md).
 #define TRAPETUM_INST(B, NT, T, XF) template __global__ void trapetum_mma::cb_gemv_mma_kernel<B, NT, 0, T, XF>( \
-    const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int);
+    const half*, const uint8_t*, const half*, const half*, half*, int, int, int, int, int, int, int);
 TRAPETUM_INST(4, 1, true, false) TRAPETUM_INST(4, 1, true, true) TRAPETUM_INST(4, 2, true, true)
 TRAPETUM_INST(4, 1, false, false) TRAPETUM_INST(8, 1, true, false) TRAPETUM_INST(8, 2, true, true)
 #endif
