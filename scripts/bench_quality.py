@@ -191,14 +191,14 @@ def llama_ppl(bin_dir: Path, path: Path, text: Path, args, log_path: Path) -> fl
 # -- building the files -----------------------------------------------------------------------------
 def build_fair(src: Path, out: Path, args) -> Path:
     if not (args.reuse and out.is_file()):
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
         run_cmd([sys.executable, "-m", "trapetum.cli", "rotate", str(src), "-o", str(out), "--seed",
                  str(args.seed)], "rotate", out.with_suffix(".log"), env)
     return out
 
 
 def build_ours(src: Path, out: Path, flags: str, args) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "trapetum.cli", "quantize", str(src), "-o", str(out), "--quiet",
            *shlex.split(flags.replace("{calib}", str(args.calib)))]
     if "--device" not in cmd and args.quant_device:
