@@ -75,6 +75,8 @@ def args_parser() -> argparse.ArgumentParser:
     p.add_argument("--sass", action="store_true", help="also count SASS ops per kernel (cuobjdump; build only: "
                    "no GPU needed with --arch)")
     p.add_argument("--arch", default=None, help="sm_XX (default: the GPU's)")
+    p.add_argument("--main-ext", action="store_true", help="also time the production call (trapetum's codebook_gemv: "
+                   "its x copy launch + the GEMV; builds the main extension, a minute or more) and check its bits")
     return p
 
 
@@ -123,8 +125,7 @@ def table(results: list[dict], variants: list[str]) -> str:
     """Markdown: a row per (shape, rows), a column per variant: 'us (ratio to prod)'; '!' marks a failed exactness
     check, 'err' a variant that did not run."""
     cols = [v for v in variants if any(v in r["us"] or v in r["errors"] for r in results)]
-    if any("prod_again" in r["us"] for r in results):
-        cols.append("prod_again")
+    cols += [v for v in ("prod_call", "prod_again") if any(v in r["us"] or v in r["errors"] for r in results)]
     head = "| shape | M | " + " | ".join(cols) + " |"
     lines = [head, "|" + "---|" * (len(cols) + 2)]
     for r in results:
@@ -169,7 +170,7 @@ def sass_report(paths) -> dict[str, dict[str, int]]:
     return counts
 
 
-def run_case(lib, k: int, n: int, m: int, variants: list[str], replays: int, gen) -> dict:
+def run_case(lib, k: int, n: int, m: int, variants: list[str], replays: int, gen, main_ext: bool = False) -> dict:
     import torch
     from trapetum.eval.bench_kernels import graph_time_calls
     from trapetum.kernels.codebook_gemv import codebook_gemv_reference
@@ -215,6 +216,20 @@ def run_case(lib, k: int, n: int, m: int, variants: list[str], replays: int, gen
             r["us"][v] = graph_time_calls(calls, replays=replays)
         except Exception as e:
             r["errors"][v] = f"{type(e).__name__}: {e}"[:300]
+    if main_ext:  # the production entry point as the engine calls it (x row-major: its copy launch included)
+        import dataclasses
+        from trapetum.kernels import codebook_gemv as cg
+        from trapetum.settings import DEFAULT_KERNELS
+        ko = dataclasses.replace(DEFAULT_KERNELS, pdl="off", grouped_gemv_groups=2)
+        try:
+            y.fill_(0)
+            cg.codebook_gemv(x, tiled, cb, 4, out=y, tiled=True, kopts=ko)
+            torch.cuda.synchronize()
+            r["exact"]["prod_call"] = bool(torch.equal(y.view(torch.int16), want.view(torch.int16)))
+            calls = [lambda s=s: cg.codebook_gemv(s[4], s[1], s[2], 4, out=s[3], tiled=True, kopts=ko) for s in sets]
+            r["us"]["prod_call"] = graph_time_calls(calls, replays=replays)
+        except Exception as e:
+            r["errors"]["prod_call"] = f"{type(e).__name__}: {e}"[:300]
     calls = [lambda s=s: lib.launch("prod", s[0], s[1], s[2], s[3]) for s in sets]
     r["us"]["prod_again"] = graph_time_calls(calls, replays=replays)
     del sets
@@ -261,7 +276,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(15)
     for k, n in a.shapes:
         for m in a.rows:
-            r = run_case(lib, k, n, m, a.variants, a.replays, gen)
+            r = run_case(lib, k, n, m, a.variants, a.replays, gen, a.main_ext)
             res["cases"].append(r)
             print(json.dumps(r), flush=True)
             failed += [f"{r['shape']} M={m} {v}: not bitwise equal to prod" for v, ok in r["exact"].items() if not ok]
