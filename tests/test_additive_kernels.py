@@ -105,9 +105,12 @@ def _assert_rows_invariant(call, x, res, what):
     return y
 
 
-@pytest.mark.parametrize("M,nbits,n,g,every_T", [(2, 8, 53, 17, False), (1, 16, 97, 3, True), (2, 8, 257, 8, False),
-                                                 (2, 8, 9, 2, True), (1, 16, 3, 40, False), (4, 8, 1, 7, False),
-                                                 (1, 8, 20, 1, False)])
+@pytest.mark.parametrize("M,nbits,n,g,every_T", [(2, 8, 53, 17, False), (1, 16, 97, 3, True),
+                                                 pytest.param(2, 8, 257, 8, False, marks=pytest.mark.slow),
+                                                 pytest.param(2, 8, 9, 2, True, marks=pytest.mark.slow),
+                                                 (1, 16, 3, 40, False),
+                                                 pytest.param(4, 8, 1, 7, False, marks=pytest.mark.slow),
+                                                 (1, 8, 20, 1, False)])  # slow: 18-40 s each on the CPU
 def test_rows_batch_invariant(M, nbits, n, g, every_T):
     """Every row of a T-row call (T = 1..16, rows of unlike magnitudes, bias and residual) has exactly the bits
     of the call with that row alone: Triton here (CPU interpreter), the backend the call picks on the GPU."""

@@ -208,6 +208,7 @@ def test_tied_model_shares_one_8bit_table(tmp_path):
     assert ((back - ours).norm() / ours.norm()).item() < 1e-5
 
 
+@pytest.mark.slow  # 50 s on the CPU (CI budget); the untied and shared-table cases stay in the fast tier
 def test_tied_resume_from_other_head_layout(tmp_path):
     # layer parts hold the projections only: parts left by a run with another head layout are reused,
     # and the resumed file equals an uninterrupted run's
@@ -225,6 +226,7 @@ def test_tied_resume_from_other_head_layout(tmp_path):
     assert a.read_bytes() == b.read_bytes()
 
 
+@pytest.mark.slow  # 20 s on the CPU (CI budget)
 def test_untied_model_keeps_fp16_embedding_and_8bit_head(tmp_path):
     src = tmp_path / "hf"
     build("llama2", src, tokenizer=True)

@@ -1,4 +1,5 @@
 """The quantizer benchmark's machinery (random lazy checkpoint, random statistics) on a tiny shape."""
+import pytest
 import torch
 
 import trapetum.eval.bench_e2e as bench_e2e
@@ -46,6 +47,7 @@ def test_bench_quantize_additive_tiny_shape(monkeypatch, capsys, tmp_path):
     assert main(["bench", "quantize", "--shape", "nope", "--scheme", "aqlm-2x8"]) == 1  # the CLI takes --scheme
 
 
+@pytest.mark.slow  # 32 s on the CPU (CI budget); the additive tiny-shape run stays in the fast tier
 def test_bench_quantize_additive_resumes_a_killed_run(monkeypatch, capsys, tmp_path):
     """--work keeps the driver's parts: a run stopped after one computed layer leaves it there; the same
     command then computes only the rest (layers_resumed counts the other), and the file equals an

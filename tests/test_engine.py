@@ -117,6 +117,7 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.slow  # 35 s on the CPU (CI budget); test_engine_under_triton_interpreter stays in the fast tier
 def test_engine_fused_attention_under_triton_interpreter(tmp_path):
     """The decode step's fused RoPE + KV append + attention kernel and merge kernel (interpreted) against the
     unfused path (Options.attention = "unfused": RoPE + KV append, then split-KV attention): the same logits and KV
