@@ -33,7 +33,10 @@
 //     order; an odd last entry: warp 7's last mma (its in1 weights zero).
 //  4. the 8 warps' sums added per row in warp order. S = 1: the epilogue. S > 1: the partial to
 //     part[s][m][128 tt + r]; the last block for (tt, m) (a device counter, fenced) sums the S partials in order
-//     s = 0, 1, .. and writes the epilogue, then resets the counter to 0.
+//     s = 0, 1, .. and writes the epilogue, then resets the counter to 0. CL (the launcher's cluster = 1): the S
+//     blocks of a tile are one thread-block cluster (S <= 16) instead; block s = 0 adds the S blocks' sums from
+//     their shared memory (distributed shared memory, in the order s = 0, 1, ..: the counter path's bits) between
+//     two cluster barriers: no global partials, fence or counter.
 // Every sum and its order depend on row m's own data and on the shape (S from K and N only): deterministic, a
 // row's bits those of its one-row call. No host sync: capturable.
 // EPI 0: y [M, N] fp16 = sum (+ residual). EPI 1 / 2: rows interleaved 8 gate / 8 up per 16 (N % 16 == 0),
@@ -43,6 +46,7 @@
 #include "pdl.cuh"
 #include "act.cuh"
 #include "ptx.cuh"
+#include <cooperative_groups.h>
 
 extern __shared__ __align__(16) uint32_t trapetum_spmma_smem[];
 
@@ -81,7 +85,7 @@ __device__ __forceinline__ void pair_mma(float (&acc)[4], uint32_t w0, uint32_t 
   mma16816(acc, A, b0, b1);
 }
 
-template <int EPI>
+template <int EPI, bool CL>
 __global__ void __launch_bounds__(kThreads, 3)
 sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, const half* __restrict__ cb,
                   const half* __restrict__ res, const uint8_t* dense, half* __restrict__ y,
@@ -207,7 +211,24 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
   float sum = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += red[w * kRows + r];
-  if (S > 1) {
+  if (CL && S > 1) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cl = cg::this_cluster();  // cluster (S, 1, 1): rank s
+    float* bsum = reinterpret_cast<float*>(sk);  // the list is done with
+    if (tid < kRows) bsum[tid] = sum;
+    cl.sync();
+    if (s == 0) {  // S <= 16: all loads in flight, added in the order s = 0, 1, ..
+      float v[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) v[u] = u < S ? cl.map_shared_rank(bsum, u)[r] : 0.0f;
+      sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (u < S) sum += v[u];
+    }
+    cl.sync();  // the remote reads done before any block of the cluster exits
+    if (s != 0) return;
+  } else if (S > 1) {
     if (tid < kRows) part[((size_t)s * M + m) * Np + tt * kRows + r] = sum;
     __threadfence();
     __syncthreads();
@@ -271,7 +292,7 @@ void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
 // (S > 1); cnt int32, at least M T elements, zero (left zero). splits S: K ranges of ceil(K / S) <= 1024 inputs.
 void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
                    torch::Tensor y, torch::Tensor part, torch::Tensor cnt, double t, int64_t epi, int64_t has_res,
-                   int64_t f, int64_t splits, int64_t pdl) {
+                   int64_t f, int64_t splits, int64_t pdl, int64_t cluster) {
   using namespace trapetum_spmma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   const int M = x.size(0), K = x.size(1);
@@ -293,20 +314,46 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
   const int S = (int)splits;
   const int KS = (K + S - 1) / S;
   TORCH_CHECK(S >= 1 && KS <= kMaxKS, "splits");
+  TORCH_CHECK(!cluster || S <= 16, "cluster reduction: at most 16 splits");
   TORCH_CHECK(S == 1 || (part.is_cuda() && part.is_contiguous() && part.scalar_type() == at::kFloat &&
                          part.numel() >= (int64_t)S * M * T * kRows), "partials");
   TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.numel() >= (int64_t)M * T, "counters");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
-  static bool done0[kAttrDevices] = {}, done1[kAttrDevices] = {}, done2[kAttrDevices] = {};
-  auto kern = epi == 0 ? sparse_mma_kernel<0> : epi == 1 ? sparse_mma_kernel<1> : sparse_mma_kernel<2>;
-  spmma_smem_once(kern, epi == 0 ? done0 : epi == 1 ? done1 : done2);
-  const dim3 grid((unsigned)(T * S), (unsigned)M);
-  C10_CUDA_CHECK(trapetum_pdl::launch(
-      kern, grid, kThreads, kSmemBytes, st, pdl != 0, reinterpret_cast<const half*>(x.data_ptr<at::Half>()),
-      ct.data_ptr<uint8_t>(), reinterpret_cast<const half*>(cb.data_ptr<at::Half>()),
-      reinterpret_cast<const half*>(res.data_ptr<at::Half>()), dense.data_ptr<uint8_t>(),
-      reinterpret_cast<half*>(y.data_ptr<at::Half>()), part.data_ptr<float>(), cnt.data_ptr<int32_t>(), (float)t, M, N,
-      K, KS, S, (int)has_res, (int)f));
+  static bool done[6][kAttrDevices] = {};
+  const bool cl = cluster != 0 && S > 1;
+  using Kern = void (*)(const half*, const uint8_t*, const half*, const half*, const uint8_t*, half*, float*, int*,
+                        float, int, int, int, int, int, int, int);
+  const Kern kerns[6] = {sparse_mma_kernel<0, false>, sparse_mma_kernel<1, false>, sparse_mma_kernel<2, false>,
+                         sparse_mma_kernel<0, true>, sparse_mma_kernel<1, true>, sparse_mma_kernel<2, true>};
+  const int ki = (cl ? 3 : 0) + (int)epi;
+  spmma_smem_once(kerns[ki], done[ki]);
+  if (cl) C10_CUDA_CHECK(cudaFuncSetAttribute(kerns[ki], cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(T * S), (unsigned)M);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  if (trapetum_pdl::enabled(pdl != 0)) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  if (cl) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = (unsigned)S;
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = na;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &cfg, kerns[ki], reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)ct.data_ptr<uint8_t>(),
+      reinterpret_cast<const half*>(cb.data_ptr<at::Half>()), reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
+      (const uint8_t*)dense.data_ptr<uint8_t>(), reinterpret_cast<half*>(y.data_ptr<at::Half>()), part.data_ptr<float>(),
+      cnt.data_ptr<int32_t>(), (float)t, M, N, K, KS, S, (int)has_res, (int)f));
 }
 #endif
