@@ -28,7 +28,8 @@
 // Block (8 warps) = one tile tt of 128 rows x one K range [s KS, (s + 1) KS) (split s of S) x activation row m:
 //  1. (weights only: before the PDL wait) the table.
 //  2. the kept inputs of the range, ascending, into a shared list (byte offset 64 k, x dup) (ballots, prefix).
-//  3. P = floor(nnz / 2) pairs; warp w takes pairs [w L, (w + 1) L), L = ceil(P / 8), batches of 8 pairs (16
+//  3. P = floor(nnz / 2) pairs; warp w takes pairs [w L, (w + 1) L), L = ceil(P / 8) rounded up to even (list
+//     reads of 16 bytes), batches of 8 pairs (16
 //     code loads in flight, the next batch loaded before the current one is multiplied); one mma per pair in pair
 //     order; an odd last entry: warp 7's last mma (its in1 weights zero).
 //  4. the 8 warps' sums added per row in warp order. S = 1: the epilogue. S > 1: the partial to
@@ -163,37 +164,57 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
   const uint32_t bmask = c4 == (g >> 1) ? ((g & 1) ? 0xFFFF0000u : 0x0000FFFFu) : 0u;
   const uint32_t sb = static_cast<uint32_t>(__cvta_generic_to_shared(tab));
   const uint32_t lane4 = lane * 4;
-  const uint8_t* base = ct + (size_t)tt * K * 64 + 2 * lane;
+  const uint8_t* lbase = ct + (size_t)tt * K * 64 + 2 * lane;  // lane l's halfword of input k at + 64 k
   const int P = nnz >> 1;
-  const int L = (P + kWarps - 1) / kWarps;
-  const int p_lo = warp * L, p_hi = min(p_lo + L, P);
+  const int L = ((P + kWarps - 1) / kWarps + 1) & ~1;  // even: batches start at 16-byte list entries
+  const int p_lo = min(warp * L, P), p_hi = min(p_lo + L, P);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  uint32_t wc[2 * kBatch], wn[2 * kBatch];
+  uint32_t wa[2 * kBatch], wb[2 * kBatch];  // two batches of code halfwords: one in flight while the other is used
   auto load = [&](uint32_t (&w)[2 * kBatch], int p0) {
     const int n = min(kBatch, p_hi - p0);  // warp-uniform
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (u < n) {
-        const int2 o = *reinterpret_cast<const int2*>(sk + 2 * (p0 + u));
-        w[2 * u] = ld_code16(base + o.x);
-        w[2 * u + 1] = ld_code16(base + o.y);
+    for (int u = 0; u < kBatch; u += 2) {
+      if (u + 1 < n) {  // two pairs' offsets in one 16-byte load
+        const uint4 o = *reinterpret_cast<const uint4*>(sk + 2 * (p0 + u));
+        w[2 * u] = ld_code16(lbase + o.x);
+        w[2 * u + 1] = ld_code16(lbase + o.y);
+        w[2 * u + 2] = ld_code16(lbase + o.z);
+        w[2 * u + 3] = ld_code16(lbase + o.w);
+      } else if (u < n) {
+        const uint2 o = *reinterpret_cast<const uint2*>(sk + 2 * (p0 + u));
+        w[2 * u] = ld_code16(lbase + o.x);
+        w[2 * u + 1] = ld_code16(lbase + o.y);
       }
+    }
   };
-  if (p_lo < p_hi) load(wc, p_lo);
-  for (int p0 = p_lo; p0 < p_hi; p0 += kBatch) {
-    if (p0 + kBatch < p_hi) load(wn, p0 + kBatch);
+  auto compute = [&](const uint32_t (&w)[2 * kBatch], int p0) {
     const int n = min(kBatch, p_hi - p0);
+    if (n == kBatch) {  // a whole batch: no predicates
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u)
-      if (u < n) {
-        const uint2 xv = *reinterpret_cast<const uint2*>(sx + 2 * (p0 + u));
-        pair_mma(acc, wc[2 * u], wc[2 * u + 1], xv.x & bmask, xv.y & bmask, sb, lane4);
+      for (int u = 0; u < kBatch; u += 2) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(sx + 2 * (p0 + u));
+        pair_mma(acc, w[2 * u], w[2 * u + 1], xv.x & bmask, xv.y & bmask, sb, lane4);
+        pair_mma(acc, w[2 * u + 2], w[2 * u + 3], xv.z & bmask, xv.w & bmask, sb, lane4);
       }
+    } else {
 #pragma unroll
-    for (int u = 0; u < 2 * kBatch; ++u) wc[u] = wn[u];
+      for (int u = 0; u < kBatch - 1; ++u)
+        if (u < n) {
+          const uint2 xv = *reinterpret_cast<const uint2*>(sx + 2 * (p0 + u));
+          pair_mma(acc, w[2 * u], w[2 * u + 1], xv.x & bmask, xv.y & bmask, sb, lane4);
+        }
+    }
+  };
+  if (p_lo < p_hi) load(wa, p_lo);
+  for (int p0 = p_lo; p0 < p_hi; p0 += 2 * kBatch) {  // pairs in order; batches alternate between wa and wb
+    if (p0 + kBatch < p_hi) load(wb, p0 + kBatch);
+    compute(wa, p0);
+    if (p0 + kBatch >= p_hi) break;
+    if (p0 + 2 * kBatch < p_hi) load(wa, p0 + 2 * kBatch);
+    compute(wb, p0 + kBatch);
   }
   if ((nnz & 1) && warp == kWarps - 1) {  // the odd last entry: in1's weights and x zero
-    const uint32_t w0 = ld_code16(base + sk[nnz - 1]);
+    const uint32_t w0 = ld_code16(lbase + static_cast<uint32_t>(sk[nnz - 1]));
     uint32_t A[4];
     A[0] = lds(sb + sel_byte(w0, lane4, 0));
     A[1] = lds(sb + 128 + sel_byte(w0, lane4, 1));
