@@ -304,6 +304,7 @@ void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
   if (dev < kAttrDevices && done[dev]) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, trapetum_spmma::kSmemBytes));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));  // clusters of <= 16
   if (dev < kAttrDevices) done[dev] = true;
 }
 }  // namespace
@@ -349,7 +350,6 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
                          sparse_mma_kernel<0, true>, sparse_mma_kernel<1, true>, sparse_mma_kernel<2, true>};
   const int ki = (cl ? 3 : 0) + (int)epi;
   spmma_smem_once(kerns[ki], done[ki]);
-  if (cl) C10_CUDA_CHECK(cudaFuncSetAttribute(kerns[ki], cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(T * S), (unsigned)M);
   cfg.blockDim = dim3(kThreads);
