@@ -5,7 +5,7 @@
 # 1. builds the main, the "cuda" sparse and the "mma" sparse extensions in parallel; stops (rc 3) if one fails;
 # 2. tests/test_sparse_mma.py (GPU: 240 cases against float64, bits, splits, NaN codes, graph, engine verify,
 #    mma-cluster bits last); 3. bench_sparse kernel table (dense, tiled dense, masked, compact, cuda, mma; then the
-#    mma-cluster pass) at S = 0, 0.25, 0.5 with --mma-splits 4,8; 4. bench_sparse --e2e at 0.25 and 0.5 with the
+#    mma-cluster pass) at S = 0, 0.25, 0.5 with --mma-splits 2,6,16; 4. bench_sparse --e2e at 0.25 and 0.5 with the
 #    E2E_KERNELS (each with its own dense runs before and after), as the budget allows.
 # Logs: $OUT/logs.tgz and the three result files copied to $OUT; a one-line summary per step on stdout.
 OUT=${OUT:-out/gpu-sparse-mma}
@@ -21,7 +21,7 @@ echo "builds rc=$rc ($(since))"
 if [ $rc != 0 ]; then tail -c 2000 "$L"/build_*.log; tar czf "$OUT/logs.tgz" -C "$L" .; exit 3; fi
 timeout "$(budget 100 150)" python3 -m pytest -q -p no:cacheprovider tests/test_sparse_mma.py > "$L/pytest_mma.log" 2>&1
 echo "mma tests rc=$?: $(tail -1 "$L/pytest_mma.log") ($(since))"
-timeout "$(budget 80 70)" python3 -m trapetum.eval.bench_sparse --sparsity 0,0.25,0.5 --mma-splits 4,8 \
+timeout "$(budget 80 70)" python3 -m trapetum.eval.bench_sparse --sparsity 0,0.25,0.5 --mma-splits 2,6,16 \
   > "$L/kernels.txt" 2>&1
 echo "kernel table rc=$? ($(since))"; cp "$L/kernels.txt" "$OUT/"
 timeout "$(budget 300 5)" python3 -m trapetum.eval.bench_sparse --e2e --sparsity 0.25,0.5 --sparse-kernel "${E2E_KERNELS:-mma}" \

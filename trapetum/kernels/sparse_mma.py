@@ -22,7 +22,8 @@ from . import cuda_ext, sparse_cuda
 from .pack import packed_width, unpack_codes
 
 ROWS = 128  # rows per tile (a block)
-MAX_KS = 1024  # inputs per K range (the kernel's shared list)
+MAX_KS = 2048  # inputs per K range (the kernel's shared list of 16-bit entries)
+MAX_K = 65536  # inputs of a projection (16-bit list entries)
 TARGET_BLOCKS = 396  # blocks a launch at M = 1: 3 per SM of the H200's 132 (72 KB of shared memory a block)
 MAX_SPLITS = 32
 
@@ -40,7 +41,7 @@ MAX_CLUSTER = 16  # "mma-cluster": the split sum through distributed shared memo
 
 def ready(device: torch.device, kopts) -> bool:
     """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma" or
-    "mma-cluster", built)."""
+    "mma-cluster", built); projections of more than MAX_K inputs keep the input-major path."""
     return kopts.sparse_kernel in KERNELS and EXT.ready(device, kopts) is not None
 
 

@@ -245,7 +245,8 @@ class CodebookProjection(Projection):
         if self.ct is None:
             if self.bits == 4 and sparse_cuda.ready(self.codes.device, self.kopts):  # the CUDA kernel's layout
                 self.ct = sparse_cuda.warp_major_codes(self.canonical_codes(), self.in_features)
-            elif self.bits == 4 and sparse_mma.ready(self.codes.device, self.kopts):  # tensor-core layout
+            elif self.bits == 4 and self.in_features <= sparse_mma.MAX_K and \
+                    sparse_mma.ready(self.codes.device, self.kopts):  # the tensor-core kernel's layout
                 self.ct = sparse_mma.tile_codes(self.canonical_codes(), self.in_features)
             else:
                 self.ct = input_major_codes(self.canonical_codes(), self.bits, self.in_features)

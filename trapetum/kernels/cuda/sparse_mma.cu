@@ -21,13 +21,13 @@
 //    [e & 15], codebook[4l + 2h + 1][e >> 4]) for code byte e: byte address (e << 8) | (h << 7) | (l << 2), the
 //    offset of one PRMT from the code halfword (bank = lane).
 //  * B: lane (g, c) with c == g >> 1 holds (x0, 0) / (x1, 0) (g even) or (0, x0) / (0, x1) (g odd), every other
-//    lane zeros: the kept list stores x duplicated (half2 x, x) and each lane ANDs its mask.
+//    lane zeros: one PRMT of the pair's (x0, x1) with a per-lane selector each.
 //    (A consequence: a kept input's weights of other rows meet B's zeros; a non-finite weight of a KEPT input
 //    would spread to the other rows of its mma. fp16 codebooks of real models are finite; dropped inputs'
 //    weights are never read.)
 // Block (8 warps) = one tile tt of 128 rows x one K range [s KS, (s + 1) KS) (split s of S) x activation row m:
 //  1. (weights only: before the PDL wait) the table.
-//  2. the kept inputs of the range, ascending, into a shared list (byte offset 64 k, x dup) (ballots, prefix).
+//  2. the kept inputs of the range, ascending, into a shared list of 16-bit (k, x) (a scan, one barrier).
 //  3. P = floor(nnz / 2) pairs; warp w takes pairs [w L, (w + 1) L), L = ceil(P / 8) rounded up to even (list
 //     reads of 16 bytes), batches of 8 pairs (16
 //     code loads in flight, the next batch loaded before the current one is multiplied); one mma per pair in pair
@@ -56,10 +56,10 @@ namespace trapetum_spmma {
 constexpr int kThreads = 256;
 constexpr int kWarps = 8;
 constexpr int kRows = 128;                   // rows per tile (a block)
-constexpr int kMaxKS = 1024;                 // inputs per K range
+constexpr int kMaxKS = 2048;                 // inputs per K range (k < 65536: 16-bit list entries)
 constexpr int kTabWords = 256 * 64;          // 64 KB
 constexpr int kBatch = 8;                    // pairs per batch (16 code loads)
-constexpr int kSmemBytes = kTabWords * 4 + kMaxKS * 4 * 2;  // table + list offsets + list x (72 KB)
+constexpr int kSmemBytes = kTabWords * 4 + kMaxKS * 2 * 2;  // table + list k + list x (72 KB)
 
 using trapetum_ptx::lds;
 using trapetum_ptx::mma16816;
@@ -94,8 +94,8 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
                   int has_res, int F) {
   trapetum_pdl::allow_dependents();
   uint32_t* tab = trapetum_spmma_smem;                       // [e][h][lane]
-  int* sk = reinterpret_cast<int*>(tab + kTabWords);         // kept inputs: byte offset 64 k
-  uint32_t* sx = reinterpret_cast<uint32_t*>(sk + kMaxKS);   // their x as half2 (x, x)
+  unsigned short* sk = reinterpret_cast<unsigned short*>(tab + kTabWords);  // kept inputs k
+  unsigned short* sx = sk + kMaxKS;                                          // their x (fp16 bits)
   __shared__ int wcount[kWarps];
   __shared__ int last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -121,47 +121,53 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
   }
   trapetum_pdl::wait_inputs();  // x, the residual, y, part and the counters belong to the previous kernels
 
-  // 2. the kept inputs of [k_lo, k_hi), in chunks of 256 (x of all chunks loaded first)
+  // 2. the kept inputs of [k_lo, k_hi), ascending: thread tid tests inputs k_lo + 8 tid + j, j = 0..7; a warp
+  //    scan of the counts, the warps' totals through shared memory (one barrier), entries (k, x) written in order
   const int k_lo = s * KS, k_hi = min(k_lo + KS, K);
   const bool dn = __ldca(dense + m) != 0;
-  constexpr int kChunks = kMaxKS / kThreads;
-  half xr[kChunks];
+  constexpr int kPer = kMaxKS / kThreads;
+  const int kt = k_lo + tid * kPer;
+  half xr[kPer];
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int k = k_lo + c * kThreads + tid;
-    xr[c] = k < k_hi ? __ldca(x + (size_t)m * K + k) : __float2half(0.0f);
+  for (int j = 0; j < kPer; ++j) xr[j] = kt + j < k_hi ? __ldca(x + (size_t)m * K + kt + j) : __float2half(0.0f);
+  uint32_t keep = 0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const float xv = __half2float(xr[j]);
+    keep |= static_cast<uint32_t>(kt + j < k_hi && (dn ? xv != 0.0f : fabsf(xv) > t)) << j;
   }
-  int nnz = 0;
+  const int mine = __popc(keep);
+  int incl = mine;
 #pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int k0 = k_lo + c * kThreads;
-    if (k0 >= k_hi) break;  // block-uniform
-    const int k = k0 + tid;
-    const float xv = __half2float(xr[c]);
-    const bool keep = k < k_hi && (dn ? xv != 0.0f : fabsf(xv) > t);
-    const uint32_t b = __ballot_sync(0xffffffffu, keep);
-    if (lane == 0) wcount[warp] = __popc(b);
-    __syncthreads();
-    int before = nnz, total = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int nw = wcount[w];
-      before += w < warp ? nw : 0;
-      total += nw;
-    }
-    if (keep) {
-      const int j = before + __popc(b & ((1u << lane) - 1u));
-      const uint32_t h = __half_as_ushort(xr[c]);
-      sk[j] = k * 64;
-      sx[j] = h | (h << 16);
-    }
-    nnz += total;
-    __syncthreads();  // wcount reused by the next chunk; the list and the table complete after the last
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
   }
+  if (lane == 31) wcount[warp] = incl;
+  __syncthreads();
+  int at = incl - mine, nnz = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int nw = wcount[w];
+    at += w < warp ? nw : 0;
+    nnz += nw;
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if ((keep >> j) & 1u) {
+      sk[at] = static_cast<unsigned short>(kt + j);
+      sx[at] = __half_as_ushort(xr[j]);
+      ++at;
+    }
+  __syncthreads();  // the list and the table complete
 
   // 3. warp w: pairs [w L, min((w + 1) L, P))
   const int g = lane >> 2, c4 = lane & 3;
-  const uint32_t bmask = c4 == (g >> 1) ? ((g & 1) ? 0xFFFF0000u : 0x0000FFFFu) : 0u;
+  // B from a pair's (x0, x1) half2: PRMT selectors giving (x0, 0) / (x1, 0) (g even), (0, x0) / (0, x1) (g odd)
+  // on the lanes c == g >> 1, zeros elsewhere
+  const bool diag = c4 == (g >> 1);
+  const uint32_t sel0 = !diag ? 0x4444u : (g & 1) ? 0x1044u : 0x4410u;
+  const uint32_t sel1 = !diag ? 0x4444u : (g & 1) ? 0x3244u : 0x4432u;
   const uint32_t sb = static_cast<uint32_t>(__cvta_generic_to_shared(tab));
   const uint32_t lane4 = lane * 4;
   const uint8_t* lbase = ct + (size_t)tt * K * 64 + 2 * lane;  // lane l's halfword of input k at + 64 k
@@ -174,16 +180,16 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
     const int n = min(kBatch, p_hi - p0);  // warp-uniform
 #pragma unroll
     for (int u = 0; u < kBatch; u += 2) {
-      if (u + 1 < n) {  // two pairs' offsets in one 16-byte load
-        const uint4 o = *reinterpret_cast<const uint4*>(sk + 2 * (p0 + u));
-        w[2 * u] = ld_code16(lbase + o.x);
-        w[2 * u + 1] = ld_code16(lbase + o.y);
-        w[2 * u + 2] = ld_code16(lbase + o.z);
-        w[2 * u + 3] = ld_code16(lbase + o.w);
-      } else if (u < n) {
+      if (u + 1 < n) {  // two pairs' inputs in one 8-byte load
         const uint2 o = *reinterpret_cast<const uint2*>(sk + 2 * (p0 + u));
-        w[2 * u] = ld_code16(lbase + o.x);
-        w[2 * u + 1] = ld_code16(lbase + o.y);
+        w[2 * u] = ld_code16(lbase + (size_t)(o.x & 0xFFFFu) * 64);
+        w[2 * u + 1] = ld_code16(lbase + (size_t)(o.x >> 16) * 64);
+        w[2 * u + 2] = ld_code16(lbase + (size_t)(o.y & 0xFFFFu) * 64);
+        w[2 * u + 3] = ld_code16(lbase + (size_t)(o.y >> 16) * 64);
+      } else if (u < n) {
+        const uint32_t o = *reinterpret_cast<const uint32_t*>(sk + 2 * (p0 + u));
+        w[2 * u] = ld_code16(lbase + (size_t)(o & 0xFFFFu) * 64);
+        w[2 * u + 1] = ld_code16(lbase + (size_t)(o >> 16) * 64);
       }
     }
   };
@@ -192,16 +198,17 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
     if (n == kBatch) {  // a whole batch: no predicates
 #pragma unroll
       for (int u = 0; u < kBatch; u += 2) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(sx + 2 * (p0 + u));
-        pair_mma(acc, w[2 * u], w[2 * u + 1], xv.x & bmask, xv.y & bmask, sb, lane4);
-        pair_mma(acc, w[2 * u + 2], w[2 * u + 3], xv.z & bmask, xv.w & bmask, sb, lane4);
+        const uint2 xv = *reinterpret_cast<const uint2*>(sx + 2 * (p0 + u));
+        pair_mma(acc, w[2 * u], w[2 * u + 1], __byte_perm(xv.x, 0u, sel0), __byte_perm(xv.x, 0u, sel1), sb, lane4);
+        pair_mma(acc, w[2 * u + 2], w[2 * u + 3], __byte_perm(xv.y, 0u, sel0), __byte_perm(xv.y, 0u, sel1), sb,
+                 lane4);
       }
     } else {
 #pragma unroll
       for (int u = 0; u < kBatch - 1; ++u)
         if (u < n) {
-          const uint2 xv = *reinterpret_cast<const uint2*>(sx + 2 * (p0 + u));
-          pair_mma(acc, w[2 * u], w[2 * u + 1], xv.x & bmask, xv.y & bmask, sb, lane4);
+          const uint32_t xv = *reinterpret_cast<const uint32_t*>(sx + 2 * (p0 + u));
+          pair_mma(acc, w[2 * u], w[2 * u + 1], __byte_perm(xv, 0u, sel0), __byte_perm(xv, 0u, sel1), sb, lane4);
         }
     }
   };
@@ -214,13 +221,13 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
     compute(wb, p0 + kBatch);
   }
   if ((nnz & 1) && warp == kWarps - 1) {  // the odd last entry: in1's weights and x zero
-    const uint32_t w0 = ld_code16(lbase + static_cast<uint32_t>(sk[nnz - 1]));
+    const uint32_t w0 = ld_code16(lbase + (size_t)sk[nnz - 1] * 64);
     uint32_t A[4];
     A[0] = lds(sb + sel_byte(w0, lane4, 0));
     A[1] = lds(sb + 128 + sel_byte(w0, lane4, 1));
     A[2] = 0u;
     A[3] = 0u;
-    mma16816(acc, A, sx[nnz - 1] & bmask, 0u);
+    mma16816(acc, A, __byte_perm(static_cast<uint32_t>(sx[nnz - 1]), 0u, sel0), 0u);
   }
 
   // 4. the warps' sums in warp order, per row tid < 128
@@ -311,7 +318,8 @@ void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
 
 // x fp16 [M, K] contiguous; ct uint8 [T, K, 64] (tile-major codes, file comment); cb fp16 [N, 16]; dense uint8
 // [M]; y fp16 [M, N] (epi 0) or [M, f] (epi 1, 2); res fp16 [M, N] (read when has_res); part fp32 [S, M, 128 T]
-// (S > 1); cnt int32, at least M T elements, zero (left zero). splits S: K ranges of ceil(K / S) <= 1024 inputs.
+// (S > 1); cnt int32, at least M T elements, zero (left zero). splits S: K ranges of ceil(K / S) <= 2048 inputs;
+// K <= 65536.
 void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
                    torch::Tensor y, torch::Tensor part, torch::Tensor cnt, double t, int64_t epi, int64_t has_res,
                    int64_t f, int64_t splits, int64_t pdl, int64_t cluster) {
@@ -325,7 +333,7 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
   const int N = cb.size(0);
   TORCH_CHECK(N >= 1 && T == (N + kRows - 1) / kRows, "codebook rows vs code tiles");
   TORCH_CHECK((int64_t)T * K * 64 < (int64_t)1 << 40 && (int64_t)K * 64 < ((int64_t)1 << 31), "K too large");
-  TORCH_CHECK(M >= 1 && M <= 16 && K >= 1, "shape");
+  TORCH_CHECK(M >= 1 && M <= 16 && K >= 1 && K <= 65536, "shape (K <= 65536: 16-bit list entries)");
   TORCH_CHECK(dense.is_cuda() && dense.numel() == M && dense.scalar_type() == at::kByte, "dense");
   TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.scalar_type() == at::kHalf, "y");
   TORCH_CHECK(res.is_cuda() && res.is_contiguous() && res.scalar_type() == at::kHalf, "residual");
