@@ -240,6 +240,7 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += red[w * kRows + r];
   if (CL && S > 1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: sm_90 (the launcher asks for them only there)
     namespace cg = cooperative_groups;
     cg::cluster_group cl = cg::this_cluster();  // cluster (S, 1, 1): rank s
     float* bsum = reinterpret_cast<float*>(sk);  // the list is done with
@@ -256,6 +257,9 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
     }
     cl.sync();  // the remote reads done before any block of the cluster exits
     if (s != 0) return;
+#else
+    __trap();
+#endif
   } else if (S > 1) {
     if (tid < kRows) part[((size_t)s * M + m) * Np + tt * kRows + r] = sum;
     __threadfence();
@@ -351,6 +355,12 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
   static bool done[6][kAttrDevices] = {};
+  if (cluster) {
+    int dev = 0, major = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&dev));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    TORCH_CHECK(major >= 9, "cluster reduction (sparse_kernel mma-cluster): sm_90 or newer");
+  }
   const bool cl = cluster != 0 && S > 1;
   using Kern = void (*)(const half*, const uint8_t*, const half*, const half*, const uint8_t*, half*, float*, int*,
                         float, int, int, int, int, int, int, int);
