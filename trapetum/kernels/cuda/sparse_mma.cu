@@ -29,9 +29,9 @@
 //  1. (weights only: before the PDL wait) the table.
 //  2. the kept inputs of the range, ascending, into a shared list of 16-bit (k, x) (a scan, one barrier).
 //  3. P = floor(nnz / 2) pairs; warp w takes pairs [w L, (w + 1) L), L = ceil(P / 8) rounded up to even (list
-//     reads of 16 bytes), batches of 8 pairs (16
-//     code loads in flight, the next batch loaded before the current one is multiplied); one mma per pair in pair
-//     order; an odd last entry: warp 7's last mma (its in1 weights zero).
+//     reads of two pairs at once), batches of 8 pairs (16 code loads in flight, the next batch loaded before the
+//     current one is multiplied); one mma per pair in pair order; an odd last entry: warp 7's last mma (its in1
+//     weights and x zero).
 //  4. the 8 warps' sums added per row in warp order. S = 1: the epilogue. S > 1: the partial to
 //     part[s][m][128 tt + r]; the last block for (tt, m) (a device counter, fenced) sums the S partials in order
 //     s = 0, 1, .. and writes the epilogue, then resets the counter to 0. CL (the launcher's cluster = 1): the S
