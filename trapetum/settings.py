@@ -67,6 +67,7 @@ MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
+SPARSE_KERNELS = ("cuda", "mma", "mma-cluster", "compact", "masked")  # KernelOptions.sparse_kernel
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -122,7 +123,9 @@ class KernelOptions:
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
     # "cuda": the CUDA sparse GEMV of 4-bit codes (kernels/sparse_cuda.py; where the extension does not build, and
-    # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked"
+    # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked";
+    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py, session 15; opt-in until measured);
+    # "mma-cluster": the same with the K-split sum through a thread-block cluster's shared memory (same bits)
     sparse_kernel: str = "cuda"
 
     def __post_init__(self):
@@ -135,8 +138,9 @@ class KernelOptions:
         if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
             raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
                               f"got {self.grouped_gemv_groups!r}")
-        if self.sparse_kernel not in ("cuda", "compact", "masked"):
-            raise ConfigError(f"kernels.sparse_kernel: expected cuda, compact or masked, got {self.sparse_kernel!r}")
+        if self.sparse_kernel not in SPARSE_KERNELS:
+            raise ConfigError(f"kernels.sparse_kernel: expected one of {', '.join(SPARSE_KERNELS)}, "
+                              f"got {self.sparse_kernel!r}")
         if not 0 <= int(self.sparse_rows) <= 16:
             raise ConfigError(f"kernels.sparse_rows: {self.sparse_rows} outside 0..16")
         if not 1 <= int(self.aqlm_blocks_per_sm) <= 8:

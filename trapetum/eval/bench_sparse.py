@@ -8,40 +8,48 @@ its entries zero (uniformly placed: the thresholded input of TEAL at sparsity S)
 bench_kernels.graph_time_us (CUDA graphs over rotating buffer sets larger than L2, median of replays). Printed per
 shape and S: dense us (canonical codes; and the tiled mma kernel the engine runs, where the CUDA kernels are
 built), the masked and the compacted Triton sparse kernels' us and the CUDA sparse kernel's (KernelOptions.sparse_kernel
-"masked" / "compact" / "cuda", the last where its extension builds), the best dense over the fastest sparse, and the
-sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
+"masked" / "compact" / "cuda", the last where its extension builds), the tensor-core sparse kernel's ("mma",
+kernels/sparse_mma.py: its extension must build, else the benchmark stops with the build error), the best dense over
+the fastest sparse, the tiled dense over "mma", and the sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
 HBM bandwidth) so that the gap to it is visible. Nothing is recorded by this module: figures go to BENCHMARKS.md
 with the command that produced them.
 
 --e2e: one engine of the model shape in 4-bit (eval/random_model.py cb4: random codes and codebooks, 8-bit head),
 decode tok/s (bench_e2e.decode_bins: 128 greedy CUDA-graph steps from positions 0 and 1024) dense, then at each
-sparsity S, then dense again, in one process. Thresholds: per layer and site, the S-quantile of |x| of the random
+sparsity S, then dense again, in one process; ``--sparse-kernel cuda,mma``: one engine per kernel in turn, each
+with its dense runs (the engine checks that its projections hold that kernel's layout: no silent fallback). Thresholds: per layer and site, the S-quantile of |x| of the random
 model's own site inputs over one eager prompt pass of 256 random tokens (rows 1..; labelled "random activations"
 in the output: not a real model's). The same S on every site; position 0 dense.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from contextlib import contextmanager
 
 import torch
 
-from ..kernels import cuda_ext, sparse_cuda
+from ..kernels import cuda_ext, sparse_cuda, sparse_mma
 from ..kernels.codebook_gemv import codebook_gemv
 from ..kernels.codebook_layout import tile_codes
 from ..kernels.pack import pack_codes
 from ..kernels.sparse_gemv import bytes_read, input_major_codes, sparse_gemv, sparse_project
-from ..settings import DEFAULT_KERNELS
+from ..settings import DEFAULT_KERNELS, SPARSE_KERNELS
 from .bench_kernels import graph_time_us
 
 HBM_BYTES_PER_S = 4.8e12
 
 
-def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=()) -> list[dict]:
-    """One row per shape and S (module docstring); ``cuda_splits``: the CUDA kernel also timed at these K-range
-    counts (row key "cuda_splits_us": {S: us}), to compare with the default ``sparse_cuda.splits``."""
+def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=(),
+        mma_splits=(), cluster_only: bool = False) -> list[dict]:
+    """One row per shape and S (module docstring); ``cuda_splits`` / ``mma_splits``: the CUDA / tensor-core kernel
+    also timed at these K-range counts (row keys "cuda_splits_us" / "mma_splits_us": {S: us}), to compare with the
+    default ``sparse_cuda.splits`` / ``sparse_mma.splits``. ``cluster_only``: the same data, only "mma" and
+    "mma-cluster" timed (row keys "mma_us", "cluster_us"; a separate pass, after the main table is printed)."""
     dev = torch.device("cuda")
+    if bits == 4 and sparse_mma.EXT.ready(dev) is None:
+        raise RuntimeError(f"bench_sparse: the tensor-core sparse GEMV (sparse_mma) did not build: {sparse_mma.EXT.error()}")
     out = []
     for K, N in shapes:
         g = torch.Generator(device="cpu").manual_seed(K * 7 + N)
@@ -54,6 +62,7 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
             else None
         no_dense = torch.zeros(1, dtype=torch.bool, device=dev)
         cw = sparse_cuda.warp_major_codes(codes, K) if bits == 4 and sparse_cuda.EXT.ready(dev) is not None else None
+        cm = sparse_mma.tile_codes(codes, K) if bits == 4 else None
         for s in sparsities:
             x = torch.randn(1, K, generator=g)
             x[torch.rand(1, K, generator=g) < s] = 0
@@ -82,6 +91,23 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="cuda",
                                               splits=splits)
 
+            def mma_op(i, x=x, splits=None):
+                c, b = cm.clone(), cb.clone()
+                y = torch.empty(1, N, dtype=torch.float16, device=dev)
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="mma",
+                                              splits=splits)
+
+            if cluster_only:
+                kc = dataclasses.replace(DEFAULT_KERNELS, sparse_kernel="mma-cluster")
+
+                def cluster_op(i, x=x):
+                    c, b = cm.clone(), cb.clone()
+                    y = torch.empty(1, N, dtype=torch.float16, device=dev)
+                    return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y,
+                                                  kernel="mma", kopts=kc)
+                out.append({"in": K, "out": N, "sparsity": s, "mma_us": graph_time_us(mma_op, weight_bytes),
+                            "cluster_us": graph_time_us(cluster_op, weight_bytes), "mma_splits": sparse_mma.splits(K, N)})
+                continue
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
@@ -89,11 +115,32 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
             cu = graph_time_us(cuda_op, weight_bytes) if cw is not None else float("nan")
             by_splits = {v: graph_time_us(lambda i, v=v: cuda_op(i, splits=v), weight_bytes)
                          for v in cuda_splits if cw is not None and -(-K // v) <= sparse_cuda.MAX_KS}
+            mm = graph_time_us(mma_op, weight_bytes) if cm is not None else float("nan")
+            by_msplits = {v: graph_time_us(lambda i, v=v: mma_op(i, splits=v), weight_bytes)
+                          for v in mma_splits if cm is not None and -(-K // v) <= sparse_mma.MAX_KS}
             floor = bytes_read(K, N, bits, s) / HBM_BYTES_PER_S * 1e6
+            best = min(v for v in (cp, cu, mm) if v == v)
             out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "tiled_us": dt, "sparse_us": sp,
-                        "compact_us": cp, "cuda_us": cu, "speedup": min(d, dt) / min(cp, cu if cu == cu else cp),
-                        "sparse_floor_us": floor, "cuda_splits": sparse_cuda.splits(K, N), "cuda_splits_us": by_splits})
+                        "compact_us": cp, "cuda_us": cu, "mma_us": mm, "speedup": min(d, dt) / best,
+                        "mma_speedup": (dt if dt == dt else d) / mm,
+                        "sparse_floor_us": floor, "cuda_splits": sparse_cuda.splits(K, N), "cuda_splits_us": by_splits,
+                        "mma_splits": sparse_mma.splits(K, N), "mma_splits_us": by_msplits})
     return out
+
+
+def _check_layout(eng, kernel: str) -> None:
+    """The engine's 4-bit projections hold the layout of ``kernel`` ("cuda": warp-major, "mma": tile-major), else a
+    RuntimeError: a benchmark of a kernel that silently fell back would time another one."""
+    want = {"cuda": sparse_cuda.is_warp_major, "mma": sparse_mma.is_tile_major,
+            "mma-cluster": sparse_mma.is_tile_major}.get(kernel)
+    if want is None:
+        return
+    projs = [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down)]
+    bad = sum(1 for p in projs if p.ct is None or not want(p.ct))
+    if bad:
+        ext = sparse_cuda.EXT if kernel == "cuda" else sparse_mma.EXT
+        raise RuntimeError(f"bench_sparse --e2e: {bad} of {len(projs)} projections lack the {kernel} kernel's layout "
+                           f"(extension error: {ext.error()})")
 
 
 @contextmanager
@@ -132,6 +179,7 @@ def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, 
     tags = {(4 * i + j + 1) * 1e-30: (i, site) for i in range(L) for j, site in enumerate(SITES)}
     by_layer = [{site: t for t, (i, site) in tags.items() if i == layer} for layer in range(L)]
     eng.set_sparsity(SparsityTable(tuple(SiteThresholds(**d) for d in by_layer)))
+    _check_layout(eng, kernel)
     found: dict = {}
     ids = torch.randint(3, eng.cfg.vocab_size, (prompt,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with _recorded_thresholds(sparsities, tags, found):
@@ -161,8 +209,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-splits", default="", help="kernel table: also time the CUDA sparse kernel at these K-range "
                    "counts, comma-separated (default: only sparse_cuda.splits of the shape)")
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
-    p.add_argument("--sparse-kernel", default="cuda", choices=("cuda", "compact", "masked"),
-                   help="--e2e: KernelOptions.sparse_kernel (default cuda: the CUDA kernel where it builds, else compact)")
+    p.add_argument("--mma-splits", default="", help="kernel table: also time the tensor-core sparse kernel at these "
+                   "K-range counts, comma-separated (default: only sparse_mma.splits of the shape)")
+    p.add_argument("--no-cluster", action="store_true", help="kernel table: skip the second pass timing "
+                   "sparse_kernel mma-cluster against mma")
+    p.add_argument("--sparse-kernel", default="cuda",
+                   help=f"--e2e: KernelOptions.sparse_kernel, one or several comma-separated of {', '.join(SPARSE_KERNELS)} "
+                   "(default cuda); cuda and mma fail unless their extension builds")
 
 
 def main(argv=None) -> int:
@@ -177,30 +230,46 @@ def run_args(args: argparse.Namespace) -> int:
         return 1
     if args.e2e:
         sp = [float(s) for s in (args.sparsity or "0.25,0.4,0.5").split(",")]
-        res = e2e(args.model, sp, kernel=args.sparse_kernel)
-        d = {b: (res["dense"][b] + res["dense_again"][b]) / 2 for b in res["dense"]}
-        print(f"{args.model} cb4 decode tok/s (random weights; thresholds from random activations at the target S, "
-              f"every site, position 0 dense; {args.sparse_kernel} kernel); dense = mean of the runs before and after")
-        print("| S | tok/s @0-128 | @1024-1152 | vs dense @0 | vs dense @1024 |")
-        print("|---|---|---|---|---|")
-        for k in ["dense", "dense_again", *sp]:
-            r = res[k]
-            print(f"| {k} | {r[0]:.1f} | {r[1024]:.1f} | {r[0] / d[0]:.3f}x | {r[1024] / d[1024]:.3f}x |")
+        kernels = args.sparse_kernel.split(",")
+        for kernel in kernels:
+            if kernel not in SPARSE_KERNELS:
+                print(f"bench_sparse: --sparse-kernel {kernel!r}: expected one of {', '.join(SPARSE_KERNELS)}",
+                      file=sys.stderr)
+                return 2
+        for kernel in kernels:
+            res = e2e(args.model, sp, kernel=kernel)
+            d = {b: (res["dense"][b] + res["dense_again"][b]) / 2 for b in res["dense"]}
+            print(f"{args.model} cb4 decode tok/s (random weights; thresholds from random activations at the target S, "
+                  f"every site, position 0 dense; {kernel} kernel); dense = mean of the runs before and after")
+            print("| S | tok/s @0-128 | @1024-1152 | vs dense @0 | vs dense @1024 |")
+            print("|---|---|---|---|---|")
+            for k in ["dense", "dense_again", *sp]:
+                r = res[k]
+                print(f"| {k} | {r[0]:.1f} | {r[1024]:.1f} | {r[0] / d[0]:.3f}x | {r[1024] / d[1024]:.3f}x |", flush=True)
+            torch.cuda.empty_cache()
         return 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")],
-               cuda_splits=[int(v) for v in args.cuda_splits.split(",") if v])
+               cuda_splits=[int(v) for v in args.cuda_splits.split(",") if v],
+               mma_splits=[int(v) for v in args.mma_splits.split(",") if v])
+    sys.stdout.flush()
     print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | cuda sparse us | "
-          "best dense / best sparse | sparse floor us |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "mma sparse us | best dense / best sparse | dense tiled / mma sparse | sparse floor us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['tiled_us']:.1f} | "
-              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['cuda_us']:.1f} | {r['speedup']:.2f}x | "
-              f"{r['sparse_floor_us']:.1f} |")
-    for r in rows:
-        if r["cuda_splits_us"]:
-            print(f"cuda sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r['cuda_splits']}; "
-                  + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r["cuda_splits_us"].items()))
+              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['cuda_us']:.1f} | {r['mma_us']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['mma_speedup']:.2f}x | {r['sparse_floor_us']:.1f} |")
+    for name in ("cuda", "mma"):
+        for r in rows:
+            if r[f"{name}_splits_us"]:
+                print(f"{name} sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r[f'{name}_splits']}; "
+                      + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r[f"{name}_splits_us"].items()))
+    if not args.no_cluster:  # after the table: a fault of the cluster launch cannot take the table with it
+        sys.stdout.flush()
+        for r in run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")], cluster_only=True):
+            print(f"mma-cluster sparse {r['in']}x{r['out']} S={r['sparsity']:.2f} (splits {r['mma_splits']}): "
+                  f"{r['cluster_us']:.1f} us, mma {r['mma_us']:.1f} us", flush=True)
     return 0
 
 

@@ -36,6 +36,8 @@ by one of two kernels (``KernelOptions.sparse_kernel``):
     "cuda"     (4-bit, the default where the CUDA extension builds) kernels/sparse_cuda.py and cuda/sparse_gemv.cu:
                its own warp-major layout (a warp reads one kept input's codes of 256 rows as one 128-byte line),
                the same contracts; ``ct`` in that layout selects it (``enable_sparse`` makes the layout).
+    "mma"      (4-bit, opt-in) kernels/sparse_mma.py and cuda/sparse_mma.cu: tensor cores, tile-major codes
+               (uint8 [ceil(N/128), K, 64]), the same contracts; ``ct`` in that layout selects it.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ import warnings
 
 import torch
 
-from . import sparse_cuda
+from . import sparse_cuda, sparse_mma
 from ..settings import DEFAULT_KERNELS
 from .pack import pack_codes, packed_width, unpack_codes
 from .triton_util import HAVE_TRITON, ROW_POINTERS, triton_ok
@@ -298,7 +300,8 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     "compact" (KernelOptions.sparse_kernel): the kernel whose work follows the row's nonzeros
     (_compact_gemv_kernel) where ``compact_ok``, else "masked": _sparse_gemv_kernel, loads masked by x != 0.
     ``ct`` in the warp-major layout (sparse_cuda.warp_major_codes, 4-bit; what ``enable_sparse`` makes for
-    sparse_kernel "cuda" where the extension runs): the CUDA kernel (``kopts``: its PDL), else converted back."""
+    sparse_kernel "cuda" where the extension runs): the CUDA kernel (``kopts``: its PDL), else converted back;
+    ``ct`` tile-major (sparse_mma.tile_codes, sparse_kernel "mma"): the tensor-core kernel, likewise."""
     from .codebook_gemv import ACTS, _act_ref
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
@@ -312,7 +315,17 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
         warp = backend != "torch" and sparse_cuda.EXT.ready(x2.device, kopts) is not None
         if not warp:
             ct = sparse_cuda.cw_to_input_major(ct, N)
-    if not warp and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
+    tile = sparse_mma.is_tile_major(ct)
+    if tile:  # the tensor-core kernel's layout (4-bit): converted back to input-major where it cannot run
+        T = -(-N // sparse_mma.ROWS)
+        if bits != 4 or tuple(ct.shape) != (T, K, 64):
+            raise ValueError(f"sparse GEMV: tile-major codes must be 4-bit uint8 [{T}, {K}, 64], got {bits}-bit "
+                             f"{list(ct.shape)}")
+        kopts = DEFAULT_KERNELS if kopts is None else kopts
+        tile = backend != "torch" and sparse_mma.EXT.ready(x2.device, kopts) is not None
+        if not tile:
+            ct = sparse_mma.tile_to_input_major(ct, N)
+    if not warp and not tile and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
         raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
                          f"{ct.dtype} {list(ct.shape)}")
     if act is not None and (act not in ACTS or N % 16):
@@ -326,6 +339,9 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     if residual is not None:
         residual = residual.reshape(M, N).contiguous()
     t = threshold_in(threshold, x2.dtype)
+    if tile:
+        return sparse_mma.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8),
+                                 ACTS[act] if act else 0, f, kopts, splits)
     if warp:
         return sparse_cuda.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8),
                                   ACTS[act] if act else 0, f, kopts, splits)

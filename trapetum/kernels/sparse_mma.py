@@ -1,0 +1,89 @@
+"""The tensor-core activation-sparse GEMV of 4-bit per-row codebooks (``cuda/sparse_mma.cu``; KernelOptions.sparse_kernel
+"mma"), reached through ``sparse_gemv.sparse_project`` when its codes are in the tile-major layout made here.
+
+    tile_codes(codes uint8 [N, packed_width(K, 4)], K) -> ct uint8 [T, K, 64], T = ceil(N / 128)
+        ct[tt, k, b] = code of row 128 tt + 2b (low nibble) | code of row 128 tt + 2b + 1 (high nibble), rows >= N
+        code 0: sparse_gemv.input_major_codes cut into 64-byte tiles of 128 rows, so that the codes of one kept
+        input for a block's 128 rows are one 64-byte piece and a block's pieces lie in one K x 64-byte run.
+    tile_to_input_major(ct, N) -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)] (the torch path, tests).
+
+Kernel contract (the .cu file's comment): blocks of 128 rows x a K range of ``splits(K, N)`` ranges (from the
+shape only) x row m; the same select, epilogues, determinism (a row's bits those of its one-row call), no host
+sync and split reduction as the "cuda" kernel (kernels/sparse_cuda.py), whose completion counters it shares.
+sparse_kernel "mma-cluster": the same kernel, but the K ranges of a tile one thread-block cluster whose block 0
+adds the others' sums from their shared memory (no global partials, fence or counter; up to MAX_CLUSTER ranges,
+else the counter path), the same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cuda_ext, sparse_cuda
+from .pack import packed_width, unpack_codes
+
+ROWS = 128  # rows per tile (a block)
+MAX_KS = 2048  # inputs per K range (the kernel's shared list of 16-bit entries)
+MAX_K = 65536  # inputs of a projection (16-bit list entries)
+TARGET_BLOCKS = 396  # blocks a launch at M = 1: 3 per SM of the H200's 132 (72 KB of shared memory a block)
+MAX_SPLITS = 32
+
+_DECLS = """
+void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
+                   torch::Tensor y, torch::Tensor part, torch::Tensor cnt, double t, int64_t epi, int64_t has_res,
+                   int64_t f, int64_t splits, int64_t pdl, int64_t cluster);
+"""
+EXT = cuda_ext.Extension("trapetum_sparse_mma", ("sparse_mma.cu",), _DECLS, ["cb_sparse_mma"])
+
+
+KERNELS = ("mma", "mma-cluster")  # the KernelOptions.sparse_kernel values of this kernel
+MAX_CLUSTER = 16  # "mma-cluster": the split sum through distributed shared memory up to this many K ranges
+
+
+def ready(device: torch.device, kopts) -> bool:
+    """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma" or
+    "mma-cluster", built); projections of more than MAX_K inputs keep the input-major path."""
+    return kopts.sparse_kernel in KERNELS and EXT.ready(device, kopts) is not None
+
+
+def tile_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Canonical 4-bit row-major codes [N, packed_width(K, 4)] -> tile-major uint8 [T, K, 64] (module docstring)."""
+    idx = unpack_codes(codes, 4, in_features)  # uint8 [N, K]
+    N, K = idx.shape
+    T = -(-N // ROWS)
+    full = torch.zeros(T * ROWS, K, dtype=torch.uint8, device=idx.device)
+    full[:N] = idx
+    v = full.view(T, ROWS // 2, 2, K)  # [tt, b, lo/hi, k]
+    byte = v[:, :, 0] | (v[:, :, 1] << 4)  # [tt, b, k]
+    return byte.permute(0, 2, 1).contiguous()
+
+
+def tile_to_input_major(ct: torch.Tensor, N: int) -> torch.Tensor:
+    """Tile-major codes [T, K, 64] -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)]."""
+    T, K, _ = ct.shape
+    return ct.permute(1, 0, 2).reshape(K, T * 64)[:, :packed_width(N, 4)].contiguous()
+
+
+def is_tile_major(ct: torch.Tensor) -> bool:
+    return ct.dtype == torch.uint8 and ct.dim() == 3 and ct.shape[2] == 64
+
+
+def splits(K: int, N: int) -> int:
+    """K ranges per row tile: from the shape only (never M or the data); at M = 1 the grid at most TARGET_BLOCKS
+    where the ranges allow it (one wave), ranges of at least ~128 inputs and at most MAX_KS."""
+    T = -(-N // ROWS)
+    s = max(1, min(TARGET_BLOCKS // T, MAX_SPLITS, -(-K // 128)))
+    return max(s, -(-K // MAX_KS))
+
+
+def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
+    """out = the sparse GEMV of x2 fp16 [M, K] (``sparse_project``'s arguments, checked there)."""
+    M, K = x2.shape
+    T = ct.shape[0]
+    S = splits(K, N) if splits_ is None else splits_
+    cnt = sparse_cuda.split_counters(x2.device, M * T)
+    part = torch.empty(S * M * T * ROWS if S > 1 else 1, dtype=torch.float32, device=x2.device)
+    res = residual if residual is not None else out
+    cluster = kopts.sparse_kernel == "mma-cluster" and S <= MAX_CLUSTER  # from the shape: same bits either way
+    EXT.load().cb_sparse_mma(x2, ct, codebook, res, dense_u8, out, part, cnt, float(t), int(epi),
+                             int(residual is not None), int(f), int(S), int(kopts.pdl_cuda), int(cluster))
+    return out
