@@ -40,7 +40,21 @@ VARIANTS: dict[str, tuple[int, bool, str]] = {
     "pfx4": (11, True, "prefetch.global.L1 x 4 pieces (a chunk) ahead"),
     "occ3_pfx2": (12, True, "occ3 + pfx2"),
     "skeleton": (13, False, "no LDS, no x, no mma: code loads, table build, reduction"),
+    "prod8": (-3, True, "production cb_gemv_mma_kernel<4,1,0,tiled,frag> (the M 3..8 dispatch)"),
+    "prod1": (-4, True, "production cb_gemv_mma_kernel<4,1,0,tiled,row-major x> (the M 1..2 dispatch)"),
+    "xr2": (14, True, "x reuse: 2 weight tiles a warp, 2 groups (GB 2), two 64 KB tables, 1 block/SM"),
+    "xr2_g1": (15, True, "x reuse: 2 weight tiles a warp, 1 group (GB 1, NT 2)"),
+    "xr2_n1": (16, True, "x reuse: 2 weight tiles a warp, 1 group, n-tile 0 only (M <= 8)"),
 }
+# Row counts a variant takes (others are skipped): the production M <= 16 kernels only where the dispatch runs them.
+ROWS: dict[str, tuple[int, int]] = {"prod16": (9, 16), "prod8": (3, 8), "prod1": (1, 2), "xr2_n1": (1, 8)}
+# Variants fed x row-major (the others take the group-wise fragment order).
+ROW_MAJOR_X = frozenset({"prod1"})
+
+
+def takes_rows(name: str, m: int) -> bool:
+    lo, hi = ROWS.get(name, (1, 256))
+    return lo <= m <= hi
 
 
 def source_hash(extra: str = "") -> str:

@@ -19,7 +19,7 @@
 //
 // Built without torch (no torch headers: the whole build has to fit the lead's one short GPU call): nvcc -shared,
 // one library per part (-DABL_PART=k -DABL_NPARTS=n, compiled in parallel), each holding the variants whose
-// index i satisfies (i + 2) % n == k and a plain C entry point; trapetum/kernels/experimental/
+// index i satisfies (i + 4) % n == k and a plain C entry point; trapetum/kernels/experimental/
 // codebook_gemv_ablation.py builds and calls them with ctypes on torch's current stream (CUDA-graph capture works:
 // capture is per driver stream). The library links the CUDA runtime statically; the device and context are the
 // process's primary ones, as torch's.
@@ -185,6 +185,117 @@ cb_abl_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, con
   }
 }
 
+// x reuse across T = 2 adjacent weight tiles (session 15, NOTES-kernels.md "x reuse across two weight tiles"):
+// block b covers tiles 2 (b / S) and 2 (b / S) + 1 (rows row0 .. row0 + 31; the second one absent past N) for
+// super-group b % S of GB groups (groups_block on tile pairs). Warp w runs the production chunk loop (chunks w,
+// w + 8, ...; pieces p, k-steps h in the same order), but loads each x piece once and feeds it to the mmas of both
+// tiles, each tile's A fragment from its own table (two 64 KB tables, 4x replicated as production: one block an
+// SM). Every accumulator acc[T][i][nt] sees exactly the production kernel's mma chain for its tile and group (same
+// A, same k order, same x columns), and each is reduced by reduce_store as production does: the production bits.
+// NT = 1 (M <= 8 only) leaves n-tile 1 out as cb_gemv_mma_kernel<4, 1, ...> does.
+template <int GB, int NT>
+__global__ void __launch_bounds__(kThreads, 1)
+cb_xr2_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, const half* __restrict__ cb,
+              half* __restrict__ y, int M, int N, int K, int KB) {
+  uint32_t* smem = trapetum_cbgemv_smem;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  int pair, g0, ng;
+  groups_block((int)blockIdx.x, M, GB, pair, g0, ng);
+  const int row0 = pair * 32;
+  const bool two = row0 + 16 < N;  // block-uniform: the second tile exists (its codes are never read otherwise)
+  const CodeStream<true> cs0(codes, N, KB, row0, g, t), cs1(codes, N, KB, two ? row0 + 16 : row0, g, t);
+  const int nchunks = cs0.nchunks;
+
+  uint4 qa0 = make_uint4(0, 0, 0, 0), qb0 = qa0, ra0 = qa0, rb0 = qa0, qa1, qb1, ra1 = qa0, rb1 = qa0;
+  cs0.load(warp, qa0, qb0);
+  if (two) cs1.load(warp, ra0, rb0);
+  build_table<kBits>(smem, cb, N, row0, tid);
+  if (two) build_table<kBits>(smem + kTabWords, cb, N, row0 + 16, tid);
+  __syncthreads();
+
+  uint32_t sb;
+  asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
+  const uint32_t sb1 = sb + kTabWords * 4;
+  const uint32_t lane4 = (uint32_t)lane * 4u;
+  constexpr int PT = XPieces<kBits>::value;
+  float acc[2][GB][NT][4];
+#pragma unroll
+  for (int T = 0; T < 2; ++T)
+#pragma unroll
+    for (int i = 0; i < GB; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[T][i][nt][0] = acc[T][i][nt][1] = acc[T][i][nt][2] = acc[T][i][nt][3] = 0.0f;
+
+  const uint4* xg = reinterpret_cast<const uint4*>(x) + (size_t)g0 * 2 * K;
+  auto load_piece = [&](uint32_t (&xp)[GB][NT][4], int c, int p) {
+#pragma unroll
+    for (int i = 0; i < GB; ++i) {
+      const int mg = min(16, M - 16 * (g0 + i));
+      const uint4* q = xg + groups_x_piece(i, mg, K, PT, c, p, t);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt * 8 + g >= mg) continue;
+        const uint4 v = trapetum_pdl::ld_input(q + (nt * 8 + g) * 4);
+        xp[i][nt][0] = v.x; xp[i][nt][1] = v.y; xp[i][nt][2] = v.z; xp[i][nt][3] = v.w;
+      }
+    }
+  };
+  uint32_t xc[GB][NT][4] = {}, xn[GB][NT][4] = {};
+  load_piece(xc, min(warp, nchunks - 1), 0);
+  for (int c = warp; c < nchunks; c += kWarps) {
+    cs0.load(c + kWarps, qa1, qb1);
+    if (two) cs1.load(c + kWarps, ra1, rb1);
+    const uint32_t wa4[4] = {qa0.x, qa0.y, qa0.z, qa0.w}, wb4[4] = {qb0.x, qb0.y, qb0.z, qb0.w};
+    const uint32_t va4[4] = {ra0.x, ra0.y, ra0.z, ra0.w}, vb4[4] = {rb0.x, rb0.y, rb0.z, rb0.w};
+#pragma unroll
+    for (int p = 0; p < PT; ++p) {
+      if (p + 1 < PT) load_piece(xn, c, p + 1);
+      else load_piece(xn, min(c + kWarps, nchunks - 1), 0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t A0[4], A1[4];
+        dequant_tile<kBits>(A0, wa4, wb4, 2 * p + h, sb, lane4);
+        dequant_tile<kBits>(A1, va4, vb4, 2 * p + h, sb1, lane4);
+#pragma unroll
+        for (int i = 0; i < GB; ++i) {
+          if (i >= ng) continue;  // block-uniform
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma16816(acc[0][i][nt], A0, xc[i][nt][2 * h], xc[i][nt][2 * h + 1]);
+            mma16816(acc[1][i][nt], A1, xc[i][nt][2 * h], xc[i][nt][2 * h + 1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < GB; ++i)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) xc[i][nt][w] = xn[i][nt][w];
+    }
+    qa0 = qa1; qb0 = qb1; ra0 = ra1; rb0 = rb1;
+  }
+
+  __syncthreads();  // both tables done with: the reductions reuse the first, one (tile, group) after the other
+#pragma unroll
+  for (int T = 0; T < 2; ++T) {
+    if (T == 1 && !two) continue;  // block-uniform (reduce_store synchronizes)
+#pragma unroll
+    for (int i = 0; i < GB; ++i) {
+      if (i >= ng) continue;
+      const int grp = g0 + i;
+      reduce_store<NT, 0>(reinterpret_cast<float*>(smem), acc[T][i], tid, lane, warp, row0 + 16 * T,
+                          min(16, M - 16 * grp), N, N, 0, 0, y, y + (size_t)grp * 16 * N);
+    }
+  }
+}
+
+// The grid of cb_xr2_kernel: pairs of 16-row weight tiles x super-groups of GB groups.
+__host__ __device__ inline int xr2_grid(int N, int M, int GB) {
+  return ((N + 15) / 16 + 1) / 2 * (((M + 15) / 16 + GB - 1) / GB);
+}
+
 }  // namespace trapetum_abl
 
 // The variants the script times: (index, MINB, FLAGS); -1 / -2 are the production kernels (launch_prod).
@@ -192,12 +303,14 @@ cb_abl_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, con
   X(0, 2, 0) X(1, 3, 0) X(2, 2, kNoLut) X(3, 2, kNoX) X(4, 2, kNoMma) X(5, 2, kNoRed) X(6, 2, kNoTable) \
   X(7, 2, kNoLut | kNoMma) X(8, 2, kNoLut | kNoX) X(9, 2, kCodes2) X(10, 2, kPfx2) X(11, 2, kPfx4)           \
   X(12, 3, kPfx2) X(13, 2, kNoLut | kNoX | kNoMma)
+// x reuse across two weight tiles: (index, GB, NT)
+#define TRAPETUM_XR2_VARIANTS(X) X(14, 2, 2) X(15, 1, 2) X(16, 1, 1)
 
 #ifndef ABL_PART
 #define ABL_PART 0
 #define ABL_NPARTS 1
 #endif
-#define ABL_MINE(I) ((((I) + 2) % ABL_NPARTS) == ABL_PART)
+#define ABL_MINE(I) ((((I) + 4) % ABL_NPARTS) == ABL_PART)
 
 namespace trapetum_abl {
 struct A {
@@ -207,17 +320,22 @@ struct A {
 // Kernel attributes (dynamic shared memory, carveout) set once (the process uses one device in the script), then
 // the launch (query = true: only the attributes, for abl_info).
 template <typename Kern, typename... Args>
-static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_t s, bool query, Args... args) {
+static cudaError_t go_smem(Kern kern, bool& done, int carveout, int smem, int grid, cudaStream_t s, bool query,
+                           Args... args) {
   cudaError_t e = cudaSuccess;
   if (!done) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTabWords * 4);
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
     if (e != cudaSuccess) return e;
     done = true;
   }
   if (query) return cudaSuccess;
-  e = trapetum_pdl::launch(kern, grid, kThreads, kTabWords * 4, s, false, args...);
+  e = trapetum_pdl::launch(kern, grid, kThreads, smem, s, false, args...);
   return e != cudaSuccess ? e : cudaGetLastError();
+}
+template <typename Kern, typename... Args>
+static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_t s, bool query, Args... args) {
+  return go_smem(kern, done, carveout, kTabWords * 4, grid, s, query, args...);
 }
 
 // The production kernels with the production launcher's settings (codebook_gemv_mma.cu, PDL off):
@@ -226,6 +344,11 @@ static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_
 static const void* kernel_of(int v) {
   if constexpr (ABL_MINE(-1)) if (v == -1) return (const void*)cb_gemv_mma_groups_kernel<4, 0, 2>;
   if constexpr (ABL_MINE(-2)) if (v == -2) return (const void*)cb_gemv_mma_kernel<4, 2, 0, true, true, false>;
+  if constexpr (ABL_MINE(-3)) if (v == -3) return (const void*)cb_gemv_mma_kernel<4, 1, 0, true, true, false>;
+  if constexpr (ABL_MINE(-4)) if (v == -4) return (const void*)cb_gemv_mma_kernel<4, 1, 0, true, false, false>;
+#define TRAPETUM_XR2_K(I, GB, NT) \
+  if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_xr2_kernel<GB, NT>;
+  TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_K)
 #define TRAPETUM_ABL_K(I, B, F) \
   if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_abl_kernel<B, F>;
   TRAPETUM_ABL_VARIANTS(TRAPETUM_ABL_K)
@@ -251,6 +374,27 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
               a.K, a.KB, 0);                                                                                \
   }
   TRAPETUM_ABL_VARIANTS(TRAPETUM_ABL_L)
+  // -3 / -4: cb_gemv_mma_kernel NT = 1 as the production dispatch runs it at 3..8 rows (fragment-order x, carveout
+  // Carveout<1, true> = 86) and at 1..2 rows (x row-major, carveout 100)
+  if constexpr (ABL_MINE(-3)) if (v == -3) {
+    static bool done = false;
+    return go(cb_gemv_mma_kernel<4, 1, 0, true, true, false>, done, 86, (a.N + 15) / 16, s, query, a.x, a.codes,
+              a.cb, (const half*)a.y, a.y, a.M, a.N, a.K, a.KB, 0, 0, 0);
+  }
+  if constexpr (ABL_MINE(-4)) if (v == -4) {
+    static bool done = false;
+    return go(cb_gemv_mma_kernel<4, 1, 0, true, false, false>, done, 100, (a.N + 15) / 16, s, query, a.x, a.codes,
+              a.cb, (const half*)a.y, a.y, a.M, a.N, a.K, a.KB, 0, 0, 0);
+  }
+  // xr2: two 64 KB tables (128 KB + 1 KB reserved fits the 132 KB configuration, 58%: L1 keeps what production's
+  // two blocks leave it)
+#define TRAPETUM_XR2_L(I, GB, NT)                                                                              \
+  if constexpr (ABL_MINE(I)) if (v == I) {                                                                     \
+    static bool done = false;                                                                                  \
+    return go_smem(cb_xr2_kernel<GB, NT>, done, 58, 2 * kTabWords * 4, xr2_grid(a.N, a.M, GB), s, query, a.x, \
+                   a.codes, a.cb, a.y, a.M, a.N, a.K, a.KB);                                                  \
+  }
+  TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_L)
   return cudaErrorInvalidDeviceFunction;
 }
 }  // namespace trapetum_abl
@@ -258,7 +402,7 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
 extern "C" {
 // 1 if this part holds variant v.
 int trapetum_abl_has(int v) {
-  if (v < -2 || v > 13) return 0;
+  if (v < -4 || v > 16) return 0;
   return ABL_MINE(v) ? 1 : 0;
 }
 
@@ -270,6 +414,9 @@ int trapetum_abl_launch(int v, const void* xf, const void* codes, const void* cb
   if (!trapetum_abl_has(v)) return 1001;
   if (M < 1 || M > trapetum_mma::kMaxGroupedRows || KB % 64 || 2 * KB != K || N < 1) return 1002;
   if (v == -2 && (M < 9 || M > 16)) return 1003;
+  if (v == -3 && (M < 3 || M > 8)) return 1003;
+  if (v == -4 && M > 2) return 1003;
+  if (v == 16 && M > 8) return 1003;  // xr2_n1: n-tile 0 only
   const trapetum_abl::A a{(const half*)xf, (const uint8_t*)codes, (const half*)cb, (half*)y, M, N, K, KB};
   return (int)trapetum_abl::launch(v, a, (cudaStream_t)stream, false);
 }
@@ -287,8 +434,8 @@ int trapetum_abl_info(int v, int* regs, int* local_bytes, int* blocks_per_sm) {
   if (e != cudaSuccess) return (int)e;
   *regs = fa.numRegs;
   *local_bytes = (int)fa.localSizeBytes;
-  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, k, trapetum_mma::kThreads,
-                                                            trapetum_mma::kTabWords * 4);
+  const int smem = (v >= 14 ? 2 : 1) * trapetum_mma::kTabWords * 4;
+  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, k, trapetum_mma::kThreads, smem);
 }
 
 // x [M, K] fp16 row-major -> xf in the group-wise fragment order (x_fragments_groups_kernel<4>).
