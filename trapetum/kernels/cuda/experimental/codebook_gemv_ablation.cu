@@ -303,6 +303,7 @@ __host__ __device__ inline int xr2_grid(int N, int M, int GB) {
   X(0, 2, 0) X(1, 3, 0) X(2, 2, kNoLut) X(3, 2, kNoX) X(4, 2, kNoMma) X(5, 2, kNoRed) X(6, 2, kNoTable) \
   X(7, 2, kNoLut | kNoMma) X(8, 2, kNoLut | kNoX) X(9, 2, kCodes2) X(10, 2, kPfx2) X(11, 2, kPfx4)           \
   X(12, 3, kPfx2) X(13, 2, kNoLut | kNoX | kNoMma)
+
 // x reuse across two weight tiles: (index, GB, NT)
 #define TRAPETUM_XR2_VARIANTS(X) X(14, 2, 2) X(15, 1, 2) X(16, 1, 1)
 
