@@ -7,8 +7,8 @@ Builds trapetum/kernels/experimental/codebook_gemv_ablation.py's libraries (nvcc
 variant's registers / spill bytes / resident blocks an SM, then for each shape (in x out) and row count: random
 tiled codes, codebooks and x on the GPU (x handed to the kernels in the group-wise fragment order, so only the
 GEMV is timed), a float64 check of the production kernel, the bitwise check of every exact variant against it
-(and of prod16 against prod at 9..16 rows), and the time of every variant (trapetum.eval.bench_kernels'
-graph_time_calls: one CUDA graph over rotating buffer sets past the L2, PDL off, median of replays); "prod" is
+(and of prod16 / prod8 / prod1 against prod at the rows the production dispatch gives them: 9..16 / 3..8 / 1..2;
+prod1 takes x row-major), and the time of every variant (trapetum.eval.bench_kernels' graph_time_calls: one CUDA graph over rotating buffer sets past the L2, PDL off, median of replays); "prod" is
 timed first and again last ("prod_again") to show drift. Prints one table last (us, ratio to prod) and writes
 DIR/gemv_ablation.json and .md. Exit status 1 if any check failed or any variant failed to run (after the table).
 """

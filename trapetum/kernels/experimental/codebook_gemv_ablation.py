@@ -1,6 +1,6 @@
-"""Session 15 experiment: ablations and occupancy variants of the grouped 4-bit codebook GEMV
-(``cuda/experimental/codebook_gemv_ablation.cu``; scripts/dev/gemv_ablation.py times them). No production path
-calls them.
+"""Session 15 experiment: ablations, occupancy variants and x reuse across two weight tiles (xr2*) of the grouped
+4-bit codebook GEMV (``cuda/experimental/codebook_gemv_ablation.cu``; scripts/dev/gemv_ablation.py times them). No
+production path calls them.
 
 Built without torch's extension machinery: ``nvcc -shared`` per part (parts compiled in parallel; the sources carry
 no torch headers), cached under `build_dir` by a hash of the sources and flags, called through ctypes on torch's

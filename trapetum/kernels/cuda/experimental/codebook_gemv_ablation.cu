@@ -14,6 +14,8 @@
 //   kNoTable: no table build (no codebook loads, no STS; the lookups read what shared memory holds);
 //   kCodes2:  codes two chunks ahead (as the 16-row kernel) instead of one (hypothesis: DRAM latency of codes);
 //   kPfx2 / kPfx4: prefetch.global.L1 of the x piece 2 / 4 pieces ahead (hypothesis: x L2 latency; no registers).
+// cb_xr2_kernel<GB, NT> (below): x reuse across two weight tiles a warp (NOTES-kernels.md "x reuse across two weight
+// tiles"); exact. -3 / -4: the production M <= 8 / M <= 2 kernels.
 // The first five give wrong results (timed only); MINB 3, kCodes2 and kPfx* keep every instruction that computes
 // a value in the same order per row, so they must give the production bits (the script asserts it).
 //
