@@ -114,9 +114,12 @@ def kernel_label(mangled: str) -> str:
                       3: "mma_codes", 32: "codes2", 64: "pfx2", 128: "pfx4", 7: "skeleton"}
         name = from_flags.get(flags, f"flags{flags}")
         return {("copy", 3): "occ3", ("pfx2", 3): "occ3_pfx2"}.get((name, minb), name)
-    m = re.search(r"cb_xr2_kernelILi(\d+)ELi(\d+)E", mangled)
+    m = re.search(r"cb_xr2(p?)_kernelILi(\d+)ELi(\d+)E", mangled)
     if m:
-        return {("2", "2"): "xr2", ("1", "2"): "xr2_g1", ("1", "1"): "xr2_n1"}.get(m.groups(), mangled)
+        base = {("2", "2"): "xr2", ("1", "2"): "xr2_g1", ("1", "1"): "xr2_n1"}.get(m.groups()[1:])
+        if base is None:
+            return mangled
+        return base.replace("xr2", "xr2p") if m.group(1) else base
     if "cb_gemv_mma_groups_kernel" in mangled:
         return "prod"
     if "cb_gemv_mma_kernelILi4ELi2E" in mangled:

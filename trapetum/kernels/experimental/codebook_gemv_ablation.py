@@ -19,7 +19,8 @@ from pathlib import Path
 
 _CUDA = Path(__file__).resolve().parents[1] / "cuda"
 SOURCE = _CUDA / "experimental" / "codebook_gemv_ablation.cu"
-DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh")
+DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh",
+        "experimental/codebook_gemv_xr2.cuh")
 NPARTS = 8
 
 # name -> (variant index of the C entry point, exact (production bits), description)
@@ -45,6 +46,8 @@ VARIANTS: dict[str, tuple[int, bool, str]] = {
     "xr2": (14, True, "x reuse: 2 weight tiles a warp, 2 groups (GB 2), two 64 KB tables, 1 block/SM"),
     "xr2_g1": (15, True, "x reuse: 2 weight tiles a warp, 1 group (GB 1, NT 2)"),
     "xr2_n1": (16, True, "x reuse: 2 weight tiles a warp, 1 group, n-tile 0 only (M <= 8)"),
+    "xr2p": (17, True, "xr2 persistent (grid = SMs): next item's codebooks / first codes loaded ahead"),
+    "xr2p_g1": (18, True, "xr2_g1 persistent"),
 }
 # Row counts a variant takes (others are skipped): the production M <= 16 kernels only where the dispatch runs them.
 ROWS: dict[str, tuple[int, int]] = {"prod16": (9, 16), "prod8": (3, 8), "prod1": (1, 2), "xr2_n1": (1, 8)}

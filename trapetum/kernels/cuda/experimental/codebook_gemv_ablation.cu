@@ -187,118 +187,9 @@ cb_abl_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, con
   }
 }
 
-// x reuse across T = 2 adjacent weight tiles (session 15, NOTES-kernels.md "x reuse across two weight tiles"):
-// block b covers tiles 2 (b / S) and 2 (b / S) + 1 (rows row0 .. row0 + 31; the second one absent past N) for
-// super-group b % S of GB groups (groups_block on tile pairs). Warp w runs the production chunk loop (chunks w,
-// w + 8, ...; pieces p, k-steps h in the same order), but loads each x piece once and feeds it to the mmas of both
-// tiles, each tile's A fragment from its own table (two 64 KB tables, 4x replicated as production: one block an
-// SM). Every accumulator acc[T][i][nt] sees exactly the production kernel's mma chain for its tile and group (same
-// A, same k order, same x columns), and each is reduced by reduce_store as production does: the production bits.
-// NT = 1 (M <= 8 only) leaves n-tile 1 out as cb_gemv_mma_kernel<4, 1, ...> does.
-template <int GB, int NT>
-__global__ void __launch_bounds__(kThreads, 1)
-cb_xr2_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, const half* __restrict__ cb,
-              half* __restrict__ y, int M, int N, int K, int KB) {
-  uint32_t* smem = trapetum_cbgemv_smem;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  int pair, g0, ng;
-  groups_block((int)blockIdx.x, M, GB, pair, g0, ng);
-  const int row0 = pair * 32;
-  const bool two = row0 + 16 < N;  // block-uniform: the second tile exists (its codes are never read otherwise)
-  const CodeStream<true> cs0(codes, N, KB, row0, g, t), cs1(codes, N, KB, two ? row0 + 16 : row0, g, t);
-  const int nchunks = cs0.nchunks;
-
-  uint4 qa0 = make_uint4(0, 0, 0, 0), qb0 = qa0, ra0 = qa0, rb0 = qa0, qa1, qb1, ra1 = qa0, rb1 = qa0;
-  cs0.load(warp, qa0, qb0);
-  if (two) cs1.load(warp, ra0, rb0);
-  build_table<kBits>(smem, cb, N, row0, tid);
-  if (two) build_table<kBits>(smem + kTabWords, cb, N, row0 + 16, tid);
-  __syncthreads();
-
-  uint32_t sb;
-  asm("mov.u32 %0, trapetum_cbgemv_smem;" : "=r"(sb));
-  const uint32_t sb1 = sb + kTabWords * 4;
-  const uint32_t lane4 = (uint32_t)lane * 4u;
-  constexpr int PT = XPieces<kBits>::value;
-  float acc[2][GB][NT][4];
-#pragma unroll
-  for (int T = 0; T < 2; ++T)
-#pragma unroll
-    for (int i = 0; i < GB; ++i)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[T][i][nt][0] = acc[T][i][nt][1] = acc[T][i][nt][2] = acc[T][i][nt][3] = 0.0f;
-
-  const uint4* xg = reinterpret_cast<const uint4*>(x) + (size_t)g0 * 2 * K;
-  auto load_piece = [&](uint32_t (&xp)[GB][NT][4], int c, int p) {
-#pragma unroll
-    for (int i = 0; i < GB; ++i) {
-      const int mg = min(16, M - 16 * (g0 + i));
-      const uint4* q = xg + groups_x_piece(i, mg, K, PT, c, p, t);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (nt * 8 + g >= mg) continue;
-        const uint4 v = trapetum_pdl::ld_input(q + (nt * 8 + g) * 4);
-        xp[i][nt][0] = v.x; xp[i][nt][1] = v.y; xp[i][nt][2] = v.z; xp[i][nt][3] = v.w;
-      }
-    }
-  };
-  uint32_t xc[GB][NT][4] = {}, xn[GB][NT][4] = {};
-  load_piece(xc, min(warp, nchunks - 1), 0);
-  for (int c = warp; c < nchunks; c += kWarps) {
-    cs0.load(c + kWarps, qa1, qb1);
-    if (two) cs1.load(c + kWarps, ra1, rb1);
-    const uint32_t wa4[4] = {qa0.x, qa0.y, qa0.z, qa0.w}, wb4[4] = {qb0.x, qb0.y, qb0.z, qb0.w};
-    const uint32_t va4[4] = {ra0.x, ra0.y, ra0.z, ra0.w}, vb4[4] = {rb0.x, rb0.y, rb0.z, rb0.w};
-#pragma unroll
-    for (int p = 0; p < PT; ++p) {
-      if (p + 1 < PT) load_piece(xn, c, p + 1);
-      else load_piece(xn, min(c + kWarps, nchunks - 1), 0);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t A0[4], A1[4];
-        dequant_tile<kBits>(A0, wa4, wb4, 2 * p + h, sb, lane4);
-        dequant_tile<kBits>(A1, va4, vb4, 2 * p + h, sb1, lane4);
-#pragma unroll
-        for (int i = 0; i < GB; ++i) {
-          if (i >= ng) continue;  // block-uniform
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            mma16816(acc[0][i][nt], A0, xc[i][nt][2 * h], xc[i][nt][2 * h + 1]);
-            mma16816(acc[1][i][nt], A1, xc[i][nt][2 * h], xc[i][nt][2 * h + 1]);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < GB; ++i)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int w = 0; w < 4; ++w) xc[i][nt][w] = xn[i][nt][w];
-    }
-    qa0 = qa1; qb0 = qb1; ra0 = ra1; rb0 = rb1;
-  }
-
-  __syncthreads();  // both tables done with: the reductions reuse the first, one (tile, group) after the other
-#pragma unroll
-  for (int T = 0; T < 2; ++T) {
-    if (T == 1 && !two) continue;  // block-uniform (reduce_store synchronizes)
-#pragma unroll
-    for (int i = 0; i < GB; ++i) {
-      if (i >= ng) continue;
-      const int grp = g0 + i;
-      reduce_store<NT, 0>(reinterpret_cast<float*>(smem), acc[T][i], tid, lane, warp, row0 + 16 * T,
-                          min(16, M - 16 * grp), N, N, 0, 0, y, y + (size_t)grp * 16 * N);
-    }
-  }
-}
-
-// The grid of cb_xr2_kernel: pairs of 16-row weight tiles x super-groups of GB groups.
-__host__ __device__ inline int xr2_grid(int N, int M, int GB) {
-  return ((N + 15) / 16 + 1) / 2 * (((M + 15) / 16 + GB - 1) / GB);
-}
-
 }  // namespace trapetum_abl
+
+#include "codebook_gemv_xr2.cuh"
 
 // The variants the script times: (index, MINB, FLAGS); -1 / -2 are the production kernels (launch_prod).
 #define TRAPETUM_ABL_VARIANTS(X) \
@@ -308,6 +199,8 @@ __host__ __device__ inline int xr2_grid(int N, int M, int GB) {
 
 // x reuse across two weight tiles: (index, GB, NT)
 #define TRAPETUM_XR2_VARIANTS(X) X(14, 2, 2) X(15, 1, 2) X(16, 1, 1)
+// persistent x reuse: (index, GB, NT)
+#define TRAPETUM_XR2P_VARIANTS(X) X(17, 2, 2) X(18, 1, 2)
 
 #ifndef ABL_PART
 #define ABL_PART 0
@@ -352,10 +245,25 @@ static const void* kernel_of(int v) {
 #define TRAPETUM_XR2_K(I, GB, NT) \
   if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_xr2_kernel<GB, NT>;
   TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_K)
+#define TRAPETUM_XR2P_K(I, GB, NT) \
+  if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_xr2p_kernel<GB, NT>;
+  TRAPETUM_XR2P_VARIANTS(TRAPETUM_XR2P_K)
 #define TRAPETUM_ABL_K(I, B, F) \
   if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_abl_kernel<B, F>;
   TRAPETUM_ABL_VARIANTS(TRAPETUM_ABL_K)
   return nullptr;
+}
+
+// SMs of the current device (the persistent grid), read once.
+static int num_sms() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) !=
+        cudaSuccess || n < 1)
+      n = 132;
+  }
+  return n;
 }
 
 static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
@@ -398,6 +306,14 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
                    a.codes, a.cb, a.y, a.M, a.N, a.K, a.KB);                                                  \
   }
   TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_L)
+#define TRAPETUM_XR2P_L(I, GB, NT)                                                                              \
+  if constexpr (ABL_MINE(I)) if (v == I) {                                                                      \
+    static bool done = false;                                                                                   \
+    const int items = xr2_grid(a.N, a.M, GB);                                                                   \
+    return go_smem(cb_xr2p_kernel<GB, NT>, done, 58, 2 * kTabWords * 4, (items < num_sms() ? items : num_sms()), s, query, a.x,  \
+                   a.codes, a.cb, a.y, a.M, a.N, a.K, a.KB, items);                                             \
+  }
+  TRAPETUM_XR2P_VARIANTS(TRAPETUM_XR2P_L)
   return cudaErrorInvalidDeviceFunction;
 }
 }  // namespace trapetum_abl
@@ -405,7 +321,7 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
 extern "C" {
 // 1 if this part holds variant v.
 int trapetum_abl_has(int v) {
-  if (v < -4 || v > 16) return 0;
+  if (v < -4 || v > 18) return 0;
   return ABL_MINE(v) ? 1 : 0;
 }
 
