@@ -46,15 +46,30 @@ def _source_variants() -> dict[int, tuple[int, int]]:
     return out
 
 
+def _source_xr2(p: str = "") -> dict[int, tuple[int, int]]:
+    body = abl.SOURCE.read_text().split(f"#define TRAPETUM_XR2{p}_VARIANTS(X)")[1].split("\n")[0]
+    return {int(i): (int(gb), int(nt)) for i, gb, nt in re.findall(r"X\((\d+), (\d+), (\d+)\)", body)}
+
+
 def test_variant_table_matches_source():
-    src = _source_variants()
+    src, xr2, xr2p = _source_variants(), _source_xr2(), _source_xr2("P")
     py = {v: name for name, (v, _, _) in abl.VARIANTS.items() if v >= 0}
-    assert sorted(src) == sorted(py) == list(range(len(src)))
+    assert sorted(src) + sorted(xr2) + sorted(xr2p) == sorted(py) == list(range(len(src) + len(xr2) + len(xr2p)))
     for i, (minb, fl) in src.items():  # the script's SASS labels name the same variant as the index
         assert ga.kernel_label(f"_ZN12trapetum_abl13cb_abl_kernelILi{minb}ELi{fl}EEEvPK6__half") == py[i]
+    for i, (gb, nt) in xr2.items():
+        assert ga.kernel_label(f"_ZN12trapetum_abl13cb_xr2_kernelILi{gb}ELi{nt}EEEvPK6__half") == py[i]
+    for i, (gb, nt) in xr2p.items():
+        assert ga.kernel_label(f"_ZN12trapetum_abl14cb_xr2p_kernelILi{gb}ELi{nt}EEEvPK6__half") == py[i]
     exact = {name for name, (_, ex, _) in abl.VARIANTS.items() if ex}
-    assert exact == {"prod", "prod16", "copy", "occ3", "codes2", "pfx2", "pfx4", "occ3_pfx2"}
+    assert exact == {"prod", "prod16", "prod8", "prod1", "copy", "occ3", "codes2", "pfx2", "pfx4", "occ3_pfx2",
+                     "xr2", "xr2_g1", "xr2_n1", "xr2p", "xr2p_g1"}
     assert ga.kernel_label("_ZN12trapetum_mma25cb_gemv_mma_groups_kernelILi4ELi0ELi2EEEv") == "prod"
+    assert ga.kernel_label("_ZN12trapetum_mma18cb_gemv_mma_kernelILi4ELi2ELi0ELb1ELb1ELb0EEEv") == "prod16"
+    assert ga.kernel_label("_ZN12trapetum_mma18cb_gemv_mma_kernelILi4ELi1ELi0ELb1ELb1ELb0EEEv") == "prod8"
+    assert ga.kernel_label("_ZN12trapetum_mma18cb_gemv_mma_kernelILi4ELi1ELi0ELb1ELb0ELb0EEEv") == "prod1"
+    assert abl.takes_rows("prod8", 8) and not abl.takes_rows("prod8", 9) and not abl.takes_rows("xr2_n1", 16)
+    assert abl.takes_rows("xr2", 64) and abl.takes_rows("prod1", 1) and not abl.takes_rows("prod1", 3)
 
 
 def test_nvcc_command_and_hash():

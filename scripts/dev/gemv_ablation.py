@@ -7,8 +7,8 @@ Builds trapetum/kernels/experimental/codebook_gemv_ablation.py's libraries (nvcc
 variant's registers / spill bytes / resident blocks an SM, then for each shape (in x out) and row count: random
 tiled codes, codebooks and x on the GPU (x handed to the kernels in the group-wise fragment order, so only the
 GEMV is timed), a float64 check of the production kernel, the bitwise check of every exact variant against it
-(and of prod16 against prod at 9..16 rows), and the time of every variant (trapetum.eval.bench_kernels'
-graph_time_calls: one CUDA graph over rotating buffer sets past the L2, PDL off, median of replays); "prod" is
+(and of prod16 / prod8 / prod1 against prod at the rows the production dispatch gives them: 9..16 / 3..8 / 1..2;
+prod1 takes x row-major), and the time of every variant (trapetum.eval.bench_kernels' graph_time_calls: one CUDA graph over rotating buffer sets past the L2, PDL off, median of replays); "prod" is
 timed first and again last ("prod_again") to show drift. Prints one table last (us, ratio to prod) and writes
 DIR/gemv_ablation.json and .md. Exit status 1 if any check failed or any variant failed to run (after the table).
 """
@@ -114,10 +114,20 @@ def kernel_label(mangled: str) -> str:
                       3: "mma_codes", 32: "codes2", 64: "pfx2", 128: "pfx4", 7: "skeleton"}
         name = from_flags.get(flags, f"flags{flags}")
         return {("copy", 3): "occ3", ("pfx2", 3): "occ3_pfx2"}.get((name, minb), name)
+    m = re.search(r"cb_xr2(p?)_kernelILi(\d+)ELi(\d+)E", mangled)
+    if m:
+        base = {("2", "2"): "xr2", ("1", "2"): "xr2_g1", ("1", "1"): "xr2_n1"}.get(m.groups()[1:])
+        if base is None:
+            return mangled
+        return base.replace("xr2", "xr2p") if m.group(1) else base
     if "cb_gemv_mma_groups_kernel" in mangled:
         return "prod"
-    if "cb_gemv_mma_kernel" in mangled:
+    if "cb_gemv_mma_kernelILi4ELi2E" in mangled:
         return "prod16"
+    if "cb_gemv_mma_kernelILi4ELi1ELi0ELb1ELb1E" in mangled:
+        return "prod8"
+    if "cb_gemv_mma_kernelILi4ELi1ELi0ELb1ELb0E" in mangled:
+        return "prod1"
     return mangled
 
 
@@ -197,19 +207,20 @@ def run_case(lib, k: int, n: int, m: int, variants: list[str], replays: int, gen
         r["errors"]["prod"] = f"float64 check failed: max abs err {err:.4g} > {tol:.4g}"
     want = y.clone()
     for v in variants:
-        if v == "prod16" and not 9 <= m <= 16:
+        if not abl.takes_rows(v, m):
             continue
+        xin = 4 if v in abl.ROW_MAJOR_X else 0  # index of the x this variant takes in a set
         if abl.VARIANTS[v][1] and v != "prod":
             try:
                 y.fill_(0)
-                lib.launch(v, xf, tiled, cb, y)
+                lib.launch(v, sets[0][xin], tiled, cb, y)
                 torch.cuda.synchronize()
                 r["exact"][v] = bool(torch.equal(y.view(torch.int16), want.view(torch.int16)))
             except Exception as e:
                 r["errors"][v] = f"{type(e).__name__}: {e}"[:300]
                 continue
         try:
-            calls = [lambda s=s, v=v: lib.launch(v, s[0], s[1], s[2], s[3]) for s in sets]
+            calls = [lambda s=s, v=v, xin=xin: lib.launch(v, s[xin], s[1], s[2], s[3]) for s in sets]
             for c in calls:
                 c()
             torch.cuda.synchronize()

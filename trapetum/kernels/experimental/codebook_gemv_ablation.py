@@ -1,6 +1,6 @@
-"""Session 15 experiment: ablations and occupancy variants of the grouped 4-bit codebook GEMV
-(``cuda/experimental/codebook_gemv_ablation.cu``; scripts/dev/gemv_ablation.py times them). No production path
-calls them.
+"""Session 15 experiment: ablations, occupancy variants and x reuse across two weight tiles (xr2*) of the grouped
+4-bit codebook GEMV (``cuda/experimental/codebook_gemv_ablation.cu``; scripts/dev/gemv_ablation.py times them). No
+production path calls them.
 
 Built without torch's extension machinery: ``nvcc -shared`` per part (parts compiled in parallel; the sources carry
 no torch headers), cached under `build_dir` by a hash of the sources and flags, called through ctypes on torch's
@@ -19,7 +19,8 @@ from pathlib import Path
 
 _CUDA = Path(__file__).resolve().parents[1] / "cuda"
 SOURCE = _CUDA / "experimental" / "codebook_gemv_ablation.cu"
-DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh")
+DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh",
+        "experimental/codebook_gemv_xr2.cuh")
 NPARTS = 8
 
 # name -> (variant index of the C entry point, exact (production bits), description)
@@ -40,7 +41,23 @@ VARIANTS: dict[str, tuple[int, bool, str]] = {
     "pfx4": (11, True, "prefetch.global.L1 x 4 pieces (a chunk) ahead"),
     "occ3_pfx2": (12, True, "occ3 + pfx2"),
     "skeleton": (13, False, "no LDS, no x, no mma: code loads, table build, reduction"),
+    "prod8": (-3, True, "production cb_gemv_mma_kernel<4,1,0,tiled,frag> (the M 3..8 dispatch)"),
+    "prod1": (-4, True, "production cb_gemv_mma_kernel<4,1,0,tiled,row-major x> (the M 1..2 dispatch)"),
+    "xr2": (14, True, "x reuse: 2 weight tiles a warp, 2 groups (GB 2), two 64 KB tables, 1 block/SM"),
+    "xr2_g1": (15, True, "x reuse: 2 weight tiles a warp, 1 group (GB 1, NT 2)"),
+    "xr2_n1": (16, True, "x reuse: 2 weight tiles a warp, 1 group, n-tile 0 only (M <= 8)"),
+    "xr2p": (17, True, "xr2 persistent (grid = SMs): next item's codebooks / first codes loaded ahead"),
+    "xr2p_g1": (18, True, "xr2_g1 persistent"),
 }
+# Row counts a variant takes (others are skipped): the production M <= 16 kernels only where the dispatch runs them.
+ROWS: dict[str, tuple[int, int]] = {"prod16": (9, 16), "prod8": (3, 8), "prod1": (1, 2), "xr2_n1": (1, 8)}
+# Variants fed x row-major (the others take the group-wise fragment order).
+ROW_MAJOR_X = frozenset({"prod1"})
+
+
+def takes_rows(name: str, m: int) -> bool:
+    lo, hi = ROWS.get(name, (1, 256))
+    return lo <= m <= hi
 
 
 def source_hash(extra: str = "") -> str:

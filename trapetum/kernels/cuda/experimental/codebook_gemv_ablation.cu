@@ -14,12 +14,14 @@
 //   kNoTable: no table build (no codebook loads, no STS; the lookups read what shared memory holds);
 //   kCodes2:  codes two chunks ahead (as the 16-row kernel) instead of one (hypothesis: DRAM latency of codes);
 //   kPfx2 / kPfx4: prefetch.global.L1 of the x piece 2 / 4 pieces ahead (hypothesis: x L2 latency; no registers).
+// cb_xr2_kernel<GB, NT> (below): x reuse across two weight tiles a warp (NOTES-kernels.md "x reuse across two weight
+// tiles"); exact. -3 / -4: the production M <= 8 / M <= 2 kernels.
 // The first five give wrong results (timed only); MINB 3, kCodes2 and kPfx* keep every instruction that computes
 // a value in the same order per row, so they must give the production bits (the script asserts it).
 //
 // Built without torch (no torch headers: the whole build has to fit the lead's one short GPU call): nvcc -shared,
 // one library per part (-DABL_PART=k -DABL_NPARTS=n, compiled in parallel), each holding the variants whose
-// index i satisfies (i + 2) % n == k and a plain C entry point; trapetum/kernels/experimental/
+// index i satisfies (i + 4) % n == k and a plain C entry point; trapetum/kernels/experimental/
 // codebook_gemv_ablation.py builds and calls them with ctypes on torch's current stream (CUDA-graph capture works:
 // capture is per driver stream). The library links the CUDA runtime statically; the device and context are the
 // process's primary ones, as torch's.
@@ -187,17 +189,24 @@ cb_abl_kernel(const half* __restrict__ x, const uint8_t* __restrict__ codes, con
 
 }  // namespace trapetum_abl
 
+#include "codebook_gemv_xr2.cuh"
+
 // The variants the script times: (index, MINB, FLAGS); -1 / -2 are the production kernels (launch_prod).
 #define TRAPETUM_ABL_VARIANTS(X) \
   X(0, 2, 0) X(1, 3, 0) X(2, 2, kNoLut) X(3, 2, kNoX) X(4, 2, kNoMma) X(5, 2, kNoRed) X(6, 2, kNoTable) \
   X(7, 2, kNoLut | kNoMma) X(8, 2, kNoLut | kNoX) X(9, 2, kCodes2) X(10, 2, kPfx2) X(11, 2, kPfx4)           \
   X(12, 3, kPfx2) X(13, 2, kNoLut | kNoX | kNoMma)
 
+// x reuse across two weight tiles: (index, GB, NT)
+#define TRAPETUM_XR2_VARIANTS(X) X(14, 2, 2) X(15, 1, 2) X(16, 1, 1)
+// persistent x reuse: (index, GB, NT)
+#define TRAPETUM_XR2P_VARIANTS(X) X(17, 2, 2) X(18, 1, 2)
+
 #ifndef ABL_PART
 #define ABL_PART 0
 #define ABL_NPARTS 1
 #endif
-#define ABL_MINE(I) ((((I) + 2) % ABL_NPARTS) == ABL_PART)
+#define ABL_MINE(I) ((((I) + 4) % ABL_NPARTS) == ABL_PART)
 
 namespace trapetum_abl {
 struct A {
@@ -207,17 +216,22 @@ struct A {
 // Kernel attributes (dynamic shared memory, carveout) set once (the process uses one device in the script), then
 // the launch (query = true: only the attributes, for abl_info).
 template <typename Kern, typename... Args>
-static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_t s, bool query, Args... args) {
+static cudaError_t go_smem(Kern kern, bool& done, int carveout, int smem, int grid, cudaStream_t s, bool query,
+                           Args... args) {
   cudaError_t e = cudaSuccess;
   if (!done) {
-    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kTabWords * 4);
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e == cudaSuccess) e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
     if (e != cudaSuccess) return e;
     done = true;
   }
   if (query) return cudaSuccess;
-  e = trapetum_pdl::launch(kern, grid, kThreads, kTabWords * 4, s, false, args...);
+  e = trapetum_pdl::launch(kern, grid, kThreads, smem, s, false, args...);
   return e != cudaSuccess ? e : cudaGetLastError();
+}
+template <typename Kern, typename... Args>
+static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_t s, bool query, Args... args) {
+  return go_smem(kern, done, carveout, kTabWords * 4, grid, s, query, args...);
 }
 
 // The production kernels with the production launcher's settings (codebook_gemv_mma.cu, PDL off):
@@ -226,10 +240,30 @@ static cudaError_t go(Kern kern, bool& done, int carveout, int grid, cudaStream_
 static const void* kernel_of(int v) {
   if constexpr (ABL_MINE(-1)) if (v == -1) return (const void*)cb_gemv_mma_groups_kernel<4, 0, 2>;
   if constexpr (ABL_MINE(-2)) if (v == -2) return (const void*)cb_gemv_mma_kernel<4, 2, 0, true, true, false>;
+  if constexpr (ABL_MINE(-3)) if (v == -3) return (const void*)cb_gemv_mma_kernel<4, 1, 0, true, true, false>;
+  if constexpr (ABL_MINE(-4)) if (v == -4) return (const void*)cb_gemv_mma_kernel<4, 1, 0, true, false, false>;
+#define TRAPETUM_XR2_K(I, GB, NT) \
+  if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_xr2_kernel<GB, NT>;
+  TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_K)
+#define TRAPETUM_XR2P_K(I, GB, NT) \
+  if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_xr2p_kernel<GB, NT>;
+  TRAPETUM_XR2P_VARIANTS(TRAPETUM_XR2P_K)
 #define TRAPETUM_ABL_K(I, B, F) \
   if constexpr (ABL_MINE(I)) if (v == I) return (const void*)cb_abl_kernel<B, F>;
   TRAPETUM_ABL_VARIANTS(TRAPETUM_ABL_K)
   return nullptr;
+}
+
+// SMs of the current device (the persistent grid), read once.
+static int num_sms() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) !=
+        cudaSuccess || n < 1)
+      n = 132;
+  }
+  return n;
 }
 
 static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
@@ -251,6 +285,35 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
               a.K, a.KB, 0);                                                                                \
   }
   TRAPETUM_ABL_VARIANTS(TRAPETUM_ABL_L)
+  // -3 / -4: cb_gemv_mma_kernel NT = 1 as the production dispatch runs it at 3..8 rows (fragment-order x, carveout
+  // Carveout<1, true> = 86) and at 1..2 rows (x row-major, carveout 100)
+  if constexpr (ABL_MINE(-3)) if (v == -3) {
+    static bool done = false;
+    return go(cb_gemv_mma_kernel<4, 1, 0, true, true, false>, done, 86, (a.N + 15) / 16, s, query, a.x, a.codes,
+              a.cb, (const half*)a.y, a.y, a.M, a.N, a.K, a.KB, 0, 0, 0);
+  }
+  if constexpr (ABL_MINE(-4)) if (v == -4) {
+    static bool done = false;
+    return go(cb_gemv_mma_kernel<4, 1, 0, true, false, false>, done, 100, (a.N + 15) / 16, s, query, a.x, a.codes,
+              a.cb, (const half*)a.y, a.y, a.M, a.N, a.K, a.KB, 0, 0, 0);
+  }
+  // xr2: two 64 KB tables (128 KB + 1 KB reserved fits the 132 KB configuration, 58%: L1 keeps what production's
+  // two blocks leave it)
+#define TRAPETUM_XR2_L(I, GB, NT)                                                                              \
+  if constexpr (ABL_MINE(I)) if (v == I) {                                                                     \
+    static bool done = false;                                                                                  \
+    return go_smem(cb_xr2_kernel<GB, NT>, done, 58, 2 * kTabWords * 4, xr2_grid(a.N, a.M, GB), s, query, a.x, \
+                   a.codes, a.cb, a.y, a.M, a.N, a.K, a.KB);                                                  \
+  }
+  TRAPETUM_XR2_VARIANTS(TRAPETUM_XR2_L)
+#define TRAPETUM_XR2P_L(I, GB, NT)                                                                              \
+  if constexpr (ABL_MINE(I)) if (v == I) {                                                                      \
+    static bool done = false;                                                                                   \
+    const int items = xr2_grid(a.N, a.M, GB);                                                                   \
+    return go_smem(cb_xr2p_kernel<GB, NT>, done, 58, 2 * kTabWords * 4, (items < num_sms() ? items : num_sms()), s, query, a.x,  \
+                   a.codes, a.cb, a.y, a.M, a.N, a.K, a.KB, items);                                             \
+  }
+  TRAPETUM_XR2P_VARIANTS(TRAPETUM_XR2P_L)
   return cudaErrorInvalidDeviceFunction;
 }
 }  // namespace trapetum_abl
@@ -258,7 +321,7 @@ static cudaError_t launch(int v, const A& a, cudaStream_t s, bool query) {
 extern "C" {
 // 1 if this part holds variant v.
 int trapetum_abl_has(int v) {
-  if (v < -2 || v > 13) return 0;
+  if (v < -4 || v > 18) return 0;
   return ABL_MINE(v) ? 1 : 0;
 }
 
@@ -270,6 +333,9 @@ int trapetum_abl_launch(int v, const void* xf, const void* codes, const void* cb
   if (!trapetum_abl_has(v)) return 1001;
   if (M < 1 || M > trapetum_mma::kMaxGroupedRows || KB % 64 || 2 * KB != K || N < 1) return 1002;
   if (v == -2 && (M < 9 || M > 16)) return 1003;
+  if (v == -3 && (M < 3 || M > 8)) return 1003;
+  if (v == -4 && M > 2) return 1003;
+  if (v == 16 && M > 8) return 1003;  // xr2_n1: n-tile 0 only
   const trapetum_abl::A a{(const half*)xf, (const uint8_t*)codes, (const half*)cb, (half*)y, M, N, K, KB};
   return (int)trapetum_abl::launch(v, a, (cudaStream_t)stream, false);
 }
@@ -287,8 +353,8 @@ int trapetum_abl_info(int v, int* regs, int* local_bytes, int* blocks_per_sm) {
   if (e != cudaSuccess) return (int)e;
   *regs = fa.numRegs;
   *local_bytes = (int)fa.localSizeBytes;
-  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, k, trapetum_mma::kThreads,
-                                                            trapetum_mma::kTabWords * 4);
+  const int smem = (v >= 14 ? 2 : 1) * trapetum_mma::kTabWords * 4;
+  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, k, trapetum_mma::kThreads, smem);
 }
 
 // x [M, K] fp16 row-major -> xf in the group-wise fragment order (x_fragments_groups_kernel<4>).
