@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Session 15 (issue 19 item 3): the tensor-core sparse GEMV (sparse_kernel "mma" / "mma-cluster") in one device
-# call. Usage on the device: OUT=... bash scripts/sessions/gpu_sparse_mma.sh   (BUDGET_S, default 360 s; the
-# e2e step gets what the earlier ones leave, E2E_KERNELS default "mma": "mma,mma-cluster" with a larger budget)
+# Session 15 (issue 19 item 3): the tensor-core sparse GEMV (sparse_kernel "mma") in one device call.
+# Usage on the device: OUT=... bash scripts/sessions/gpu_sparse_mma.sh   (BUDGET_S, default 360 s; the e2e step
+# gets what the earlier ones leave, E2E_KERNELS default "mma": e.g. "cuda,mma" with a larger budget)
 # 1. builds the main, the "cuda" sparse and the "mma" sparse extensions in parallel; stops (rc 3) if one fails;
-# 2. tests/test_sparse_mma.py (GPU: 240 cases against float64, bits, splits, NaN codes, graph, engine verify,
-#    mma-cluster bits last); 3. bench_sparse kernel table (dense, tiled dense, masked, compact, cuda, mma; then the
-#    mma-cluster pass) at S = 0, 0.25, 0.5 with --mma-splits 6,16; 4. bench_sparse --e2e at 0.25 and 0.5 with the
-#    E2E_KERNELS (each with its own dense runs before and after), as the budget allows.
+# 2. tests/test_sparse_mma.py (GPU: 240 cases against float64, bits, splits, NaN codes, graph, engine verify);
+#    3. bench_sparse kernel table (dense, tiled dense, masked, compact, cuda, mma) at S = 0, 0.25, 0.5 with
+#    --mma-splits 6,16; 4. bench_sparse --e2e at 0.25 and 0.5 with the E2E_KERNELS (each with its own dense runs
+#    before and after), as the budget allows.
 # Logs: $OUT/logs.tgz and the three result files copied to $OUT; a one-line summary per step on stdout.
 OUT=${OUT:-out/gpu-sparse-mma}
 SKIP_BUILD=1

@@ -24,7 +24,6 @@ in the output: not a real model's). The same S on every site; position 0 dense.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from contextlib import contextmanager
 
@@ -42,11 +41,10 @@ HBM_BYTES_PER_S = 4.8e12
 
 
 def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=(),
-        mma_splits=(), cluster_only: bool = False) -> list[dict]:
+        mma_splits=()) -> list[dict]:
     """One row per shape and S (module docstring); ``cuda_splits`` / ``mma_splits``: the CUDA / tensor-core kernel
     also timed at these K-range counts (row keys "cuda_splits_us" / "mma_splits_us": {S: us}), to compare with the
-    default ``sparse_cuda.splits`` / ``sparse_mma.splits``. ``cluster_only``: the same data, only "mma" and
-    "mma-cluster" timed (row keys "mma_us", "cluster_us"; a separate pass, after the main table is printed)."""
+    default ``sparse_cuda.splits`` / ``sparse_mma.splits``."""
     dev = torch.device("cuda")
     if bits == 4 and sparse_mma.EXT.ready(dev) is None:
         raise RuntimeError(f"bench_sparse: the tensor-core sparse GEMV (sparse_mma) did not build: {sparse_mma.EXT.error()}")
@@ -97,17 +95,6 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="mma",
                                               splits=splits)
 
-            if cluster_only:
-                kc = dataclasses.replace(DEFAULT_KERNELS, sparse_kernel="mma-cluster")
-
-                def cluster_op(i, x=x):
-                    c, b = cm.clone(), cb.clone()
-                    y = torch.empty(1, N, dtype=torch.float16, device=dev)
-                    return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y,
-                                                  kernel="mma", kopts=kc)
-                out.append({"in": K, "out": N, "sparsity": s, "mma_us": graph_time_us(mma_op, weight_bytes),
-                            "cluster_us": graph_time_us(cluster_op, weight_bytes), "mma_splits": sparse_mma.splits(K, N)})
-                continue
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
@@ -131,8 +118,7 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
 def _check_layout(eng, kernel: str) -> None:
     """The engine's 4-bit projections hold the layout of ``kernel`` ("cuda": warp-major, "mma": tile-major), else a
     RuntimeError: a benchmark of a kernel that silently fell back would time another one."""
-    want = {"cuda": sparse_cuda.is_warp_major, "mma": sparse_mma.is_tile_major,
-            "mma-cluster": sparse_mma.is_tile_major}.get(kernel)
+    want = {"cuda": sparse_cuda.is_warp_major, "mma": sparse_mma.is_tile_major}.get(kernel)
     if want is None:
         return
     projs = [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down)]
@@ -211,8 +197,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
     p.add_argument("--mma-splits", default="", help="kernel table: also time the tensor-core sparse kernel at these "
                    "K-range counts, comma-separated (default: only sparse_mma.splits of the shape)")
-    p.add_argument("--no-cluster", action="store_true", help="kernel table: skip the second pass timing "
-                   "sparse_kernel mma-cluster against mma")
     p.add_argument("--sparse-kernel", default="cuda",
                    help=f"--e2e: KernelOptions.sparse_kernel, one or several comma-separated of {', '.join(SPARSE_KERNELS)} "
                    "(default cuda); cuda and mma fail unless their extension builds")
@@ -265,11 +249,6 @@ def run_args(args: argparse.Namespace) -> int:
             if r[f"{name}_splits_us"]:
                 print(f"{name} sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r[f'{name}_splits']}; "
                       + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r[f"{name}_splits_us"].items()))
-    if not args.no_cluster:  # after the table: a fault of the cluster launch cannot take the table with it
-        sys.stdout.flush()
-        for r in run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")], cluster_only=True):
-            print(f"mma-cluster sparse {r['in']}x{r['out']} S={r['sparsity']:.2f} (splits {r['mma_splits']}): "
-                  f"{r['cluster_us']:.1f} us, mma {r['mma_us']:.1f} us", flush=True)
     return 0
 
 
