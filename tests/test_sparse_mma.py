@@ -6,7 +6,6 @@ offsets, B masks, the mma.m16n8k16 fragment layouts of the PTX ISA), and the dis
 shapes and sparsities 0-90 % (test_sparse_cuda's cases: N off 128, K odd, 1..16 rows, all-zero x, dense rows,
 residual and gate/up epilogues), run to run and row by row bitwise, K ranges forced, the codes of dropped inputs
 unread, counters left zero, a CUDA-graph replay, and the engine's VERIFY contract under sparse_kernel "mma"."""
-import dataclasses
 import random
 
 import numpy as np
@@ -155,15 +154,14 @@ def _built():
     assert ext is not None, f"the sparse_mma extension did not build: {sm.EXT.error()}"
 
 
-def run(c, ct, rows=None, splits=None, kopts=None):
+def run(c, ct, rows=None, splits=None):
     x, dense, t, codes, cb, res, act, f = c
     if rows is not None:
         x, dense, res = x[rows], dense[rows], None if res is None else res[rows]
     N = cb.shape[0]
     out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16, device="cuda")
     sg.sparse_project(x.cuda(), ct, cb.cuda(), 4, N, threshold=t, dense_rows=dense.cuda(), out=out,
-                      residual=None if res is None else res.cuda(), act=act, f=f, kernel="mma", splits=splits,
-                      kopts=kopts)
+                      residual=None if res is None else res.cuda(), act=act, f=f, kernel="mma", splits=splits)
     return out.cpu()
 
 
@@ -292,28 +290,10 @@ def test_engine_wiring_with_a_stand_in_launcher(monkeypatch):
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
 
 
-# sparse_kernel "mma-cluster" last in the file: a fault of the cluster launch cannot take the tests above with it.
-CLUSTER = dataclasses.replace(DEFAULT_KERNELS, sparse_kernel="mma-cluster")
-
-
-def test_cluster_option_accepted():
+def test_mma_cluster_option_removed():
+    """sparse_kernel "mma-cluster" (session 15, 1.6-1.7x slower than "mma" on the H200) is gone: a config naming it
+    fails loudly instead of falling back to another kernel."""
+    from trapetum.errors import ConfigError
     from trapetum.settings import Options
-    assert Options().replace(kernels={"sparse_kernel": "mma-cluster"}).kernels.sparse_kernel == "mma-cluster"
-
-
-@need_gpu
-@pytest.mark.parametrize("splits", [None, 2, 5, 16])
-def test_mma_cluster_gives_the_counter_paths_bits(splits):
-    """The split sum through the cluster's shared memory: against float64, and bitwise the counter path's."""
-    _built()
-    for seed in range(600, 620):
-        c = case(seed)
-        K = c[0].shape[1]
-        if splits is not None and -(-K // splits) > sm.MAX_KS:
-            continue
-        ct = sm.tile_codes(c[3].cuda(), K)
-        y = run(c, ct, splits=splits, kopts=CLUSTER)
-        ref = reference(*c)
-        assert float((y.double() - ref).norm()) < 2e-3 * float(ref.norm()) + 2.0 ** -24 * y.numel() ** 0.5, seed
-        assert torch.equal(y, run(c, ct, splits=splits)), seed
-        assert torch.equal(y, run(c, ct, splits=splits, kopts=CLUSTER)), seed
+    with pytest.raises(ConfigError, match="sparse_kernel"):
+        Options().replace(kernels={"sparse_kernel": "mma-cluster"})

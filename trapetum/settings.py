@@ -67,7 +67,7 @@ MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
-SPARSE_KERNELS = ("cuda", "mma", "mma-cluster", "compact", "masked")  # KernelOptions.sparse_kernel
+SPARSE_KERNELS = ("cuda", "mma", "compact", "masked")  # KernelOptions.sparse_kernel
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -124,8 +124,7 @@ class KernelOptions:
     sparse_rows: int = 16
     # "cuda": the CUDA sparse GEMV of 4-bit codes (kernels/sparse_cuda.py; where the extension does not build, and
     # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked";
-    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py, session 15; opt-in until measured);
-    # "mma-cluster": the same with the K-split sum through a thread-block cluster's shared memory (same bits)
+    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py, session 15; opt-in until measured)
     sparse_kernel: str = "cuda"
 
     def __post_init__(self):

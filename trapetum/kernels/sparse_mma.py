@@ -10,9 +10,6 @@
 Kernel contract (the .cu file's comment): blocks of 128 rows x a K range of ``splits(K, N)`` ranges (from the
 shape only) x row m; the same select, epilogues, determinism (a row's bits those of its one-row call), no host
 sync and split reduction as the "cuda" kernel (kernels/sparse_cuda.py), whose completion counters it shares.
-sparse_kernel "mma-cluster": the same kernel, but the K ranges of a tile one thread-block cluster whose block 0
-adds the others' sums from their shared memory (no global partials, fence or counter; up to MAX_CLUSTER ranges,
-else the counter path), the same bits.
 """
 from __future__ import annotations
 
@@ -30,19 +27,15 @@ MAX_SPLITS = 32
 _DECLS = """
 void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
                    torch::Tensor y, torch::Tensor part, torch::Tensor cnt, double t, int64_t epi, int64_t has_res,
-                   int64_t f, int64_t splits, int64_t pdl, int64_t cluster);
+                   int64_t f, int64_t splits, int64_t pdl);
 """
 EXT = cuda_ext.Extension("trapetum_sparse_mma", ("sparse_mma.cu",), _DECLS, ["cb_sparse_mma"])
 
 
-KERNELS = ("mma", "mma-cluster")  # the KernelOptions.sparse_kernel values of this kernel
-MAX_CLUSTER = 16  # "mma-cluster": the split sum through distributed shared memory up to this many K ranges
-
-
 def ready(device: torch.device, kopts) -> bool:
-    """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma" or
-    "mma-cluster", built); projections of more than MAX_K inputs keep the input-major path."""
-    return kopts.sparse_kernel in KERNELS and EXT.ready(device, kopts) is not None
+    """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma", built);
+    projections of more than MAX_K inputs keep the input-major path."""
+    return kopts.sparse_kernel == "mma" and EXT.ready(device, kopts) is not None
 
 
 def tile_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -83,7 +76,6 @@ def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, split
     cnt = sparse_cuda.split_counters(x2.device, M * T)
     part = torch.empty(S * M * T * ROWS if S > 1 else 1, dtype=torch.float32, device=x2.device)
     res = residual if residual is not None else out
-    cluster = kopts.sparse_kernel == "mma-cluster" and S <= MAX_CLUSTER  # from the shape: same bits either way
     EXT.load().cb_sparse_mma(x2, ct, codebook, res, dense_u8, out, part, cnt, float(t), int(epi),
-                             int(residual is not None), int(f), int(S), int(kopts.pdl_cuda), int(cluster))
+                             int(residual is not None), int(f), int(S), int(kopts.pdl_cuda))
     return out

@@ -34,10 +34,7 @@
 //     weights and x zero).
 //  4. the 8 warps' sums added per row in warp order. S = 1: the epilogue. S > 1: the partial to
 //     part[s][m][128 tt + r]; the last block for (tt, m) (a device counter, fenced) sums the S partials in order
-//     s = 0, 1, .. and writes the epilogue, then resets the counter to 0. CL (the launcher's cluster = 1): the S
-//     blocks of a tile are one thread-block cluster (S <= 16) instead; block s = 0 adds the S blocks' sums from
-//     their shared memory (distributed shared memory, in the order s = 0, 1, ..: the counter path's bits) between
-//     two cluster barriers: no global partials, fence or counter.
+//     s = 0, 1, .. and writes the epilogue, then resets the counter to 0.
 // Every sum and its order depend on row m's own data and on the shape (S from K and N only): deterministic, a
 // row's bits those of its one-row call. No host sync: capturable.
 // EPI 0: y [M, N] fp16 = sum (+ residual). EPI 1 / 2: rows interleaved 8 gate / 8 up per 16 (N % 16 == 0),
@@ -47,7 +44,6 @@
 #include "pdl.cuh"
 #include "act.cuh"
 #include "ptx.cuh"
-#include <cooperative_groups.h>
 
 extern __shared__ __align__(16) uint32_t trapetum_spmma_smem[];
 
@@ -86,7 +82,7 @@ __device__ __forceinline__ void pair_mma(float (&acc)[4], uint32_t w0, uint32_t 
   mma16816(acc, A, b0, b1);
 }
 
-template <int EPI, bool CL>
+template <int EPI>
 __global__ void __launch_bounds__(kThreads, 3)
 sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, const half* __restrict__ cb,
                   const half* __restrict__ res, const uint8_t* dense, half* __restrict__ y,
@@ -239,28 +235,7 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
   float sum = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += red[w * kRows + r];
-  if (CL && S > 1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // clusters: sm_90 (the launcher asks for them only there)
-    namespace cg = cooperative_groups;
-    cg::cluster_group cl = cg::this_cluster();  // cluster (S, 1, 1): rank s
-    float* bsum = reinterpret_cast<float*>(sk);  // the list is done with
-    if (tid < kRows) bsum[tid] = sum;
-    cl.sync();
-    if (s == 0) {  // S <= 16: all loads in flight, added in the order s = 0, 1, ..
-      float v[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) v[u] = u < S ? cl.map_shared_rank(bsum, u)[r] : 0.0f;
-      sum = 0.0f;
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (u < S) sum += v[u];
-    }
-    cl.sync();  // the remote reads done before any block of the cluster exits
-    if (s != 0) return;
-#else
-    __trap();
-#endif
-  } else if (S > 1) {
+  if (S > 1) {
     if (tid < kRows) part[((size_t)s * M + m) * Np + tt * kRows + r] = sum;
     __threadfence();
     __syncthreads();
@@ -315,7 +290,6 @@ void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
   if (dev < kAttrDevices && done[dev]) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, trapetum_spmma::kSmemBytes));
   C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));  // clusters of <= 16
   if (dev < kAttrDevices) done[dev] = true;
 }
 }  // namespace
@@ -326,7 +300,7 @@ void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
 // K <= 65536.
 void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
                    torch::Tensor y, torch::Tensor part, torch::Tensor cnt, double t, int64_t epi, int64_t has_res,
-                   int64_t f, int64_t splits, int64_t pdl, int64_t cluster) {
+                   int64_t f, int64_t splits, int64_t pdl) {
   using namespace trapetum_spmma;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   const int M = x.size(0), K = x.size(1);
@@ -348,43 +322,27 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
   const int S = (int)splits;
   const int KS = (K + S - 1) / S;
   TORCH_CHECK(S >= 1 && KS <= kMaxKS, "splits");
-  TORCH_CHECK(!cluster || S <= 16, "cluster reduction: at most 16 splits");
   TORCH_CHECK(S == 1 || (part.is_cuda() && part.is_contiguous() && part.scalar_type() == at::kFloat &&
                          part.numel() >= (int64_t)S * M * T * kRows), "partials");
   TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.numel() >= (int64_t)M * T, "counters");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
-  static bool done[6][kAttrDevices] = {};
-  if (cluster) {
-    int dev = 0, major = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&dev));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    TORCH_CHECK(major >= 9, "cluster reduction (sparse_kernel mma-cluster): sm_90 or newer");
-  }
-  const bool cl = cluster != 0 && S > 1;
+  static bool done[3][kAttrDevices] = {};
   using Kern = void (*)(const half*, const uint8_t*, const half*, const half*, const uint8_t*, half*, float*, int*,
                         float, int, int, int, int, int, int, int);
-  const Kern kerns[6] = {sparse_mma_kernel<0, false>, sparse_mma_kernel<1, false>, sparse_mma_kernel<2, false>,
-                         sparse_mma_kernel<0, true>, sparse_mma_kernel<1, true>, sparse_mma_kernel<2, true>};
-  const int ki = (cl ? 3 : 0) + (int)epi;
+  const Kern kerns[3] = {sparse_mma_kernel<0>, sparse_mma_kernel<1>, sparse_mma_kernel<2>};
+  const int ki = (int)epi;
   spmma_smem_once(kerns[ki], done[ki]);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(T * S), (unsigned)M);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = kSmemBytes;
   cfg.stream = st;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   int na = 0;
   if (trapetum_pdl::enabled(pdl != 0)) {
     attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  if (cl) {
-    attr[na].id = cudaLaunchAttributeClusterDimension;
-    attr[na].val.clusterDim.x = (unsigned)S;
-    attr[na].val.clusterDim.y = 1;
-    attr[na].val.clusterDim.z = 1;
     ++na;
   }
   cfg.attrs = attr;
