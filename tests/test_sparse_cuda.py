@@ -4,7 +4,9 @@ random shapes and sparsities 0-90 % (N off 256, K odd, 1..16 rows, all-zero x, d
 epilogues), run to run and row by row bitwise, the codes of dropped inputs unread, K ranges forced, counters left
 zero, a CUDA-graph replay, and the engine's VERIFY contract with the kernel (the engine tests of
 test_sparse_engine.py run it too: "cuda" is the default kernel where the extension builds). On the CPU the
-dispatch and the engine wiring run against a stand-in launcher (the extension faked ready)."""
+dispatch and the engine wiring run against a stand-in launcher (the extension faked ready). ``run``, ``check``,
+``torch_launch`` and the ``*_for`` bodies take the kernel ("cuda" here, "mma" in test_sparse_mma.py): the two CUDA
+kernels keep one contract, tested by the same code."""
 import random
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from trapetum.kernels import sparse_cuda as sc
 from trapetum.kernels import sparse_gemv as sg
+from trapetum.kernels import sparse_mma as sm
 from trapetum.kernels.codebook_gemv import _act_ref
 from trapetum.kernels.codebook_layout import interleave_gate_up
 from trapetum.kernels.pack import pack_codes
@@ -20,6 +23,8 @@ from trapetum.settings import DEFAULT_KERNELS
 CUDA = torch.cuda.is_available() and sc.EXT.ready(torch.device("cuda"), DEFAULT_KERNELS) is not None
 need_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and the sparse GEMV extension")
 SIZES = [1, 3, 16, 53, 97, 255, 256, 257, 300, 513]
+MODULES = {"cuda": sc, "mma": sm}  # sparse_kernel -> its layout module
+LAYOUTS = {"cuda": sc.warp_major_codes, "mma": sm.tile_codes}  # sparse_kernel -> the codes its kernel reads
 
 
 def test_warp_major_layout_round_trip():
@@ -33,7 +38,7 @@ def test_warp_major_layout_round_trip():
         n, k = r.randrange(N), r.randrange(K)  # row n = 256 g + 32 i + lane: nibble i of word [g, k, lane]
         word = int(cw[n // 256, k, n % 32]) & 0xFFFFFFFF
         assert (word >> (4 * ((n % 256) // 32))) & 15 == int(idx[n, k])
-        assert torch.equal(sc.cw_to_input_major(cw, N), sg.input_major_codes(codes, 4, K))
+        assert torch.equal(sc.to_input_major(cw, N), sg.input_major_codes(codes, 4, K))
 
 
 def test_warp_major_codes_fall_back_off_the_gpu():
@@ -97,28 +102,28 @@ def reference(x, dense, t, codes, cb, res, act, f):
     return y if res is None else y + res.double()
 
 
-def run(c, cw, rows=None, splits=None):
+def run(c, ct, rows=None, splits=None, kernel="cuda"):
     x, dense, t, codes, cb, res, act, f = c
     if rows is not None:
         x, dense, res = x[rows], dense[rows], None if res is None else res[rows]
     N = cb.shape[0]
     out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16, device="cuda")
-    sg.sparse_project(x.cuda(), cw, cb.cuda(), 4, N, threshold=t, dense_rows=dense.cuda(), out=out,
-                      residual=None if res is None else res.cuda(), act=act, f=f, kernel="cuda", splits=splits)
+    sg.sparse_project(x.cuda(), ct, cb.cuda(), 4, N, threshold=t, dense_rows=dense.cuda(), out=out,
+                      residual=None if res is None else res.cuda(), act=act, f=f, kernel=kernel, splits=splits)
     return out.cpu()
 
 
-def check(seed, splits=None, rows=True):
+def check(seed, splits=None, rows=True, kernel="cuda"):
     c = case(seed)
-    cw = sc.warp_major_codes(c[3].cuda(), c[0].shape[1])
-    y = run(c, cw, splits=splits)
+    ct = LAYOUTS[kernel](c[3].cuda(), c[0].shape[1])
+    y = run(c, ct, splits=splits, kernel=kernel)
     ref = reference(*c)
     err = float((y.double() - ref).norm())
     assert err < 2e-3 * float(ref.norm()) + 2.0 ** -24 * y.numel() ** 0.5, (seed, err, float(ref.norm()))
-    assert torch.equal(run(c, cw, splits=splits), y), seed  # run to run
+    assert torch.equal(run(c, ct, splits=splits, kernel=kernel), y), seed  # run to run
     if rows:
         for m in range(y.shape[0]):  # each row its bits alone
-            assert torch.equal(run(c, cw, slice(m, m + 1), splits=splits)[0], y[m]), (seed, m)
+            assert torch.equal(run(c, ct, slice(m, m + 1), splits=splits, kernel=kernel)[0], y[m]), (seed, m)
 
 
 @need_cuda
@@ -140,6 +145,10 @@ def test_cuda_sparse_forced_splits(splits):
 
 @need_cuda
 def test_cuda_sparse_skips_the_codes_of_dropped_inputs():
+    skips_the_codes_of_dropped_inputs_for("cuda")
+
+
+def skips_the_codes_of_dropped_inputs_for(kernel):
     """The codes of dropped inputs point at a NaN centroid: the kernel never reads them."""
     g = torch.Generator().manual_seed(5)
     N, K = 600, 2000
@@ -153,7 +162,7 @@ def test_cuda_sparse_skips_the_codes_of_dropped_inputs():
     cb_nan[:, 15] = float("nan")
     codes = pack_codes(idx, 4)
     c = (x[1:], dense[1:], t, codes, cb_nan, None, None, 0)
-    y = run(c, sc.warp_major_codes(codes.cuda(), K))
+    y = run(c, LAYOUTS[kernel](codes.cuda(), K), kernel=kernel)
     assert torch.isfinite(y).all()
     ref = reference(x[1:], dense[1:], t, codes, cb, None, None, 0)
     assert float((y.double() - ref).norm()) < 2e-3 * float(ref.norm())
@@ -161,18 +170,22 @@ def test_cuda_sparse_skips_the_codes_of_dropped_inputs():
 
 @need_cuda
 def test_cuda_sparse_graph_replay():
+    graph_replay_for("cuda")
+
+
+def graph_replay_for(kernel):
     """Captured in a CUDA graph (no host sync), a replay on new x gives the eager call's bits."""
     c = case(7)
     x, dense, t, codes, cb, res, act, f = c
     K, N, M = x.shape[1], cb.shape[0], x.shape[0]
-    cw = sc.warp_major_codes(codes.cuda(), K)
+    ct = LAYOUTS[kernel](codes.cuda(), K)
     xs, ds, cbd = x.cuda(), dense.cuda(), cb.cuda()
     rd = None if res is None else res.cuda()
     out = torch.empty(M, f if act else N, dtype=torch.float16, device="cuda")
 
     def call():
-        sg.sparse_project(xs, cw, cbd, 4, N, threshold=t, dense_rows=ds, out=out, residual=rd, act=act, f=f,
-                          kernel="cuda")
+        sg.sparse_project(xs, ct, cbd, 4, N, threshold=t, dense_rows=ds, out=out, residual=rd, act=act, f=f,
+                          kernel=kernel)
     call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -182,7 +195,7 @@ def test_cuda_sparse_graph_replay():
     xs.copy_(x2.cuda())
     graph.replay()
     got = out.cpu().clone()
-    assert torch.equal(got, run((x2, dense, t, codes, cb, res, act, f), cw))
+    assert torch.equal(got, run((x2, dense, t, codes, cb, res, act, f), ct, kernel=kernel))
 
 
 @need_cuda
@@ -193,7 +206,7 @@ def test_engine_cuda_sparse_kernel_keeps_the_verify_contract():
     from trapetum.eval.random_model import random_checkpoint
     from trapetum.eval.verify_exact import check as verify_check
     eng = engine(random_checkpoint("llama2-7b", "cb4", device="cuda", overrides=TINY))
-    assert all(sc.is_warp_major(p.ct) for L in eng.model.layers
+    assert all(sc.is_layout(p.ct) for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]
     steps = decode(eng, toks, 0)
@@ -202,12 +215,15 @@ def test_engine_cuda_sparse_kernel_keeps_the_verify_contract():
     assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
 
 
-def _torch_launch(seen):
-    """A stand-in for sparse_cuda.launch (same arguments) computing through the input-major torch path."""
-    def launch(x2, cw, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
+def torch_launch(seen, kernel="cuda"):
+    """A stand-in for ``kernel``'s layout module's launch (same arguments) computing through the input-major torch
+    path."""
+    mod = MODULES[kernel]
+
+    def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
         seen.append((tuple(x2.shape), t, dense_u8.dtype, epi, f, splits_))
         xs = torch.where((x2.abs() > t) | (dense_u8 != 0)[:, None], x2, torch.zeros((), dtype=x2.dtype))
-        y = sg._torch(xs, sc.cw_to_input_major(cw, N), codebook, 4, N)
+        y = sg._torch(xs, mod.to_input_major(ct, N), codebook, 4, N)
         if epi:
             y = y.view(y.shape[0], -1, 2, 8)
             y = _act_ref(y[:, :, 0].reshape(y.shape[0], -1)[:, :f], "silu" if epi == 1 else "gelu_tanh") * \
@@ -219,19 +235,24 @@ def _torch_launch(seen):
 
 
 def test_dispatch_reaches_the_cuda_launcher(monkeypatch):
-    """With the extension reported ready (faked here), sparse_project hands warp-major codes to sparse_cuda.launch
-    with the select's arguments (t rounded to fp16, dense rows as uint8, the epilogue code, f, the splits); the
-    stand-in launcher gives the reference's result."""
+    dispatch_reaches_the_launcher_for("cuda", monkeypatch)
+
+
+def dispatch_reaches_the_launcher_for(kernel, monkeypatch):
+    """With the extension reported ready (faked here), sparse_project hands codes in ``kernel``'s layout to its
+    module's launch with the select's arguments (t rounded to fp16, dense rows as uint8, the epilogue code, f, the
+    splits); the stand-in launcher gives the reference's result."""
     seen = []
-    monkeypatch.setattr(sc.EXT, "ready", lambda *a, **k: object())
-    monkeypatch.setattr(sc, "launch", _torch_launch(seen))
+    mod = MODULES[kernel]
+    monkeypatch.setattr(mod.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(mod, "launch", torch_launch(seen, kernel))
     for seed in (2, 3, 11, 12, 13, 17):
         c = case(seed)
         x, dense, t, codes, cb, res, act, f = c
         N = cb.shape[0]
         out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16)
-        sg.sparse_project(x, sc.warp_major_codes(codes, x.shape[1]), cb, 4, N, threshold=t, dense_rows=dense, out=out,
-                          residual=res, act=act, f=f, kernel="cuda", splits=3)
+        sg.sparse_project(x, LAYOUTS[kernel](codes, x.shape[1]), cb, 4, N, threshold=t, dense_rows=dense, out=out,
+                          residual=res, act=act, f=f, kernel=kernel, splits=3)
         assert seen[-1] == (tuple(x.shape), sg.threshold_in(t, x.dtype), torch.uint8,
                             {None: 0, "silu": 1, "gelu_tanh": 2}[act], f, 3)
         ref = reference(*c)
@@ -242,18 +263,23 @@ def test_dispatch_reaches_the_cuda_launcher(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only: on CUDA the real kernel's engine test runs")
 @pytest.mark.usefixtures("torch_fallbacks")
 def test_engine_wiring_with_a_stand_in_launcher(monkeypatch):
-    """The engine under sparse_kernel "cuda" with the extension faked ready (CPU): its 4-bit projections get
-    warp-major codes, every site's sparse GEMV reaches the launcher (epilogues 0 and 1 = SiLU), and VERIFY rows are
-    bitwise decode steps."""
+    engine_wiring_for("cuda", monkeypatch)
+
+
+def engine_wiring_for(kernel, monkeypatch):
+    """The engine under sparse_kernel ``kernel`` with the extension faked ready (CPU): its 4-bit projections get
+    codes in that kernel's layout, every site's sparse GEMV reaches the launcher (epilogues 0 and 1 = SiLU), and
+    VERIFY rows are bitwise decode steps."""
     from test_sparse_engine import TINY, decode, engine
     from trapetum.eval.random_model import random_checkpoint
     from trapetum.eval.verify_exact import check as verify_check
     seen = []
-    monkeypatch.setattr(sc, "ready", lambda device, kopts: kopts.sparse_kernel == "cuda")
-    monkeypatch.setattr(sc.EXT, "ready", lambda *a, **k: object())
-    monkeypatch.setattr(sc, "launch", _torch_launch(seen))
-    eng = engine(random_checkpoint("llama2-7b", "cb4", device="cpu", overrides=TINY))
-    assert all(sc.is_warp_major(p.ct) for L in eng.model.layers
+    mod = MODULES[kernel]
+    monkeypatch.setattr(mod, "ready", lambda device, kopts: kopts.sparse_kernel == kernel)
+    monkeypatch.setattr(mod.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(mod, "launch", torch_launch(seen, kernel))
+    eng = engine(random_checkpoint("llama2-7b", "cb4", device="cpu", overrides=TINY), kernel=kernel)
+    assert all(mod.is_layout(p.ct) for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]
     steps = decode(eng, toks, 0)

@@ -257,7 +257,7 @@ def test_engine_interpreter_compact_kernel_keeps_the_verify_contract(ckpt):
     """The engine with the compacted kernel itself (Triton; on the CPU under the interpreter): VERIFY rows bitwise
     decode steps, from position 0 (the dense row inside a pass) and later."""
     eng = engine(ckpt, kernel="compact")
-    assert not any(sg.sparse_cuda.is_warp_major(L.mlp.down.ct) for L in eng.model.layers)
+    assert not any(sg.sparse_cuda.is_layout(L.mlp.down.ct) for L in eng.model.layers)
     assert all(sg.compact_ok(p.out_features, 4, "compact") for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_sparse_cuda import case, reference
+from test_sparse_cuda import (case, check, dispatch_reaches_the_launcher_for, engine_wiring_for, graph_replay_for,
+                              skips_the_codes_of_dropped_inputs_for)
 from trapetum.kernels import sparse_cuda as sc
 from trapetum.kernels import sparse_gemv as sg
 from trapetum.kernels import sparse_mma as sm
@@ -41,10 +42,10 @@ def test_tile_major_layout_against_numpy():
         idx = torch.randint(0, 16, (N, K), generator=torch.Generator().manual_seed(N * 1000 + K))
         codes = pack_codes(idx, 4)
         ct = sm.tile_codes(codes, K)
-        assert ct.dtype == torch.uint8 and tuple(ct.shape) == (-(-N // 128), K, 64) and sm.is_tile_major(ct)
+        assert ct.dtype == torch.uint8 and tuple(ct.shape) == (-(-N // 128), K, 64) and sm.is_layout(ct)
         assert np.array_equal(ct.numpy(), numpy_tile_codes(idx.numpy())), (N, K)
-        assert torch.equal(sm.tile_to_input_major(ct, N), sg.input_major_codes(codes, 4, K))
-        assert not sc.is_warp_major(ct) and not sm.is_tile_major(sg.input_major_codes(codes, 4, K))
+        assert torch.equal(sm.to_input_major(ct, N), sg.input_major_codes(codes, 4, K))
+        assert not sc.is_layout(ct) and not sm.is_layout(sg.input_major_codes(codes, 4, K))
 
 
 def test_tile_major_codes_fall_back_off_the_gpu():
@@ -113,69 +114,13 @@ def test_fragment_algebra_emulated():
     assert torch.allclose(acc.reshape(-1), ref, rtol=0, atol=1e-12)
 
 
-def _torch_launch(seen):
-    """A stand-in for sparse_mma.launch (same arguments) computing through the input-major torch path."""
-    from trapetum.kernels.codebook_gemv import _act_ref
-
-    def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
-        seen.append((tuple(x2.shape), t, dense_u8.dtype, epi, f, splits_))
-        xs = torch.where((x2.abs() > t) | (dense_u8 != 0)[:, None], x2, torch.zeros((), dtype=x2.dtype))
-        y = sg._torch(xs, sm.tile_to_input_major(ct, N), codebook, 4, N)
-        if epi:
-            y = y.view(y.shape[0], -1, 2, 8)
-            y = _act_ref(y[:, :, 0].reshape(y.shape[0], -1)[:, :f], "silu" if epi == 1 else "gelu_tanh") * \
-                y[:, :, 1].reshape(y.shape[0], -1)[:, :f]
-        elif residual is not None:
-            y = y + residual.float()
-        return out.copy_(y)
-    return launch
-
-
 def test_dispatch_reaches_the_mma_launcher(monkeypatch):
-    seen = []
-    monkeypatch.setattr(sm.EXT, "ready", lambda *a, **k: object())
-    monkeypatch.setattr(sm, "launch", _torch_launch(seen))
-    for seed in (2, 3, 11, 12, 13, 17):
-        c = case(seed)
-        x, dense, t, codes, cb, res, act, f = c
-        N = cb.shape[0]
-        out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16)
-        sg.sparse_project(x, sm.tile_codes(codes, x.shape[1]), cb, 4, N, threshold=t, dense_rows=dense, out=out,
-                          residual=res, act=act, f=f, kernel="mma", splits=3)
-        assert seen[-1] == (tuple(x.shape), sg.threshold_in(t, x.dtype), torch.uint8,
-                            {None: 0, "silu": 1, "gelu_tanh": 2}[act], f, 3)
-        ref = reference(*c)
-        assert float((out.double() - ref).norm()) < 2e-3 * float(ref.norm()) + 2.0 ** -24 * out.numel() ** 0.5, seed
-    assert len(seen) == 6
+    dispatch_reaches_the_launcher_for("mma", monkeypatch)
 
 
 def _built():
     ext = sm.EXT.ready(torch.device("cuda"), DEFAULT_KERNELS)
     assert ext is not None, f"the sparse_mma extension did not build: {sm.EXT.error()}"
-
-
-def run(c, ct, rows=None, splits=None):
-    x, dense, t, codes, cb, res, act, f = c
-    if rows is not None:
-        x, dense, res = x[rows], dense[rows], None if res is None else res[rows]
-    N = cb.shape[0]
-    out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16, device="cuda")
-    sg.sparse_project(x.cuda(), ct, cb.cuda(), 4, N, threshold=t, dense_rows=dense.cuda(), out=out,
-                      residual=None if res is None else res.cuda(), act=act, f=f, kernel="mma", splits=splits)
-    return out.cpu()
-
-
-def check(seed, splits=None, rows=True):
-    c = case(seed)
-    ct = sm.tile_codes(c[3].cuda(), c[0].shape[1])
-    y = run(c, ct, splits=splits)
-    ref = reference(*c)
-    err = float((y.double() - ref).norm())
-    assert err < 2e-3 * float(ref.norm()) + 2.0 ** -24 * y.numel() ** 0.5, (seed, err, float(ref.norm()))
-    assert torch.equal(run(c, ct, splits=splits), y), seed  # run to run
-    if rows:
-        for m in range(y.shape[0]):  # each row its bits alone
-            assert torch.equal(run(c, ct, slice(m, m + 1), splits=splits)[0], y[m]), (seed, m)
 
 
 @need_gpu
@@ -188,7 +133,7 @@ def test_mma_extension_builds():
 def test_mma_sparse_against_float64(chunk):
     _built()
     for seed in range(chunk * 60, chunk * 60 + 60):
-        check(seed, rows=seed % 3 == 0)
+        check(seed, rows=seed % 3 == 0, kernel="mma")
     assert int(sc._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
@@ -198,54 +143,20 @@ def test_mma_sparse_forced_splits(splits):
     _built()
     for seed in range(500, 530):
         if -(-case(seed)[0].shape[1] // splits) <= sm.MAX_KS:
-            check(seed, splits=splits, rows=seed % 2 == 0)
+            check(seed, splits=splits, rows=seed % 2 == 0, kernel="mma")
     assert all(int(c.abs().sum()) == 0 for c in sc._COUNTERS.values())
 
 
 @need_gpu
 def test_mma_sparse_skips_the_codes_of_dropped_inputs():
-    """The codes of dropped inputs point at a NaN centroid: the kernel never reads them."""
     _built()
-    g = torch.Generator().manual_seed(5)
-    N, K = 600, 2000
-    x = torch.randn(2, K, generator=g).half()
-    t = 0.8
-    dense = torch.tensor([True, False])
-    idx = torch.randint(0, 15, (N, K), generator=g)
-    idx[:, x[1].abs() <= t] = 15
-    cb = torch.randn(N, 16, generator=g).half()
-    cb_nan = cb.clone()
-    cb_nan[:, 15] = float("nan")
-    codes = pack_codes(idx, 4)
-    y = run((x[1:], dense[1:], t, codes, cb_nan, None, None, 0), sm.tile_codes(codes.cuda(), K))
-    assert torch.isfinite(y).all()
-    ref = reference(x[1:], dense[1:], t, codes, cb, None, None, 0)
-    assert float((y.double() - ref).norm()) < 2e-3 * float(ref.norm())
+    skips_the_codes_of_dropped_inputs_for("mma")
 
 
 @need_gpu
 def test_mma_sparse_graph_replay():
     _built()
-    x, dense, t, codes, cb, res, act, f = case(7)
-    K, N, M = x.shape[1], cb.shape[0], x.shape[0]
-    ct = sm.tile_codes(codes.cuda(), K)
-    xs, ds, cbd = x.cuda(), dense.cuda(), cb.cuda()
-    rd = None if res is None else res.cuda()
-    out = torch.empty(M, f if act else N, dtype=torch.float16, device="cuda")
-
-    def call():
-        sg.sparse_project(xs, ct, cbd, 4, N, threshold=t, dense_rows=ds, out=out, residual=rd, act=act, f=f,
-                          kernel="mma")
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    x2 = (torch.randn(M, K, generator=torch.Generator().manual_seed(9)) / K ** 0.5).half()
-    xs.copy_(x2.cuda())
-    graph.replay()
-    got = out.cpu().clone()
-    assert torch.equal(got, run((x2, dense, t, codes, cb, res, act, f), ct))
+    graph_replay_for("mma")
 
 
 @need_gpu
@@ -257,7 +168,7 @@ def test_engine_mma_sparse_kernel_keeps_the_verify_contract():
     from trapetum.eval.random_model import random_checkpoint
     from trapetum.eval.verify_exact import check as verify_check
     eng = engine(random_checkpoint("llama2-7b", "cb4", device="cuda", overrides=TINY), kernel="mma")
-    assert all(sm.is_tile_major(p.ct) for L in eng.model.layers
+    assert all(sm.is_layout(p.ct) for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]
     steps = decode(eng, toks, 0)
@@ -269,25 +180,7 @@ def test_engine_mma_sparse_kernel_keeps_the_verify_contract():
 @pytest.mark.skipif(GPU, reason="CPU only: on CUDA the real kernel's engine test runs")
 @pytest.mark.usefixtures("torch_fallbacks")
 def test_engine_wiring_with_a_stand_in_launcher(monkeypatch):
-    """The engine under sparse_kernel "mma" with the extension faked ready (CPU): its 4-bit projections get
-    tile-major codes, every site's sparse GEMV reaches the launcher (epilogues 0 and 1 = SiLU), and VERIFY rows are
-    bitwise decode steps."""
-    from test_sparse_engine import TINY, decode, engine
-    from trapetum.eval.random_model import random_checkpoint
-    from trapetum.eval.verify_exact import check as verify_check
-    seen = []
-    monkeypatch.setattr(sm, "ready", lambda device, kopts: kopts.sparse_kernel == "mma")
-    monkeypatch.setattr(sm.EXT, "ready", lambda *a, **k: object())
-    monkeypatch.setattr(sm, "launch", _torch_launch(seen))
-    eng = engine(random_checkpoint("llama2-7b", "cb4", device="cpu", overrides=TINY), kernel="mma")
-    assert all(sm.is_tile_major(p.ct) for L in eng.model.layers
-               for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
-    toks = [7, 11, 23]
-    steps = decode(eng, toks, 0)
-    assert {e[3] for e in seen} == {0, 1} and len(seen) >= 4 * 2 * 3
-    assert torch.equal(eng.verify(torch.tensor(toks), 0)[:3], steps)
-    res = verify_check(eng, rows=(1, 3), bases=(6,))
-    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+    engine_wiring_for("mma", monkeypatch)
 
 
 def test_mma_cluster_option_removed():
@@ -297,3 +190,18 @@ def test_mma_cluster_option_removed():
     from trapetum.settings import Options
     with pytest.raises(ConfigError, match="sparse_kernel"):
         Options().replace(kernels={"sparse_kernel": "mma-cluster"})
+
+
+def test_cli_flag_reaches_the_options():
+    """``generate`` / ``chat --sparse-kernel mma`` -> Options.kernels.sparse_kernel; with --aqlm-kernel both hold."""
+    import argparse
+
+    from trapetum.commands._common import add_kernel_options, options_of
+    p = argparse.ArgumentParser()
+    add_kernel_options(p)
+    assert options_of(p.parse_args([])) is None
+    assert options_of(p.parse_args(["--sparse-kernel", "mma"])).kernels.sparse_kernel == "mma"
+    both = options_of(p.parse_args(["--sparse-kernel", "mma", "--aqlm-kernel", "mma"])).kernels
+    assert both.sparse_kernel == "mma" and both.aqlm_kernel == "mma"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--sparse-kernel", "mma-cluster"])

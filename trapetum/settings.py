@@ -124,7 +124,9 @@ class KernelOptions:
     sparse_rows: int = 16
     # "cuda": the CUDA sparse GEMV of 4-bit codes (kernels/sparse_cuda.py; where the extension does not build, and
     # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked";
-    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py, session 15; opt-in until measured)
+    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py; opt-in: faster than "cuda" in every
+    # kernel cell on the H200, not yet compared with it end to end in one run: BENCHMARKS.md, issue 19, session 15).
+    # CLI: --sparse-kernel (generate, chat)
     sparse_kernel: str = "cuda"
 
     def __post_init__(self):

@@ -11,6 +11,7 @@ import sys
 import time
 
 from ..errors import ConfigError, TrapetumError
+from ..settings import SPARSE_KERNELS
 from ._args import with_default
 
 DEVICE_HELP = ("cpu or cuda (default cpu: it runs the same everywhere, and the GPU engine compiles its CUDA "
@@ -29,14 +30,18 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aqlm-kernel", default=None, choices=("table", "mma"),
                    help="2x8 AQLM models on the GPU: the decode / verify GEMV, 'table' (default: fp32 lookup "
                         "tables) or 'mma' (tensor cores: faster verify rows, slower decode, other rounding)")
+    p.add_argument("--sparse-kernel", default=None, choices=SPARSE_KERNELS,
+                   help="with --sparsity on the GPU: the activation-sparse GEMV, 'cuda' (default), 'mma' (tensor "
+                        "cores: BENCHMARKS.md, issue 19), or the Triton 'compact' / 'masked' kernels")
 
 
 def options_of(args: argparse.Namespace):
     """The engine's Options for this command (the TRAPETUM_* switches, then the kernel flags), or None."""
-    if getattr(args, "aqlm_kernel", None) is None:
+    kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel") if (v := getattr(args, k, None)) is not None}
+    if not kernels:
         return None
     from ..settings import Options
-    return Options.from_env().replace(kernels={"aqlm_kernel": args.aqlm_kernel})
+    return Options.from_env().replace(kernels=kernels)
 
 
 def apply_threads(args: argparse.Namespace):

@@ -83,17 +83,17 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y)
 
-            def cuda_op(i, x=x, splits=None):
-                c, b = cw.clone(), cb.clone()
+            def kernel_op(i, codes_, kernel, x=x, splits=None):  # a CUDA sparse kernel on its own layout
+                c, b = codes_.clone(), cb.clone()
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
-                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="cuda",
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel=kernel,
                                               splits=splits)
 
-            def mma_op(i, x=x, splits=None):
-                c, b = cm.clone(), cb.clone()
-                y = torch.empty(1, N, dtype=torch.float16, device=dev)
-                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="mma",
-                                              splits=splits)
+            def cuda_op(i, splits=None):
+                return kernel_op(i, cw, "cuda", splits=splits)
+
+            def mma_op(i, splits=None):
+                return kernel_op(i, cm, "mma", splits=splits)
 
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
@@ -118,15 +118,14 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
 def _check_layout(eng, kernel: str) -> None:
     """The engine's 4-bit projections hold the layout of ``kernel`` ("cuda": warp-major, "mma": tile-major), else a
     RuntimeError: a benchmark of a kernel that silently fell back would time another one."""
-    want = {"cuda": sparse_cuda.is_warp_major, "mma": sparse_mma.is_tile_major}.get(kernel)
-    if want is None:
+    mod = {"cuda": sparse_cuda, "mma": sparse_mma}.get(kernel)
+    if mod is None:
         return
     projs = [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down)]
-    bad = sum(1 for p in projs if p.ct is None or not want(p.ct))
+    bad = sum(1 for p in projs if p.ct is None or not mod.is_layout(p.ct))
     if bad:
-        ext = sparse_cuda.EXT if kernel == "cuda" else sparse_mma.EXT
         raise RuntimeError(f"bench_sparse --e2e: {bad} of {len(projs)} projections lack the {kernel} kernel's layout "
-                           f"(extension error: {ext.error()})")
+                           f"(extension error: {mod.EXT.error()})")
 
 
 @contextmanager

@@ -5,8 +5,11 @@
         cw[g, k, lane] holds the 4-bit codes of input k for rows 256 g + lane + 32 i, i = 0..7, code i in bits
         4i..4i+3 (rows >= N: code 0), so that a warp reads the codes of one kept input for 256 rows as one
         128-byte line (the input-major ``ct`` of sparse_gemv.py puts them in 32-byte pieces).
-    cw_to_input_major(cw, N) -> ct uint8 [K, packed_width(N, 4)]: the same codes in sparse_gemv.py's layout (the
+    to_input_major(cw, N) -> ct uint8 [K, packed_width(N, 4)]: the same codes in sparse_gemv.py's layout (the
         torch path and the tests read it).
+
+A CUDA kernel's layout module (this one and kernels/sparse_mma.py) gives ``sparse_gemv.sparse_project`` the same
+names: LAYOUT, CODE_DTYPE, is_layout(ct), layout_shape(N, K), to_input_major(ct, N), EXT, launch(...).
 
 Kernel contract (the .cu file's comment): blocks of 256 rows x a K range of ``splits(K, N)`` ranges (from the
 shape only) x row m; each block lists its row's kept inputs (the select fused into the x load, dense rows: x != 0),
@@ -21,6 +24,7 @@ import torch
 from . import cuda_ext
 from .pack import pack_codes, unpack_codes
 
+LAYOUT, CODE_DTYPE = "warp-major", "int32"
 ROWS = 256  # rows per group (a block)
 MAX_KS = 1024  # inputs per K range (the kernel's shared list)
 TARGET_BLOCKS = 528  # blocks a launch at M = 1: 4 per SM of the H200's 132 (60 registers: 4 blocks an SM)
@@ -56,7 +60,7 @@ def warp_major_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
     return w.to(torch.int32).contiguous()
 
 
-def cw_to_input_major(cw: torch.Tensor, N: int) -> torch.Tensor:
+def to_input_major(cw: torch.Tensor, N: int) -> torch.Tensor:
     """Warp-major codes [G, K, 32] -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)]."""
     G, K, _ = cw.shape
     w = cw.to(torch.int64) & 0xFFFFFFFF
@@ -65,16 +69,24 @@ def cw_to_input_major(cw: torch.Tensor, N: int) -> torch.Tensor:
     return pack_codes(idx.contiguous(), 4)
 
 
-def is_warp_major(ct: torch.Tensor) -> bool:
+def is_layout(ct: torch.Tensor) -> bool:
     return ct.dtype == torch.int32 and ct.dim() == 3 and ct.shape[2] == 32
 
 
+def layout_shape(N: int, K: int) -> tuple[int, int, int]:
+    return (-(-N // ROWS), K, 32)
+
+
+def split_count(K: int, N: int, rows: int, target_blocks: int, max_ks: int) -> int:
+    """K ranges per block of ``rows`` rows: from the shape only (never M or the data); at M = 1 the grid at most
+    ``target_blocks`` (one wave: no tail of a second), ranges of at least ~128 inputs and at most ``max_ks``."""
+    s = max(1, min(target_blocks // -(-N // rows), MAX_SPLITS, -(-K // 128)))
+    return max(s, -(-K // max_ks))
+
+
 def splits(K: int, N: int) -> int:
-    """K ranges per row group: from the shape only (never M or the data); at M = 1 the grid at most TARGET_BLOCKS
-    (one wave: no tail of a second), ranges of at least ~128 inputs and at most MAX_KS."""
-    G = -(-N // ROWS)
-    s = max(1, min(TARGET_BLOCKS // G, MAX_SPLITS, -(-K // 128)))
-    return max(s, -(-K // MAX_KS))
+    """This kernel's K ranges per row group (``split_count``)."""
+    return split_count(K, N, ROWS, TARGET_BLOCKS, MAX_KS)
 
 
 def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
@@ -89,14 +101,21 @@ def split_counters(device: torch.device, blocks: int) -> torch.Tensor:
     return cnt
 
 
+def launch_split(op, rows: int, x2, codes, codebook, out, residual, t, dense_u8, epi, f, kopts, S: int):
+    """Call a split sparse kernel ``op`` (this extension's or sparse_mma's: the same arguments) over ``codes``'
+    blocks of ``rows`` rows and S K ranges: the shared counters, the fp32 partials of S > 1."""
+    M = x2.shape[0]
+    B = codes.shape[0]
+    cnt = split_counters(x2.device, M * B)
+    part = torch.empty(S * M * B * rows if S > 1 else 1, dtype=torch.float32, device=x2.device)
+    res = residual if residual is not None else out
+    op(x2, codes, codebook, res, dense_u8, out, part, cnt, float(t), int(epi), int(residual is not None), int(f),
+       int(S), int(kopts.pdl_cuda))
+    return out
+
+
 def launch(x2, cw, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
     """out = the sparse GEMV of x2 fp16 [M, K] (``sparse_project``'s arguments, checked there)."""
-    M, K = x2.shape
-    G = cw.shape[0]
-    S = splits(K, N) if splits_ is None else splits_
-    cnt = split_counters(x2.device, M * G)
-    part = torch.empty(S * M * G * ROWS if S > 1 else 1, dtype=torch.float32, device=x2.device)
-    res = residual if residual is not None else out
-    EXT.load().cb_sparse_gemv(x2, cw, codebook, res, dense_u8, out, part, cnt, float(t), int(epi),
-                              int(residual is not None), int(f), int(S), int(kopts.pdl_cuda))
-    return out
+    S = splits(x2.shape[1], N) if splits_ is None else splits_
+    return launch_split(EXT.load().cb_sparse_gemv, ROWS, x2, cw, codebook, out, residual, t, dense_u8, epi, f,
+                        kopts, S)

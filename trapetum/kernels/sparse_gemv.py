@@ -55,6 +55,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
 SPARSE_BITS = (4, 8)
+# the CUDA kernels' own 4-bit code layouts: modules with is_layout, layout_shape, to_input_major, EXT, launch
+CUDA_LAYOUTS = (sparse_cuda, sparse_mma)
 BLOCK_N = 64  # rows per program: 32 bytes of 4-bit codes per input (one sector)
 
 
@@ -305,27 +307,16 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     from .codebook_gemv import ACTS, _act_ref
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape
-    warp = sparse_cuda.is_warp_major(ct)
-    if warp:  # the CUDA kernel's layout (4-bit): converted back to input-major where that kernel cannot run
-        G = -(-N // sparse_cuda.ROWS)
-        if bits != 4 or tuple(ct.shape) != (G, K, 32):
-            raise ValueError(f"sparse GEMV: warp-major codes must be 4-bit int32 [{G}, {K}, 32], got {bits}-bit "
-                             f"{list(ct.shape)}")
+    cuda = next((mod for mod in CUDA_LAYOUTS if mod.is_layout(ct)), None)
+    if cuda is not None:  # a CUDA kernel's own layout (4-bit): converted back to input-major where it cannot run
+        want = cuda.layout_shape(N, K)
+        if bits != 4 or tuple(ct.shape) != want:
+            raise ValueError(f"sparse GEMV: {cuda.LAYOUT} codes must be 4-bit {cuda.CODE_DTYPE} {list(want)}, got "
+                             f"{bits}-bit {list(ct.shape)}")
         kopts = DEFAULT_KERNELS if kopts is None else kopts
-        warp = backend != "torch" and sparse_cuda.EXT.ready(x2.device, kopts) is not None
-        if not warp:
-            ct = sparse_cuda.cw_to_input_major(ct, N)
-    tile = sparse_mma.is_tile_major(ct)
-    if tile:  # the tensor-core kernel's layout (4-bit): converted back to input-major where it cannot run
-        T = -(-N // sparse_mma.ROWS)
-        if bits != 4 or tuple(ct.shape) != (T, K, 64):
-            raise ValueError(f"sparse GEMV: tile-major codes must be 4-bit uint8 [{T}, {K}, 64], got {bits}-bit "
-                             f"{list(ct.shape)}")
-        kopts = DEFAULT_KERNELS if kopts is None else kopts
-        tile = backend != "torch" and sparse_mma.EXT.ready(x2.device, kopts) is not None
-        if not tile:
-            ct = sparse_mma.tile_to_input_major(ct, N)
-    if not warp and not tile and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
+        if backend == "torch" or cuda.EXT.ready(x2.device, kopts) is None:
+            ct, cuda = cuda.to_input_major(ct, N), None
+    if cuda is None and (tuple(ct.shape) != (K, packed_width(N, bits)) or ct.dtype != torch.uint8):
         raise ValueError(f"sparse GEMV: input-major codes must be uint8 [{K}, {packed_width(N, bits)}], got "
                          f"{ct.dtype} {list(ct.shape)}")
     if act is not None and (act not in ACTS or N % 16):
@@ -339,12 +330,9 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     if residual is not None:
         residual = residual.reshape(M, N).contiguous()
     t = threshold_in(threshold, x2.dtype)
-    if tile:
-        return sparse_mma.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8),
-                                 ACTS[act] if act else 0, f, kopts, splits)
-    if warp:
-        return sparse_cuda.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8),
-                                  ACTS[act] if act else 0, f, kopts, splits)
+    if cuda is not None:
+        return cuda.launch(x2, ct, codebook, N, out, residual, t, dense.view(torch.uint8), ACTS[act] if act else 0,
+                           f, kopts, splits)
     if backend is None:
         backend = "triton" if triton_ok(x2.device) else "torch"
     if backend == "torch":

@@ -5,7 +5,8 @@
         ct[tt, k, b] = code of row 128 tt + 2b (low nibble) | code of row 128 tt + 2b + 1 (high nibble), rows >= N
         code 0: sparse_gemv.input_major_codes cut into 64-byte tiles of 128 rows, so that the codes of one kept
         input for a block's 128 rows are one 64-byte piece and a block's pieces lie in one K x 64-byte run.
-    tile_to_input_major(ct, N) -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)] (the torch path, tests).
+    to_input_major(ct, N) -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)] (the torch path, tests).
+The layout module interface of kernels/sparse_cuda.py (is_layout, layout_shape, to_input_major, EXT, launch).
 
 Kernel contract (the .cu file's comment): blocks of 128 rows x a K range of ``splits(K, N)`` ranges (from the
 shape only) x row m; the same select, epilogues, determinism (a row's bits those of its one-row call), no host
@@ -18,11 +19,11 @@ import torch
 from . import cuda_ext, sparse_cuda
 from .pack import packed_width, unpack_codes
 
+LAYOUT, CODE_DTYPE = "tile-major", "uint8"
 ROWS = 128  # rows per tile (a block)
 MAX_KS = 2048  # inputs per K range (the kernel's shared list of 16-bit entries)
 MAX_K = 65536  # inputs of a projection (16-bit list entries)
 TARGET_BLOCKS = 396  # blocks a launch at M = 1: 3 per SM of the H200's 132 (72 KB of shared memory a block)
-MAX_SPLITS = 32
 
 _DECLS = """
 void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::Tensor res, torch::Tensor dense,
@@ -33,8 +34,8 @@ EXT = cuda_ext.Extension("trapetum_sparse_mma", ("sparse_mma.cu",), _DECLS, ["cb
 
 
 def ready(device: torch.device, kopts) -> bool:
-    """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma", built);
-    projections of more than MAX_K inputs keep the input-major path."""
+    """Whether the tensor-core sparse GEMV runs on ``device`` under ``kopts`` (sparse_kernel "mma", built); the
+    caller keeps projections of more than MAX_K inputs on the input-major path."""
     return kopts.sparse_kernel == "mma" and EXT.ready(device, kopts) is not None
 
 
@@ -50,32 +51,27 @@ def tile_codes(codes: torch.Tensor, in_features: int) -> torch.Tensor:
     return byte.permute(0, 2, 1).contiguous()
 
 
-def tile_to_input_major(ct: torch.Tensor, N: int) -> torch.Tensor:
+def to_input_major(ct: torch.Tensor, N: int) -> torch.Tensor:
     """Tile-major codes [T, K, 64] -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)]."""
     T, K, _ = ct.shape
     return ct.permute(1, 0, 2).reshape(K, T * 64)[:, :packed_width(N, 4)].contiguous()
 
 
-def is_tile_major(ct: torch.Tensor) -> bool:
+def is_layout(ct: torch.Tensor) -> bool:
     return ct.dtype == torch.uint8 and ct.dim() == 3 and ct.shape[2] == 64
 
 
+def layout_shape(N: int, K: int) -> tuple[int, int, int]:
+    return (-(-N // ROWS), K, 64)
+
+
 def splits(K: int, N: int) -> int:
-    """K ranges per row tile: from the shape only (never M or the data); at M = 1 the grid at most TARGET_BLOCKS
-    where the ranges allow it (one wave), ranges of at least ~128 inputs and at most MAX_KS."""
-    T = -(-N // ROWS)
-    s = max(1, min(TARGET_BLOCKS // T, MAX_SPLITS, -(-K // 128)))
-    return max(s, -(-K // MAX_KS))
+    """K ranges per row tile (sparse_cuda.split_count with this kernel's tile, target grid and range limit)."""
+    return sparse_cuda.split_count(K, N, ROWS, TARGET_BLOCKS, MAX_KS)
 
 
 def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
     """out = the sparse GEMV of x2 fp16 [M, K] (``sparse_project``'s arguments, checked there)."""
-    M, K = x2.shape
-    T = ct.shape[0]
-    S = splits(K, N) if splits_ is None else splits_
-    cnt = sparse_cuda.split_counters(x2.device, M * T)
-    part = torch.empty(S * M * T * ROWS if S > 1 else 1, dtype=torch.float32, device=x2.device)
-    res = residual if residual is not None else out
-    EXT.load().cb_sparse_mma(x2, ct, codebook, res, dense_u8, out, part, cnt, float(t), int(epi),
-                             int(residual is not None), int(f), int(S), int(kopts.pdl_cuda))
-    return out
+    S = splits(x2.shape[1], N) if splits_ is None else splits_
+    return sparse_cuda.launch_split(EXT.load().cb_sparse_mma, ROWS, x2, ct, codebook, out, residual, t, dense_u8,
+                                    epi, f, kopts, S)
