@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "act.cuh"
+#include "sparse_split.cuh"
 
 namespace trapetum_sparse {
 
@@ -141,42 +142,8 @@ sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, 
   float sum = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += red[w * kRows + tid];
-  if (S > 1) {
-    part[((size_t)s * M + m) * Np + g * kRows + tid] = sum;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(cnt + m * G + g, 1) == S - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    sum = 0.0f;
-    const float* pp = part + (size_t)m * Np + g * kRows + tid;
-    const size_t step = (size_t)M * Np;
-    for (int s0 = 0; s0 < S; s0 += 16) {  // 16 loads in flight, added in the order s = 0, 1, ..
-      float v[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) v[u] = s0 + u < S ? __ldcg(pp + (s0 + u) * step) : 0.0f;
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (s0 + u < S) sum += v[u];
-    }
-    if (tid == 0) cnt[m * G + g] = 0;
-  }
-  const int row = g * kRows + tid;
-  if (EPI == 0) {
-    if (row < N) {
-      if (has_res) sum += trapetum_pdl::ld_input_half(res + (size_t)m * N + row);
-      y[(size_t)m * N + row] = __float2half(sum);
-    }
-  } else {
-    __syncthreads();  // red read by every thread above (S = 1)
-    red[tid] = sum;
-    __syncthreads();
-    if ((tid & 15) < 8) {
-      const int o = g * (kRows / 2) + (tid >> 4) * 8 + (tid & 7);
-      if (o < F) y[(size_t)m * F + o] = __float2half(trapetum_act::apply(EPI, red[tid]) * red[tid + 8]);
-    }
-  }
+  trapetum_sparse_split::finish<EPI, kRows>(sum, red, last, true, tid, tid, part, cnt, M, Np, s, S, m, G, g, N, F,
+                                            res, has_res, y);
 }
 
 }  // namespace trapetum_sparse
@@ -186,6 +153,7 @@ sparse_gemv_kernel(const half* __restrict__ x, const uint32_t* __restrict__ cw, 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include "sparse_split_args.cuh"
 
 // x fp16 [M, K] contiguous; cw int32 [G, K, 32] (warp-major codes, file comment); cb fp16 [N, 16]; dense uint8 [M];
 // y fp16 [M, N] (epi 0) or [M, f] (epi 1, 2); res fp16 [M, N] (read when has_res); part fp32 [S, M, 256 G]
@@ -199,23 +167,10 @@ void cb_sparse_gemv(torch::Tensor x, torch::Tensor cw, torch::Tensor cb, torch::
   TORCH_CHECK(cw.is_cuda() && cw.dim() == 3 && cw.is_contiguous() && cw.scalar_type() == at::kInt && cw.size(1) == K &&
               cw.size(2) == 32, "codes: int32 [G, K, 32]");
   const int G = cw.size(0);
-  TORCH_CHECK(cb.is_cuda() && cb.is_contiguous() && cb.scalar_type() == at::kHalf && cb.dim() == 2 && cb.size(1) == 16, "codebook");
-  const int N = cb.size(0);
-  TORCH_CHECK(N >= 1 && G == (N + kRows - 1) / kRows, "codebook rows vs code groups");
-  TORCH_CHECK(M >= 1 && M <= 16 && K >= 1, "shape");
-  TORCH_CHECK(dense.is_cuda() && dense.numel() == M && dense.scalar_type() == at::kByte, "dense");
-  TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.scalar_type() == at::kHalf, "y");
-  TORCH_CHECK(res.is_cuda() && res.is_contiguous() && res.scalar_type() == at::kHalf, "residual");
-  TORCH_CHECK(epi >= 0 && epi <= 2, "epi");
-  TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f),
-              "y shape");
-  TORCH_CHECK(!has_res || (epi == 0 && res.numel() == (int64_t)M * N), "residual shape");
   const int S = (int)splits;
   const int KS = (K + S - 1) / S;
-  TORCH_CHECK(S >= 1 && KS <= kMaxKS, "splits");
-  TORCH_CHECK(S == 1 || (part.is_cuda() && part.is_contiguous() && part.scalar_type() == at::kFloat &&
-                         part.numel() >= (int64_t)S * M * G * kRows), "partials");
-  TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.numel() >= (int64_t)M * G, "counters");
+  const int N = trapetum_sparse_split::check_args(cb, res, dense, y, part, cnt, M, K, G, kRows, kMaxKS, epi, has_res,
+                                                 f, S);
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
   auto kern = epi == 0 ? sparse_gemv_kernel<0> : epi == 1 ? sparse_gemv_kernel<1> : sparse_gemv_kernel<2>;

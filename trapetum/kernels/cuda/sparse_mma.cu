@@ -43,6 +43,7 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "act.cuh"
+#include "sparse_split.cuh"
 #include "ptx.cuh"
 
 extern __shared__ __align__(16) uint32_t trapetum_spmma_smem[];
@@ -235,42 +236,8 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
   float sum = 0.0f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) sum += red[w * kRows + r];
-  if (S > 1) {
-    if (tid < kRows) part[((size_t)s * M + m) * Np + tt * kRows + r] = sum;
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(cnt + m * T + tt, 1) == S - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    sum = 0.0f;
-    const float* pp = part + (size_t)m * Np + tt * kRows + r;
-    const size_t step = (size_t)M * Np;
-    for (int s0 = 0; s0 < S; s0 += 16) {  // 16 loads in flight, added in the order s = 0, 1, ..
-      float v[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) v[u] = s0 + u < S ? __ldcg(pp + (s0 + u) * step) : 0.0f;
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (s0 + u < S) sum += v[u];
-    }
-    if (tid == 0) cnt[m * T + tt] = 0;
-  }
-  const int row = tt * kRows + r;
-  if (EPI == 0) {
-    if (tid < kRows && row < N) {
-      if (has_res) sum += trapetum_pdl::ld_input_half(res + (size_t)m * N + row);
-      y[(size_t)m * N + row] = __float2half(sum);
-    }
-  } else {
-    __syncthreads();  // red read by every thread above (S = 1)
-    if (tid < kRows) red[tid] = sum;
-    __syncthreads();
-    if (tid < kRows && (tid & 15) < 8) {
-      const int o = tt * (kRows / 2) + (tid >> 4) * 8 + (tid & 7);
-      if (o < F) y[(size_t)m * F + o] = __float2half(trapetum_act::apply(EPI, red[tid]) * red[tid + 8]);
-    }
-  }
+  trapetum_sparse_split::finish<EPI, kRows>(sum, red, last, tid < kRows, tid, r, part, cnt, M, Np, s, S, m, T, tt, N,
+                                            F, res, has_res, y);
 }
 
 }  // namespace trapetum_spmma
@@ -280,6 +247,7 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include "sparse_split_args.cuh"
 
 namespace {
 constexpr int kAttrDevices = 64;
@@ -307,24 +275,12 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
   TORCH_CHECK(ct.is_cuda() && ct.dim() == 3 && ct.is_contiguous() && ct.scalar_type() == at::kByte && ct.size(1) == K &&
               ct.size(2) == 64, "codes: uint8 [T, K, 64]");
   const int T = ct.size(0);
-  TORCH_CHECK(cb.is_cuda() && cb.is_contiguous() && cb.scalar_type() == at::kHalf && cb.dim() == 2 && cb.size(1) == 16, "codebook");
-  const int N = cb.size(0);
-  TORCH_CHECK(N >= 1 && T == (N + kRows - 1) / kRows, "codebook rows vs code tiles");
   TORCH_CHECK((int64_t)T * K * 64 < (int64_t)1 << 40 && (int64_t)K * 64 < ((int64_t)1 << 31), "K too large");
-  TORCH_CHECK(M >= 1 && M <= 16 && K >= 1 && K <= 65536, "shape (K <= 65536: 16-bit list entries)");
-  TORCH_CHECK(dense.is_cuda() && dense.numel() == M && dense.scalar_type() == at::kByte, "dense");
-  TORCH_CHECK(y.is_cuda() && y.is_contiguous() && y.scalar_type() == at::kHalf, "y");
-  TORCH_CHECK(res.is_cuda() && res.is_contiguous() && res.scalar_type() == at::kHalf, "residual");
-  TORCH_CHECK(epi >= 0 && epi <= 2, "epi");
-  TORCH_CHECK(epi == 0 ? y.numel() == (int64_t)M * N : (N % 16 == 0 && f > 0 && 2 * f <= N && y.numel() == (int64_t)M * f),
-              "y shape");
-  TORCH_CHECK(!has_res || (epi == 0 && res.numel() == (int64_t)M * N), "residual shape");
+  TORCH_CHECK(K <= 65536, "shape (K <= 65536: 16-bit list entries)");
   const int S = (int)splits;
   const int KS = (K + S - 1) / S;
-  TORCH_CHECK(S >= 1 && KS <= kMaxKS, "splits");
-  TORCH_CHECK(S == 1 || (part.is_cuda() && part.is_contiguous() && part.scalar_type() == at::kFloat &&
-                         part.numel() >= (int64_t)S * M * T * kRows), "partials");
-  TORCH_CHECK(cnt.is_cuda() && cnt.scalar_type() == at::kInt && cnt.numel() >= (int64_t)M * T, "counters");
+  const int N = trapetum_sparse_split::check_args(cb, res, dense, y, part, cnt, M, K, T, kRows, kMaxKS, epi, has_res,
+                                                 f, S);
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
   static bool done[3][kAttrDevices] = {};
