@@ -6,8 +6,9 @@
 # scripts/build_llamacpp_tools.sh's other flags, then `tar czf xfer/llb.tgz -C DIR bin`), and the source GGUF as
 # 56 MiB pieces xfer/{s,q,g}.NN (`split -b 56M -d -a 2 SRC xfer/s.`) over as many calls as it takes (the device
 # tree is 64 MiB a call; pieces wait in the warm machine's /tmp/m).
-#   MODEL=smol|qwen|gemma STAGES="a b" T=seconds bash scripts/sessions/gpu_quality_fair.sh
-#   a: reference, llama.cpp Q4_K_M and IQ2_XS with an importance matrix, ours cb4 and cb4e4 (GPTQ: CUDA default)
+#   MODEL=smol|qwen|gemma STAGES="a b" T=seconds [PLAIN=1] [AQLM=1] bash scripts/sessions/gpu_quality_fair.sh
+#   a: reference, llama.cpp Q4_K_M and IQ2_XS with an importance matrix; PLAIN=1 adds ours cb4 and cb4e4 (GPTQ: CUDA
+#      default; session 16 left them out on Qwen and Gemma for device time)
 #   b: ours at llama.cpp's file sizes (--target-size of the Q4_K_M-imat and IQ2_XS-imat files); AQLM=1 adds AQLM 2x8
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 t0=$(date +%s); since() { echo "$(( $(date +%s) - t0 )) s"; }
@@ -27,7 +28,8 @@ for st in ${STAGES:-a b}; do
   left=$(( ${T:-560} - ($(date +%s) - t0) )); (( left < 20 )) && { echo "stage $st: no time left"; break; }
   if [ $st = a ]; then
     timeout $left python3 scripts/bench_quality.py "${C[@]}" --llama Q4_K_M,IQ2_XS --imatrix on \
-      --ours "cb4=--bits 4 --calib {calib}" --ours "cb4e4=--bits 4 --embed-bits 4 --calib {calib}" > /tmp/bq/$MODEL.a.log 2>&1
+      ${PLAIN:+--ours "cb4=--bits 4 --calib {calib}" --ours "cb4e4=--bits 4 --embed-bits 4 --calib {calib}"} \
+      > /tmp/bq/$MODEL.a.log 2>&1
     echo "stage a rc=$? ($(since))"
   else
     read q4 iq2 < <(python3 -c "
