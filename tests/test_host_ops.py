@@ -54,6 +54,31 @@ def test_fused_gemv_is_the_single_gemvs_side_by_side(chunk):
             assert torch.equal(f(x[m:m + 1], threads=1), want[m:m + 1])
 
 
+def test_gemv_pass_is_its_calls_one_by_one():
+    """GemvPass (one C call over a list, bench_cpu's step pass) gives each call's bits, activation and bias included."""
+    g = torch.Generator().manual_seed(5)
+    calls, want = [], []
+    for i, (bits, M, Ns, K, with_bias) in enumerate(_cases(12, 11)):
+        ws = [_weight(bits, N, K, g) for N in Ns[:2]]
+        act = "silu" if i % 3 == 0 else None
+        if act:
+            ws = [ws[0], _weight(bits, Ns[0], K, g)]
+        bias = [torch.randn(c.shape[0], generator=g) if with_bias else None for c, _ in ws]
+        f = ho.FusedGemv([(c, cb, b) for (c, cb), b in zip(ws, bias)], bits, K, act=act)
+        x = torch.randn(M, K, generator=g)
+        calls.append((f, x, torch.full((M, f.out_features), float("nan"))))
+        want.append(f(x, threads=1))
+    for t in (1, 3):
+        ho.GemvPass(calls, t).run()
+        for (f, _, y), w in zip(calls, want):
+            assert torch.equal(y, w), (f.bits, f.out_features, t)
+    f, x, y = calls[0]
+    with pytest.raises(ValueError, match="out must be fp32"):
+        ho.GemvPass([(f, x, torch.empty(x.shape[0], f.out_features + 1))], 1)
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        ho.GemvPass(calls, 0)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_fused_gate_up_activation_against_float64(act):
     for i, (bits, M, Ns, K, with_bias) in enumerate(_cases(30, 7)):

@@ -8,16 +8,19 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
     token excluded), for each of ``--paths``: torch (``Options(host_kernels=False)``: dense copies of the
     codebook weights, fp32 matmul), host (``Options(cpu_step=False)``: the reference decoder's ops with
     kernels/host_gemv.py on the stored codes) and step (the default: the CPU executor, models/cpu_ops.py);
-  * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order, over the bytes a decode
+  * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (run back to back by one C
+    call, ``host_ops.GemvPass``; before session 16 each from Python), over the bytes a decode
     step's GEMVs actually read (``HostGemv.nbytes``: the codes and the tables as the GEMV reads them: per-row
     fp16 tables, or for the shared storage the groups' tables and the fp16 row scales, each row's table formed
     in registers), against the memory read bandwidth measured the same way: a numpy sum over a ``--bw-mb``
     float32 array split over the same number of threads (best of 5 each);
   * step GEMV GB/s (with the step path): the GEMVs the CPU executor runs in a decode step, as it calls them
-    (``FusedGemv.run``, what ``tp_dense_layer`` calls from C: per layer the fused q/k/v, o, the fused gate/up
+    (the ``FusedGemv`` calls ``tp_dense_layer`` makes from C: per layer the fused q/k/v, o, the fused gate/up
     with its activation, down; then the head), M = 1, in model order, over the same bytes (the parts'
-    ``HostGemv.nbytes``; best of 5). Fewer, larger calls than the per-projection pass above, with no Python
-    argument checks: the time the step's GEMV pass takes (its norms excluded, its activation included);
+    ``HostGemv.nbytes``; best of 5). Fewer, larger calls than the per-projection pass above, run back to back
+    by one C call (``host_ops.GemvPass``: no Python between them, as in the step): the time the step's GEMV
+    pass takes (its norms and residual adds excluded, its activation included). Before session 16 the pass
+    called each GEMV from Python (~5 us a call on the development VM: 6-12% of SmolLM2's pass);
   * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
 Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``). Prints a
 markdown table (medians over the rounds, with the range; "step / llama.cpp" is the ratio of the medians);
@@ -63,15 +66,17 @@ def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, flo
     """(GB/s, ms) of one pass over ``gemvs`` with M = 1 (best of ``reps``)."""
     import torch
 
-    xs = [torch.randn(1, g.in_features) for g in gemvs]
+    from ..kernels.host_ops import FusedGemv, GemvPass
+
+    # each projection as a one-part fused GEMV (the same kernel and bits), all run by one C call
+    one = [FusedGemv([(g.codes, g.tables, None)], g.bits, g.in_features) for g in gemvs]
+    run = GemvPass([(f, torch.randn(1, f.in_features), torch.empty(1, f.out_features)) for f in one], threads).run
     nbytes = sum(g.nbytes for g in gemvs)
-    for g, x in zip(gemvs, xs):
-        g(x, threads)
+    run()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        for g, x in zip(gemvs, xs):
-            g(x, threads)
+        run()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9, best * 1e3
 
@@ -102,14 +107,15 @@ def step_gemv_bandwidth(calls: list, threads: int, reps: int = 5) -> float:
     """GB/s of one pass over ``calls`` (step_gemvs) with M = 1 (best of ``reps``)."""
     import torch
 
-    args = [(f, torch.randn(1, f.in_features), torch.empty(1, f.out_features)) for f, _ in calls]
-    for f, x, y in args:
-        f.run(x, y, None, threads)
+    from ..kernels.host_ops import GemvPass
+
+    run = GemvPass([(f, torch.randn(1, f.in_features), torch.empty(1, f.out_features)) for f, _ in calls],
+                   threads).run
+    run()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        for f, x, y in args:
-            f.run(x, y, None, threads)
+        run()
         best = min(best, time.perf_counter() - t0)
     return sum(b for _, b in calls) / best / 1e9
 

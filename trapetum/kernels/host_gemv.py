@@ -114,6 +114,8 @@ def _build() -> ctypes.CDLL:
     F = ctypes.c_float
     lib.tp_gemv_multi_norm.restype = I
     lib.tp_gemv_multi_norm.argtypes = [P, L, L, L, P, F, F, I, P, I, P, L, P, P, L, I, I, I]
+    lib.tp_gemv_multi_list.restype = I
+    lib.tp_gemv_multi_list.argtypes = [P, L]
     lib.tp_dense_layer.restype = I
     lib.tp_dense_layer.argtypes = [P, P, L, L, P, L, L, I, P, P, P, P, L, L, L, I]
     lib.tp_rmsnorm.restype = I

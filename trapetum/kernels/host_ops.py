@@ -10,6 +10,7 @@ kernels/host_gemv.py, built the same way): the CPU executor's (models/cpu_ops.py
     rope_kv(...)          RoPE of q and k rows, k and v appended to an fp32 cache [Hkv, S, hd] (strided)
     attend(...)           rope_kv, then each row's causal attention over the cache (sliding window, softcap)
     attend_fused(qkv, ..) attend of q, k, v read out of the fused q/k/v rows by offsets (no views)
+    GemvPass(calls, t)    several FusedGemv calls back to back in one C call (no Python between them)
     DenseLayer(...)       a whole dense layer in one call: norm + q/k/v, attend_fused, o + residual, norm +
                           gate/up, down + residual (these calls one by one: the same bits)
 
@@ -118,6 +119,40 @@ class FusedGemv:
         if rc != 0:
             raise RuntimeError(f"host fused GEMV failed (code {rc})")
         return out
+
+
+class _MultiCall(ctypes.Structure):  # host/codebook_host.c's tp_multi_call_t
+    _fields_ = [("x", ctypes.c_void_p)] + [(n, ctypes.c_long) for n in ("ldx", "M", "K", "nseg")] + [
+        ("segs", ctypes.c_void_p), ("bits", ctypes.c_long), ("y", ctypes.c_void_p), ("ldy", ctypes.c_long),
+        ("bias", ctypes.c_void_p), ("res", ctypes.c_void_p)] + [
+        (n, ctypes.c_long) for n in ("ldr", "act", "threads", "path")]
+
+
+class GemvPass:
+    """Several FusedGemv calls run back to back by one C call (``tp_gemv_multi_list``), as the CPU step's C code
+    calls them: ``calls`` (FusedGemv, x fp32 [M, K], out fp32 [M, out_features]) with no residual or norm, checked
+    here once; ``run()`` then has no Python between the GEMVs (bench_cpu's step GEMV pass). The tensors are
+    referenced, not copied: keep them alive and in place."""
+
+    def __init__(self, calls, threads: int):
+        if int(threads) < 1:
+            raise ValueError(f"host ops: threads must be at least 1, got {threads}")
+        self._lib, self._keep = _lib(), list(calls)
+        rows = []
+        for f, x, out in self._keep:
+            _check_rows("x", x, f.in_features)
+            _check_rows("out", out, f.out_features)
+            if out.shape[0] != x.shape[0]:
+                raise ValueError(f"host ops: out must have {x.shape[0]} rows, got {out.shape[0]}")
+            rows.append(_MultiCall(x.data_ptr(), x.stride(0), x.shape[0], f.in_features, len(f.parts),
+                                   ctypes.addressof(f._segs), f.bits, out.data_ptr(), out.stride(0), f._bias_ptr,
+                                   None, 0, f.act, int(threads), -1))
+        self._calls = (_MultiCall * len(rows))(*rows)
+
+    def run(self) -> None:
+        rc = self._lib.tp_gemv_multi_list(self._calls, len(self._keep))
+        if rc != 0:
+            raise RuntimeError(f"host fused GEMV pass failed (code {rc})")
 
 
 def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, offset: float = 0.0,

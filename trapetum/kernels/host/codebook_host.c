@@ -350,3 +350,20 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
   if (act) free(out);
   return 0;
 }
+
+/* n tp_gemv_multi calls one after another, each one's arguments as tp_gemv_multi's (every int as a long here):
+   bench_cpu's step GEMV pass, the GEMVs as the CPU step calls them from C, with no Python between them. Stops at
+   the first call that fails and returns its code. */
+typedef struct {
+  const float *x; long ldx, M, K, nseg; const long *segs; long bits; float *y; long ldy;
+  const float *bias, *res; long ldr, act, threads, path;
+} tp_multi_call_t;
+
+int tp_gemv_multi_list(const tp_multi_call_t *c, long n) {
+  for (long i = 0; i < n; i++, c++) {
+    int rc = tp_gemv_multi(c->x, c->ldx, c->M, c->K, (int)c->nseg, c->segs, (int)c->bits, c->y, c->ldy, c->bias,
+                           c->res, c->ldr, (int)c->act, (int)c->threads, (int)c->path);
+    if (rc) return rc;
+  }
+  return 0;
+}
