@@ -4,7 +4,9 @@
    A production form; N no vpermps (the shifted codes used as floats); P vpermps only (xor-accumulated, no FMA);
    F FMAs only (on one loaded vector); G two rows at once (each row's sums as A's); H vpshufb byte-plane lookup of
    the 16-entry table (not the same sums: a speed probe only); I A with the row loop unrolled by 2 rows (G without
-   sharing the x loads). Prints GB/s of codes, best of REPS. */
+   sharing the x loads); session 16: M six of A's seven shifts as vpmulhuw (A's indices exactly), L as M with the high
+   word by a load at byte offset 2, R A with x held in registers (wrong sums: the x loads' cost). Prints GB/s of
+   codes, best of REPS. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -109,9 +111,50 @@ __attribute__((target(T))) static float rowH(const uint8_t *c, const float *x, l
   return RED(a0, a1, a2, a3);
 }
 
+
+/* M: A's index vectors with 6 of the 7 shifts done as vpmulhuw by 2^(16-4s) (word-wise: the dword's bits 3:0 are
+   then the low word's bits 4s+3..4s) and one 16-bit dword shift for the high word: A's indices exactly */
+#define MH(V, S) _mm512_mulhi_epu16(V, _mm512_set1_epi16((short)(1 << (16 - 4 * (S)))))
+#define LM(I, S, A) A = _mm512_fmadd_ps(_mm512_permutexvar_ps(I, tab), XL(S), A)
+__attribute__((target(T))) static float rowM(const uint8_t *c, const float *x, long nb, __m512 tab) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 64; _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(p), h = _mm512_srli_epi32(v, 16);
+    LM(v, 0, a0); LM(MH(v, 1), 1, a1); LM(MH(v, 2), 2, a2); LM(MH(v, 3), 3, a3);
+    LM(h, 4, a0); LM(MH(h, 1), 5, a1); LM(MH(h, 2), 6, a2); LM(MH(h, 3), 7, a3);
+  }
+  return RED(a0, a1, a2, a3);
+}
+/* L: as M but the high word by a load at byte offset 2 (no shift at all; line-crossing load) */
+__attribute__((target(T))) static float rowL(const uint8_t *c, const float *x, long nb, __m512 tab) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 64; _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(p), h = _mm512_loadu_si512(p + 2);
+    LM(v, 0, a0); LM(MH(v, 1), 1, a1); LM(MH(v, 2), 2, a2); LM(MH(v, 3), 3, a3);
+    LM(h, 4, a0); LM(MH(h, 1), 5, a1); LM(MH(h, 2), 6, a2); LM(MH(h, 3), 7, a3);
+  }
+  return RED(a0, a1, a2, a3);
+}
+
+/* R: A with x held in 8 registers (the first block's x for every block: wrong sums, a probe of the x loads' cost) */
+__attribute__((target(T))) static float rowR(const uint8_t *c, const float *x, long nb, __m512 tab) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16), x2 = _mm512_loadu_ps(x + 32), x3 = _mm512_loadu_ps(x + 48),
+               x4 = _mm512_loadu_ps(x + 64), x5 = _mm512_loadu_ps(x + 80), x6 = _mm512_loadu_ps(x + 96), x7 = _mm512_loadu_ps(x + 112);
+  for (long b = 0; b < nb; b++) {
+    const uint8_t *p = c + b * 64; _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(p);
+#define LR(S, X, A) A = _mm512_fmadd_ps(_mm512_permutexvar_ps(SH(S), tab), X, A)
+    LR(0, x0, a0); LR(1, x1, a1); LR(2, x2, a2); LR(3, x3, a3); LR(4, x4, a0); LR(5, x5, a1); LR(6, x6, a2); LR(7, x7, a3);
+  }
+  return RED(a0, a1, a2, a3);
+}
+
 int main(int argc, char **argv) {
   long K = atol(argv[1]), N = atol(argv[2]), nmat = atol(argv[3]), reps = atol(argv[4]); int warm = atoi(argv[5]);
-  const char *only = argc > 6 ? argv[6] : "ACNPFGHI";
+  const char *only = argc > 6 ? argv[6] : "ACNPFGHIMLR";
   _mm_setcsr(_mm_getcsr() | 0x8040); /* FTZ / DAZ: the probes N and F read raw bytes as floats */
   { /* clock probe: a chain of 1-cycle integer adds */
     double t0 = now(); unsigned long z = 1;
@@ -136,7 +179,7 @@ int main(int argc, char **argv) {
         for (long n = 0; n < N; n++) {
           const uint8_t *cn = cm + n * rb;
           y[n] = *v == 'A' ? rowA(cn, x, nb, tab) : *v == 'N' ? rowN(cn, x, nb, tab) : *v == 'P' ? rowP(cn, x, nb, tab)
-               : *v == 'F' ? rowF(cn, x, nb, tab) : *v == 'C' ? rowC(cn, x, nb, tab) : rowH(cn, x, nb, pl);
+               : *v == 'F' ? rowF(cn, x, nb, tab) : *v == 'C' ? rowC(cn, x, nb, tab) : *v == 'M' ? rowM(cn, x, nb, tab) : *v == 'R' ? rowR(cn, x, nb, tab) : *v == 'L' ? rowL(cn, x, nb, tab) : rowH(cn, x, nb, pl);
         }
       }
       double dt = now() - t0; if (dt < best) best = dt;
