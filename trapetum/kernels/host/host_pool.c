@@ -18,7 +18,9 @@
    word (generation << 32 | next chunk): a thread that the OS does not schedule claims nothing and is not waited
    for (the caller takes what is left), so a busy machine does not stall every call. Which thread computes a
    chunk does not change a bit of it: every output element is one thread's fixed sequence. Workers spin briefly
-   after a call, then sleep. */
+   after a call, then sleep. Two chunks a thread (at least 16 rows each): on the development VM's Zen 4 at two
+   threads SmolLM2's layer GEMVs ran 1.13x (Qwen's 1.04x) faster than with the eight a thread before session 16,
+   fewer claims on the shared word and longer row runs a thread; the head the same (BENCHMARKS.md "Session 16"). */
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* one call at a time */
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake_cv = PTHREAD_COND_INITIALIZER;
@@ -31,7 +33,7 @@ static void (*cur_fn)(const void *, long, long);
 static const void *cur_arg;
 static long cur_n;
 static int cur_nt;
-static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 8 * threads: fits 16 bits) */
+static long cur_chunk, cur_nchunks;   /* rows per chunk, chunks (at most 2 * threads: fits 16 bits) */
 #define MAX_THREADS 256
 static long start_gen[MAX_THREADS];   /* the generation a worker was started at (it runs the next one) */
 
@@ -104,7 +106,7 @@ void tp_pool_run(void (*fn)(const void *, long, long), const void *arg, long N, 
     n_workers++;
   }
   unsigned long long g = (unsigned long long)atomic_load(&gen) + 1;
-  long chunk = (N + 8L * nt - 1) / (8L * nt);
+  long chunk = (N + 2L * nt - 1) / (2L * nt);
   if (chunk < 16) chunk = 16;
   cur_fn = fn; cur_arg = arg; cur_n = N; cur_nt = nt; cur_chunk = chunk; cur_nchunks = (N + chunk - 1) / chunk;
   atomic_store_explicit(&done_chunks, 0, memory_order_relaxed);
