@@ -41,8 +41,9 @@ def test_warp_major_layout_round_trip():
         assert torch.equal(sc.to_input_major(cw, N), sg.input_major_codes(codes, 4, K))
 
 
-def test_warp_major_codes_fall_back_off_the_gpu():
-    """Without the kernel (the torch backend here) warp-major codes give the input-major path's bits."""
+def falls_back_off_the_gpu(to_layout, name: str) -> None:
+    """Without the kernel (the torch backend here) codes in a CUDA layout (``to_layout(codes, K)``) give the
+    input-major path's bits, and a layout of the wrong shape is refused naming it."""
     g = torch.Generator().manual_seed(1)
     N, K, M = 300, 77, 3
     codes = pack_codes(torch.randint(0, 16, (N, K), generator=g), 4)
@@ -50,13 +51,18 @@ def test_warp_major_codes_fall_back_off_the_gpu():
     x = torch.randn(M, K, generator=g).half()
     dense = torch.tensor([True, False, False])
     outs = []
-    for ct in (sg.input_major_codes(codes, 4, K), sc.warp_major_codes(codes, K)):
+    for ct in (sg.input_major_codes(codes, 4, K), to_layout(codes, K)):
         out = torch.empty(M, N, dtype=torch.float16)
         outs.append(sg.sparse_project(x, ct, cb, 4, N, threshold=0.5, dense_rows=dense, out=out, backend="torch"))
     assert torch.equal(outs[0], outs[1])
-    with pytest.raises(ValueError, match="warp-major"):
-        sg.sparse_project(x, sc.warp_major_codes(codes, K)[:, :-1], cb, 4, N, threshold=0.5, dense_rows=dense,
+    with pytest.raises(ValueError, match=name):
+        sg.sparse_project(x, to_layout(codes, K)[:, :-1], cb, 4, N, threshold=0.5, dense_rows=dense,
                           out=torch.empty(M, N, dtype=torch.float16), backend="torch")
+
+
+def test_warp_major_codes_fall_back_off_the_gpu():
+    """Without the kernel (the torch backend here) warp-major codes give the input-major path's bits."""
+    falls_back_off_the_gpu(sc.warp_major_codes, "warp-major")
 
 
 def test_splits_follow_the_shape():

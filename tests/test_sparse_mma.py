@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_sparse_cuda import (case, check, dispatch_reaches_the_launcher_for, engine_wiring_for, graph_replay_for,
-                              skips_the_codes_of_dropped_inputs_for)
+from test_sparse_cuda import (case, check, dispatch_reaches_the_launcher_for, engine_wiring_for, falls_back_off_the_gpu,
+                              graph_replay_for, skips_the_codes_of_dropped_inputs_for)
 from trapetum.kernels import sparse_cuda as sc
 from trapetum.kernels import sparse_gemv as sg
 from trapetum.kernels import sparse_mma as sm
@@ -50,20 +50,7 @@ def test_tile_major_layout_against_numpy():
 
 def test_tile_major_codes_fall_back_off_the_gpu():
     """Without the kernel (the torch backend here) tile-major codes give the input-major path's bits."""
-    g = torch.Generator().manual_seed(1)
-    N, K, M = 300, 77, 3
-    codes = pack_codes(torch.randint(0, 16, (N, K), generator=g), 4)
-    cb = torch.randn(N, 16, generator=g).half()
-    x = torch.randn(M, K, generator=g).half()
-    dense = torch.tensor([True, False, False])
-    outs = []
-    for ct in (sg.input_major_codes(codes, 4, K), sm.tile_codes(codes, K)):
-        out = torch.empty(M, N, dtype=torch.float16)
-        outs.append(sg.sparse_project(x, ct, cb, 4, N, threshold=0.5, dense_rows=dense, out=out, backend="torch"))
-    assert torch.equal(outs[0], outs[1])
-    with pytest.raises(ValueError, match="tile-major"):
-        sg.sparse_project(x, sm.tile_codes(codes, K)[:, :-1], cb, 4, N, threshold=0.5, dense_rows=dense,
-                          out=torch.empty(M, N, dtype=torch.float16), backend="torch")
+    falls_back_off_the_gpu(sm.tile_codes, "tile-major")
 
 
 def test_splits_follow_the_shape():
