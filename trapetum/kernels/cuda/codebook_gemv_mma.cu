@@ -426,6 +426,7 @@ TRAPETUM_INST(4, 1, false, false) TRAPETUM_INST(8, 1, true, false) TRAPETUM_INST
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include "smem_once.cuh"
 
 namespace trapetum_mma {
 // Shared-memory carveout (percent of the maximum): all of it for the decode path (3 blocks of 65 KB fit); the
@@ -439,18 +440,8 @@ struct Args {
   int M, N, K, KB, has_res, F, ypt;
 };
 
-constexpr int kAttrDevices = 64;
-// kern's dynamic shared memory size and carveout, set once per device (function attributes are per device; done:
-// the caller's flags, one array per kernel instantiation)
-template <typename Kern>
-static void set_smem_once(Kern kern, bool (&done)[kAttrDevices], int smem_bytes, int carveout) {
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < kAttrDevices && done[dev]) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, carveout));
-  if (dev < kAttrDevices) done[dev] = true;
-}
+using trapetum_launch::kAttrDevices;  // smem_once.cuh (expert_gemv_mma.cu uses them through this file too)
+using trapetum_launch::set_smem_once;
 
 template <int BITS, int NT, int EPI, bool TILED, bool XF, bool GROUPED = false>
 static void launch(const Args& a, cudaStream_t stream, bool pdl) {

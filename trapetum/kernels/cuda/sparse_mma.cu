@@ -247,20 +247,8 @@ sparse_mma_kernel(const half* __restrict__ x, const uint8_t* __restrict__ ct, co
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include "smem_once.cuh"
 #include "sparse_split_args.cuh"
-
-namespace {
-constexpr int kAttrDevices = 64;
-template <typename Kern>
-void spmma_smem_once(Kern kern, bool (&done)[kAttrDevices]) {
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < kAttrDevices && done[dev]) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, trapetum_spmma::kSmemBytes));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-  if (dev < kAttrDevices) done[dev] = true;
-}
-}  // namespace
 
 // x fp16 [M, K] contiguous; ct uint8 [T, K, 64] (tile-major codes, file comment); cb fp16 [N, 16]; dense uint8
 // [M]; y fp16 [M, N] (epi 0) or [M, f] (epi 1, 2); res fp16 [M, N] (read when has_res); part fp32 [S, M, 128 T]
@@ -283,28 +271,15 @@ void cb_sparse_mma(torch::Tensor x, torch::Tensor ct, torch::Tensor cb, torch::T
                                                  f, S);
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t st = c10::cuda::getCurrentCUDAStream().stream();
-  static bool done[3][kAttrDevices] = {};
+  static bool done[3][trapetum_launch::kAttrDevices] = {};
   using Kern = void (*)(const half*, const uint8_t*, const half*, const half*, const uint8_t*, half*, float*, int*,
                         float, int, int, int, int, int, int, int);
   const Kern kerns[3] = {sparse_mma_kernel<0>, sparse_mma_kernel<1>, sparse_mma_kernel<2>};
   const int ki = (int)epi;
-  spmma_smem_once(kerns[ki], done[ki]);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(T * S), (unsigned)M);
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  int na = 0;
-  if (trapetum_pdl::enabled(pdl != 0)) {
-    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[na].val.programmaticStreamSerializationAllowed = 1;
-    ++na;
-  }
-  cfg.attrs = attr;
-  cfg.numAttrs = na;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &cfg, kerns[ki], reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)ct.data_ptr<uint8_t>(),
+  trapetum_launch::set_smem_once(kerns[ki], done[ki], kSmemBytes, 100);
+  C10_CUDA_CHECK(trapetum_pdl::launch(
+      kerns[ki], dim3((unsigned)(T * S), (unsigned)M), dim3(kThreads), kSmemBytes, st, pdl != 0,
+      reinterpret_cast<const half*>(x.data_ptr<at::Half>()), (const uint8_t*)ct.data_ptr<uint8_t>(),
       reinterpret_cast<const half*>(cb.data_ptr<at::Half>()), reinterpret_cast<const half*>(res.data_ptr<at::Half>()),
       (const uint8_t*)dense.data_ptr<uint8_t>(), reinterpret_cast<half*>(y.data_ptr<at::Half>()), part.data_ptr<float>(),
       cnt.data_ptr<int32_t>(), (float)t, M, N, K, KS, S, (int)has_res, (int)f));
