@@ -6,7 +6,8 @@
 # scripts/build_llamacpp_tools.sh's other flags, then `tar czf xfer/llb.tgz -C DIR bin`), and the source GGUF as
 # 56 MiB pieces xfer/{s,q,g}.NN (`split -b 56M -d -a 2 SRC xfer/s.`) over as many calls as it takes (the device
 # tree is 64 MiB a call; pieces wait in the warm machine's /tmp/m).
-#   MODEL=smol|qwen|gemma STAGES="a b" T=seconds [PLAIN=1] [AQLM=1] bash scripts/sessions/gpu_quality_fair.sh
+#   MODEL=smol|qwen|gemma STAGES="a b" T=seconds [SOURCE=fair|raw] [PLAIN=1] [AQLM=1] bash scripts/sessions/gpu_quality_fair.sh
+#   SOURCE (default fair): raw scores the GGUF as shipped (issue 23 item 2) into the same results file
 #   a: reference, llama.cpp Q4_K_M and IQ2_XS with an importance matrix; PLAIN=1 adds ours cb4 and cb4e4 (GPTQ: CUDA
 #      default; session 16 left them out on Qwen and Gemma for device time)
 #   b: ours at llama.cpp's file sizes (--target-size of the Q4_K_M-imat and IQ2_XS-imat files); AQLM=1 adds AQLM 2x8
@@ -22,7 +23,7 @@ declare -A SUM=([smol]=b179c952 [qwen]=1d961463 [gemma]=a5fd3b62)
 p=${P[$MODEL]}; n=${NAME[$MODEL]}; src=/tmp/m/$p.gguf
 if [ ! -s $src ]; then cat /tmp/m/$p.[0-9][0-9] > $src; fi
 sha256sum $src | grep -q "^${SUM[$MODEL]}" || { echo "$src: checksum mismatch: $(sha256sum $src)"; rm -f $src; exit 1; }
-C=(--model "$n=$src" --sources fair --text xfer/wiki.test.raw --calib xfer/valid.txt --windows 30 --all-windows
+C=(--model "$n=$src" --sources ${SOURCE:-fair} --text xfer/wiki.test.raw --calib xfer/valid.txt --windows 30 --all-windows
    --device cuda --threads 16 --cross-check "" --llama-bin /tmp/llb/bin --out /tmp/bq/$MODEL --reuse)
 for st in ${STAGES:-a b}; do
   left=$(( ${T:-560} - ($(date +%s) - t0) )); (( left < 20 )) && { echo "stage $st: no time left"; break; }
@@ -34,7 +35,7 @@ for st in ${STAGES:-a b}; do
   else
     read q4 iq2 < <(python3 -c "
 import json; r = json.load(open('/tmp/bq/$MODEL/results.json'))
-g = lambda k: r['$n/fair/' + k]['file_bytes'] / 1e6
+g = lambda k: r['$n/${SOURCE:-fair}/' + k]['file_bytes'] / 1e6
 print(f'{g(\"Q4_K_M-imat\") - 0.05:.2f} {g(\"IQ2_XS-imat\") - 0.05:.2f}')")
     echo "target sizes: $q4 MB (Q4_K_M-imat), $iq2 MB (IQ2_XS-imat)"
     timeout $left python3 scripts/bench_quality.py "${C[@]}" --llama "" \
