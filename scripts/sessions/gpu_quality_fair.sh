@@ -22,14 +22,17 @@ declare -A P=([smol]=s [qwen]=q [gemma]=g)
 declare -A SUM=([smol]=b179c952 [qwen]=1d961463 [gemma]=a5fd3b62)
 p=${P[$MODEL]}; n=${NAME[$MODEL]}; src=/tmp/m/$p.gguf
 if [ ! -s $src ]; then cat /tmp/m/$p.[0-9][0-9] > $src; fi
+# a fresh machine resumes from an earlier call's results (carry xfer/bq.$MODEL.json, e.g. OUT/$MODEL.results.json)
+[ -s /tmp/bq/$MODEL/results.json ] || { [ -s xfer/bq.$MODEL.json ] && mkdir -p /tmp/bq/$MODEL && cp xfer/bq.$MODEL.json /tmp/bq/$MODEL/results.json; }
 sha256sum $src | grep -q "^${SUM[$MODEL]}" || { echo "$src: checksum mismatch: $(sha256sum $src)"; rm -f $src; exit 1; }
 C=(--model "$n=$src" --sources ${SOURCE:-fair} --text xfer/wiki.test.raw --calib xfer/valid.txt --windows 30 --all-windows
    --device cuda --threads 16 --cross-check "" --llama-bin /tmp/llb/bin --out /tmp/bq/$MODEL --reuse)
 for st in ${STAGES:-a b}; do
   left=$(( ${T:-560} - ($(date +%s) - t0) )); (( left < 20 )) && { echo "stage $st: no time left"; break; }
   if [ $st = a ]; then
-    timeout $left python3 scripts/bench_quality.py "${C[@]}" --llama Q4_K_M,IQ2_XS --imatrix on \
-      ${PLAIN:+--ours "cb4=--bits 4 --calib {calib}" --ours "cb4e4=--bits 4 --embed-bits 4 --calib {calib}"} \
+    ours=(--ours "")  # without it bench_quality.py would run its default rows (cb4, cb4e4, aqlm2x8)
+    [ -n "${PLAIN:-}" ] && ours=(--ours "cb4=--bits 4 --calib {calib}" --ours "cb4e4=--bits 4 --embed-bits 4 --calib {calib}")
+    timeout $left python3 scripts/bench_quality.py "${C[@]}" --llama Q4_K_M,IQ2_XS --imatrix on "${ours[@]}" \
       > /tmp/bq/$MODEL.a.log 2>&1
     echo "stage a rc=$? ($(since))"
   else
