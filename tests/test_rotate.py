@@ -84,9 +84,33 @@ def test_same_logits_in_memory(tiny, fam):
               "model.embed_tokens.weight"):
         assert rel(rk.tensors[n], ck.tensors[n]) > 0.1, n
     for n in rk.tensors:
-        if n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight" if not gemma else "-",
-                       "pre_feedforward_layernorm.weight")):
+        if not gemma and n.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
             assert torch.all(rk.tensors[n] + ck.config.norm_offset == 1.0), n  # folded: neutral
+
+
+@pytest.mark.parametrize("fam", ["gemma2", "gemma3"])
+def test_signed_permutation_folds_no_norm(tiny, fam):
+    """Sandwich norms (Gemma): the residual map is a signed permutation, and every norm stays, its weights
+    permuted, instead of being folded into its readers (folding gave the readers' columns the norms' 4-32x
+    spread, which broke every quantizer of Gemma's fair source). So each reader is its source with its columns
+    permuted and sign-flipped (the same multiset of magnitudes), and each norm holds its source weights."""
+    d, _ = tiny[fam]
+    ck = load_checkpoint(str(d))
+    rk = rotate_checkpoint(ck, RotateSpec(seed=3))
+    assert rk.meta["rotation"]["residual"] == "signed permutation"
+    srt = lambda t: torch.sort(t.abs().flatten()).values  # noqa: E731
+    for i in range(ck.config.num_layers):
+        p = f"model.layers.{i}."
+        for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight", "pre_feedforward_layernorm.weight",
+                  "post_attention_layernorm.weight", "post_feedforward_layernorm.weight"):
+            src, got = ck.tensors[p + n].to(torch.float32), rk.tensors[p + n]
+            if n.endswith("layernorm.weight"):
+                src, got = src + ck.config.norm_offset, got + ck.config.norm_offset
+            assert torch.equal(srt(got), srt(src)), (fam, p + n)
+        assert rel(rk.tensors[p + "self_attn.q_proj.weight"], ck.tensors[p + "self_attn.q_proj.weight"]) > 0.1
+    assert torch.equal(srt(rk.tensors["model.norm.weight"] + ck.config.norm_offset),
+                       srt(ck.tensors["model.norm.weight"].to(torch.float32) + ck.config.norm_offset))
 
 
 def test_hadamard_heads(tiny):

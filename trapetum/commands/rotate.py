@@ -14,8 +14,9 @@ def register(sub) -> None:
     p = sub.add_parser("rotate", help="fold norms and rotate a model (same logits, no source grid): a fair "
                                       "source for quantizer comparisons",
                        description="Fold every RMSNorm weight into the projections that read it and rotate the "
-                                   "residual stream (QuaRot-style; Gemma's sandwich norms allow a signed "
-                                   "permutation), the value heads and the MLP units, with seeded random maps. "
+                                   "residual stream (QuaRot-style; Gemma's sandwich norms allow only a signed "
+                                   "permutation, and there every norm stays, permuted, unfolded), the value heads "
+                                   "and the MLP units, with seeded random maps. "
                                    "The result computes the same logits within rounding; written as an fp16 "
                                    "GGUF (OUT.gguf, from a GGUF source) or an HF safetensors directory.")
     p.add_argument("src", help="HF directory or .gguf (dense families: llama, mistral, qwen2, gemma2, gemma3)")

@@ -4,14 +4,17 @@ A GGUF source whose weights sit on a per-block 4-bit grid favours any quantizer 
 (a block format like Q4_K does, a per-row codebook does not). This transform computes the same function with
 dense weights (QuaRot-style), so that every quantizer starts from the same grid-free file:
 
-* **Norm folding**: each pre-norm's scale ``s = norm_offset + w`` (Gemma's ``1 + w`` too) is folded into the
-  columns of the projections that read it (q/k/v, gate/up; the final norm into the LM head), and the norm's
-  weight becomes neutral (``s = 1``). RMSNorm without a weight commutes with any orthogonal map.
+* **Norm folding** (dense ``Q``): each pre-norm's scale ``s = norm_offset + w`` is folded into the columns of the
+  projections that read it (q/k/v, gate/up; the final norm into the LM head), and the norm's weight becomes
+  neutral (``s = 1``). RMSNorm without a weight commutes with any orthogonal map.
 * **Residual rotation** ``x' = Q^T x`` with a seeded orthogonal ``Q`` [D, D] (``W -> W Q`` for the readers of the
   residual, ``W -> Q^T W`` for its writers o/down, ``E -> E Q`` for the embedding). Families with sandwich norms
   (Gemma-2/3) scale the *writes* to the residual after a norm (``x + diag(s) n(Wo a)``), which no dense
-  rotation commutes with; there ``Q`` is a random **signed permutation** (``Q^T diag(s) Q`` stays diagonal: the
-  post-norm weights are permuted) and the final norm stays, so tied embeddings stay tied.
+  rotation commutes with; there ``Q`` is a random **signed permutation** (``Q^T diag(s) Q`` stays diagonal), and
+  every norm, pre-norms and final norm included, stays with its weights permuted: nothing is folded. Folding there
+  would hand the readers' columns the norm weights' spread (4-32x max/median on Gemma-3-270M,
+  scripts/dev/gguf_norm_spread.py), which a permutation does not blend and which broke every quantizer of the
+  folded fair source (QUALITY.md, session 17). Tied embeddings stay tied.
 * **Head rotation** (``heads=True``): per KV head a seeded orthogonal ``H`` [hd, hd] rotates the value space
   (``Wv -> H^T Wv`` on the head's rows, ``Wo -> Wo H`` on the columns of every query head of the group).
   Attention mixes values linearly over positions, so this is exact; q/k are left alone (RoPE, q/k norms).
@@ -20,10 +23,9 @@ dense weights (QuaRot-style), so that every quantizer starts from the same grid-
   online Hadamard, which no file format here can express).
 
 With a dense ``Q`` every stored matrix is mixed on one side (q/k/v/gate/up/head on the input side, o/down/
-embedding rows through ``Q``), so none keeps its source grid. With the signed permutation (Gemma) the folded norm
-scales and the permutations break the block alignment of q/k/v/gate/up/down/embedding and v/o are rotated, but
-down_proj's and the embedding's values stay source values, scattered over new blocks: say so next to Gemma's
-figures.
+embedding rows through ``Q``), so none keeps its source grid. With the signed permutation (Gemma) the permutations
+break the block alignment of q/k/v/gate/up/down/embedding and v/o are rotated, but the values of every matrix
+other than v/o stay source values (signs flipped), scattered over new blocks: say so next to Gemma's figures.
 
 Tied embeddings: with a dense ``Q`` the folded final norm unties the head (``lm_head = E diag(s) Q``, written as
 its own tensor). Arithmetic is float64 on each tensor; results are float32 (the exporters round to fp16).
@@ -168,9 +170,12 @@ def _getters(cfg: ModelConfig, m: _Maps, get: Callable[[str], torch.Tensor],
 
     def reader(w: str, norm: str, perm: torch.Tensor | None = None):
         def fn():
-            x = get(w) * scale(norm)[None, :] @ Q  # W diag(s) Q
+            x = (get(w) * scale(norm)[None, :] if m.dense else get(w)) @ Q  # W diag(s) Q (dense), W Q (signed perm)
             return x[perm] if perm is not None else x
         return fn
+
+    # the pre-norms: folded into the readers under a dense Q; kept (permuted) under a signed permutation
+    pre_norm = neutral if m.dense else permuted_norm
 
     kvh, hd, H = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
     group = H // kvh
@@ -179,12 +184,12 @@ def _getters(cfg: ModelConfig, m: _Maps, get: Callable[[str], torch.Tensor],
         a, mlp = p + "self_attn.", p + "mlp."
         hs = m.heads[i * kvh:(i + 1) * kvh] if m.heads is not None else None
         perm = m.perms[i] if m.perms is not None else None
-        out[p + "input_layernorm.weight"] = neutral(p + "input_layernorm")
+        out[p + "input_layernorm.weight"] = pre_norm(p + "input_layernorm")
         out[a + "q_proj.weight"] = reader(a + "q_proj.weight", p + "input_layernorm")
         out[a + "k_proj.weight"] = reader(a + "k_proj.weight", p + "input_layernorm")
 
         def v_w(a=a, p=p, hs=hs):
-            w = get(a + "v_proj.weight") * scale(p + "input_layernorm")[None, :] @ Q  # [kvh hd, D]
+            w = reader(a + "v_proj.weight", p + "input_layernorm")()  # [kvh hd, D]
             if hs is not None:
                 w = torch.cat([hs[g].T @ w[g * hd:(g + 1) * hd] for g in range(kvh)])
             return w
@@ -214,7 +219,7 @@ def _getters(cfg: ModelConfig, m: _Maps, get: Callable[[str], torch.Tensor],
             out[p + "post_feedforward_layernorm.weight"] = permuted_norm(p + "post_feedforward_layernorm")
         else:
             mlp_norm = p + "post_attention_layernorm"
-        out[mlp_norm + ".weight"] = neutral(mlp_norm)
+        out[mlp_norm + ".weight"] = pre_norm(mlp_norm)
         out[mlp + "gate_proj.weight"] = reader(mlp + "gate_proj.weight", mlp_norm, perm)
         out[mlp + "up_proj.weight"] = reader(mlp + "up_proj.weight", mlp_norm, perm)
         for b in ("gate", "up"):
