@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,27 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     d = (y - ref).norm().item()
     n = ref.norm().item()
     return d / n if n > 0 else d
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """Under the interpreter tl.dot is numpy's matmul, and a BLAS may give a row different bits in a tile of M rows
+    than in a tile of one (OpenBLAS's Haswell sgemm does, on AVX2-only machines; its SkylakeX kernel does not).
+    Tests that compare tiles of different heights bitwise take this fixture: each output row of a dot is then its
+    own matmul of one shape, so a row's bits depend on that row and the other operand only. No-op on a GPU."""
+    if ON_GPU:
+        return
+    from triton.runtime import interpreter
+    plain = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        rows = [plain(self, interpreter.TensorHandle(np.ascontiguousarray(a.data[..., i:i + 1, :]), a.dtype), b,
+                      interpreter.TensorHandle(np.ascontiguousarray(d.data[..., i:i + 1, :]), d.dtype),
+                      input_precision, max_num_imprecise_acc)
+                for i in range(a.data.shape[-2])]
+        return interpreter.TensorHandle(np.concatenate([r.data for r in rows], axis=-2), rows[0].dtype)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
 # Relative-norm tolerances per output dtype (fp16 rounding of the output alone is ~2.9e-4).
