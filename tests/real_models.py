@@ -11,6 +11,7 @@ the ``require_*`` helpers turn that into ``pytest.skip`` with the reason.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -152,7 +153,9 @@ def require(name: str) -> Path:
     import pytest
 
     try:
-        return MODELS[name]()
+        with open(cache_dir() / ".lock", "a") as lock:  # test workers in parallel assemble a file once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return MODELS[name]()
     except ModelUnavailable as e:
         pytest.skip(str(e))
 
