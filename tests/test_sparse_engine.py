@@ -11,6 +11,7 @@ import torch
 from trapetum.eval.random_model import random_checkpoint
 from trapetum.eval.verify_exact import check
 from trapetum.kernels import sparse_gemv as sg
+from trapetum.kernels import sparse_split
 from trapetum.kernels.codebook_gemv import _act_ref
 from trapetum.kernels.codebook_layout import interleave_gate_up
 from trapetum.kernels.pack import pack_codes
@@ -101,8 +102,8 @@ def test_sparse_project_interpreter_against_float64(kernel, splits):
     for seed in seeds:
         check_case(seed, "triton", kernel, splits)
     assert False not in sg._COMPACT_OK.values()  # the compacted kernel ran, not the masked fallback
-    if kernel == "compact" and sg.sparse_cuda._COUNTERS:
-        assert all(int(c.abs().sum()) == 0 for c in sg.sparse_cuda._COUNTERS.values())  # every counter left at zero
+    if kernel == "compact" and sparse_split._COUNTERS:
+        assert all(int(c.abs().sum()) == 0 for c in sparse_split._COUNTERS.values())  # every counter left at zero
 
 
 def test_compact_splits_follow_the_shape():
@@ -168,7 +169,7 @@ def table(n_layers=2):
     return SparsityTable(tuple(SiteThresholds(0.6, 0.004, 0.6, 0.0004) for _ in range(n_layers)))
 
 
-def engine(ckpt, sparse_rows=16, sparsity=True, kernel="cuda"):
+def engine(ckpt, sparse_rows=16, sparsity=True, kernel="mma"):
     opts = Options().replace(kernels={"sparse_rows": sparse_rows, "sparse_kernel": kernel})
     return GpuEngine(ckpt, 64, device=DEV, options=opts, sparsity=table() if sparsity else None)
 
@@ -257,7 +258,7 @@ def test_engine_interpreter_compact_kernel_keeps_the_verify_contract(ckpt):
     """The engine with the compacted kernel itself (Triton; on the CPU under the interpreter): VERIFY rows bitwise
     decode steps, from position 0 (the dense row inside a pass) and later."""
     eng = engine(ckpt, kernel="compact")
-    assert not any(sg.sparse_cuda.is_layout(L.mlp.down.ct) for L in eng.model.layers)
+    assert not any(mod.is_layout(L.mlp.down.ct) for mod in sg.CUDA_LAYOUTS for L in eng.model.layers)
     assert all(sg.compact_ok(p.out_features, 4, "compact") for L in eng.model.layers
                for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
     toks = [7, 11, 23]

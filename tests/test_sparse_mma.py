@@ -1,28 +1,31 @@
-"""The tensor-core sparse GEMV of 4-bit codebooks (kernels/sparse_mma.py, cuda/sparse_mma.cu; sparse_kernel "mma")
-through ``sparse_gemv.sparse_project``. On the CPU: its tile-major layout against a NumPy reference, the fallback
-of that layout, the shape-only splits, the kernel's lane / fragment algebra emulated in float64 (table words, PRMT
-offsets, B masks, the mma.m16n8k16 fragment layouts of the PTX ISA), and the dispatch to its launcher. On CUDA
-(a GPU present: the extension must build, else the tests fail): the kernel against float64 over 240 random
-shapes and sparsities 0-90 % (test_sparse_cuda's cases: N off 128, K odd, 1..16 rows, all-zero x, dense rows,
-residual and gate/up epilogues), run to run and row by row bitwise, K ranges forced, the codes of dropped inputs
-unread, counters left zero, a CUDA-graph replay, and the engine's VERIFY contract under sparse_kernel "mma"."""
+"""The tensor-core sparse GEMV of 4-bit codebooks (kernels/sparse_mma.py, cuda/sparse_mma.cu; sparse_kernel "mma",
+the default) through ``sparse_gemv.sparse_project``. On the CPU: its tile-major layout against a NumPy reference,
+the fallback of that layout, the shape-only splits, the kernel's lane / fragment algebra emulated in float64 (table
+words, PRMT offsets, B masks, the mma.m16n8k16 fragment layouts of the PTX ISA), the dispatch to its launcher and
+the engine's wiring (a stand-in launcher, the extension faked ready), and the kernel choices. On CUDA (a GPU
+present: the extension must build, else the tests fail): the kernel against float64 over 240 random shapes and
+sparsities 0-90 % (``case``: N off 128 and 256, K odd, 1..16 rows, all-zero x, dense rows, residual and gate/up
+epilogues), run to run and row by row bitwise, K ranges forced, the codes of dropped inputs unread, counters left
+zero, a CUDA-graph replay, and the engine's VERIFY contract under sparse_kernel "mma" (the engine tests of
+test_sparse_engine.py run it too: "mma" is the default kernel where the extension builds)."""
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from test_sparse_cuda import (case, check, dispatch_reaches_the_launcher_for, engine_wiring_for, falls_back_off_the_gpu,
-                              graph_replay_for, skips_the_codes_of_dropped_inputs_for)
-from trapetum.kernels import sparse_cuda as sc
 from trapetum.kernels import sparse_gemv as sg
 from trapetum.kernels import sparse_mma as sm
+from trapetum.kernels import sparse_split as ss
+from trapetum.kernels.codebook_gemv import _act_ref
+from trapetum.kernels.codebook_layout import interleave_gate_up
 from trapetum.kernels.pack import pack_codes
 from trapetum.settings import DEFAULT_KERNELS
 
 GPU = torch.cuda.is_available()
 need_gpu = pytest.mark.skipif(not GPU, reason="needs CUDA")
 SIZES = [1, 3, 16, 53, 97, 127, 128, 129, 255, 256, 257, 300, 513]
+CASE_SIZES = [1, 3, 16, 53, 97, 255, 256, 257, 300, 513]  # ``case``'s shapes (the 240 GPU cases' seeds assume them)
 
 
 def numpy_tile_codes(idx: np.ndarray) -> np.ndarray:
@@ -45,7 +48,26 @@ def test_tile_major_layout_against_numpy():
         assert ct.dtype == torch.uint8 and tuple(ct.shape) == (-(-N // 128), K, 64) and sm.is_layout(ct)
         assert np.array_equal(ct.numpy(), numpy_tile_codes(idx.numpy())), (N, K)
         assert torch.equal(sm.to_input_major(ct, N), sg.input_major_codes(codes, 4, K))
-        assert not sc.is_layout(ct) and not sm.is_layout(sg.input_major_codes(codes, 4, K))
+        assert not sm.is_layout(sg.input_major_codes(codes, 4, K))
+
+
+def falls_back_off_the_gpu(to_layout, name: str) -> None:
+    """Without the kernel (the torch backend here) codes in the CUDA layout (``to_layout(codes, K)``) give the
+    input-major path's bits, and a layout of the wrong shape is refused naming it."""
+    g = torch.Generator().manual_seed(1)
+    N, K, M = 300, 77, 3
+    codes = pack_codes(torch.randint(0, 16, (N, K), generator=g), 4)
+    cb = torch.randn(N, 16, generator=g).half()
+    x = torch.randn(M, K, generator=g).half()
+    dense = torch.tensor([True, False, False])
+    outs = []
+    for ct in (sg.input_major_codes(codes, 4, K), to_layout(codes, K)):
+        out = torch.empty(M, N, dtype=torch.float16)
+        outs.append(sg.sparse_project(x, ct, cb, 4, N, threshold=0.5, dense_rows=dense, out=out, backend="torch"))
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match=name):
+        sg.sparse_project(x, to_layout(codes, K)[:, :-1], cb, 4, N, threshold=0.5, dense_rows=dense,
+                          out=torch.empty(M, N, dtype=torch.float16), backend="torch")
 
 
 def test_tile_major_codes_fall_back_off_the_gpu():
@@ -101,8 +123,104 @@ def test_fragment_algebra_emulated():
     assert torch.allclose(acc.reshape(-1), ref, rtol=0, atol=1e-12)
 
 
+def case(seed):
+    """(x fp16 [M, K], dense bool [M], t, codes, cb, residual or None, act or None, f); t at a random quantile
+    of |x| (sparsity 0..0.9), some x all zero."""
+    r = random.Random(seed)
+    K, M = r.choice(CASE_SIZES + [r.randint(1, 3000), 4096]), r.choice([1, 1, 2, 3, 5, 8, 16])
+    act = r.choice([None, None, "silu", "gelu_tanh"])
+    f = r.choice(CASE_SIZES + [r.randint(1, 400)])
+    N = r.choice(CASE_SIZES + [r.randint(1, 800), 4096])
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) / K ** 0.5).to(torch.float16)  # outputs ~1: act(gate) * up stays in fp16
+    if r.random() < 0.05:
+        x.zero_()
+    s = r.choice([0.0, 0.1, 0.25, 0.5, 0.7, 0.9])
+    t = float(x.float().abs().flatten().quantile(s)) if s and K > 1 else 0.0
+    dense = torch.rand(M, generator=g) < 0.3
+    if act is None:
+        codes = pack_codes(torch.randint(0, 16, (N, K), generator=g), 4)
+        cb = torch.randn(N, 16, generator=g).to(torch.float16)
+    else:
+        parts = [(pack_codes(torch.randint(0, 16, (f, K), generator=g), 4),
+                  torch.randn(f, 16, generator=g).to(torch.float16)) for _ in range(2)]
+        codes, cb, _ = interleave_gate_up(parts[0][0], parts[0][1], parts[1][0], parts[1][1])
+    res = torch.randn(M, cb.shape[0], generator=g).to(torch.float16) if act is None and r.random() < 0.5 else None
+    return x, dense, t, codes, cb, res, act, f
+
+
+def reference(x, dense, t, codes, cb, res, act, f):
+    t = sg.threshold_in(t, x.dtype)
+    xs = torch.where((x.abs() > t) | dense[:, None], x, torch.zeros((), dtype=x.dtype))
+    y = sg.sparse_gemv_reference(xs, codes, cb, 4)
+    if act is not None:
+        y = y.view(y.shape[0], -1, 2, 8)
+        return _act_ref(y[:, :, 0].reshape(y.shape[0], -1)[:, :f], act) * y[:, :, 1].reshape(y.shape[0], -1)[:, :f]
+    return y if res is None else y + res.double()
+
+
+def run(c, ct, rows=None, splits=None):
+    """The case ``c`` through sparse_project on CUDA with the tile-major codes ``ct`` (rows: a slice of its rows)."""
+    x, dense, t, codes, cb, res, act, f = c
+    if rows is not None:
+        x, dense, res = x[rows], dense[rows], None if res is None else res[rows]
+    N = cb.shape[0]
+    out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16, device="cuda")
+    sg.sparse_project(x.cuda(), ct, cb.cuda(), 4, N, threshold=t, dense_rows=dense.cuda(), out=out,
+                      residual=None if res is None else res.cuda(), act=act, f=f, kernel="mma", splits=splits)
+    return out.cpu()
+
+
+def check(seed, splits=None, rows=True):
+    """Case ``seed`` on the kernel against float64, run to run bitwise and (``rows``) each row its bits alone."""
+    c = case(seed)
+    ct = sm.tile_codes(c[3].cuda(), c[0].shape[1])
+    y = run(c, ct, splits=splits)
+    ref = reference(*c)
+    err = float((y.double() - ref).norm())
+    assert err < 2e-3 * float(ref.norm()) + 2.0 ** -24 * y.numel() ** 0.5, (seed, err, float(ref.norm()))
+    assert torch.equal(run(c, ct, splits=splits), y), seed  # run to run
+    if rows:
+        for m in range(y.shape[0]):  # each row its bits alone
+            assert torch.equal(run(c, ct, slice(m, m + 1), splits=splits)[0], y[m]), (seed, m)
+
+
+def torch_launch(seen):
+    """A stand-in for sparse_mma.launch (same arguments) computing through the input-major torch path."""
+
+    def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
+        seen.append((tuple(x2.shape), t, dense_u8.dtype, epi, f, splits_))
+        xs = torch.where((x2.abs() > t) | (dense_u8 != 0)[:, None], x2, torch.zeros((), dtype=x2.dtype))
+        y = sg._torch(xs, sm.to_input_major(ct, N), codebook, 4, N)
+        if epi:
+            y = y.view(y.shape[0], -1, 2, 8)
+            y = _act_ref(y[:, :, 0].reshape(y.shape[0], -1)[:, :f], "silu" if epi == 1 else "gelu_tanh") * \
+                y[:, :, 1].reshape(y.shape[0], -1)[:, :f]
+        elif residual is not None:
+            y = y + residual.float()
+        return out.copy_(y)
+    return launch
+
+
 def test_dispatch_reaches_the_mma_launcher(monkeypatch):
-    dispatch_reaches_the_launcher_for("mma", monkeypatch)
+    """With the extension reported ready (faked here), sparse_project hands tile-major codes to sparse_mma.launch
+    with the select's arguments (t rounded to fp16, dense rows as uint8, the epilogue code, f, the splits); the
+    stand-in launcher gives the reference's result."""
+    seen = []
+    monkeypatch.setattr(sm.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(sm, "launch", torch_launch(seen))
+    for seed in (2, 3, 11, 12, 13, 17):
+        c = case(seed)
+        x, dense, t, codes, cb, res, act, f = c
+        N = cb.shape[0]
+        out = torch.empty(x.shape[0], f if act else N, dtype=torch.float16)
+        sg.sparse_project(x, sm.tile_codes(codes, x.shape[1]), cb, 4, N, threshold=t, dense_rows=dense, out=out,
+                          residual=res, act=act, f=f, kernel="mma", splits=3)
+        assert seen[-1] == (tuple(x.shape), sg.threshold_in(t, x.dtype), torch.uint8,
+                            {None: 0, "silu": 1, "gelu_tanh": 2}[act], f, 3)
+        ref = reference(*c)
+        assert float((out.double() - ref).norm()) < 2e-3 * float(ref.norm()) + 2.0 ** -24 * out.numel() ** 0.5, seed
+    assert len(seen) == 6
 
 
 def _built():
@@ -120,8 +238,8 @@ def test_mma_extension_builds():
 def test_mma_sparse_against_float64(chunk):
     _built()
     for seed in range(chunk * 60, chunk * 60 + 60):
-        check(seed, rows=seed % 3 == 0, kernel="mma")
-    assert int(sc._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
+        check(seed, rows=seed % 3 == 0)
+    assert int(ss._COUNTERS[torch.device("cuda", torch.cuda.current_device())].abs().sum()) == 0
 
 
 @need_gpu
@@ -130,20 +248,57 @@ def test_mma_sparse_forced_splits(splits):
     _built()
     for seed in range(500, 530):
         if -(-case(seed)[0].shape[1] // splits) <= sm.MAX_KS:
-            check(seed, splits=splits, rows=seed % 2 == 0, kernel="mma")
-    assert all(int(c.abs().sum()) == 0 for c in sc._COUNTERS.values())
+            check(seed, splits=splits, rows=seed % 2 == 0)
+    assert all(int(c.abs().sum()) == 0 for c in ss._COUNTERS.values())
 
 
 @need_gpu
 def test_mma_sparse_skips_the_codes_of_dropped_inputs():
+    """The codes of dropped inputs point at a NaN centroid: the kernel never reads them."""
     _built()
-    skips_the_codes_of_dropped_inputs_for("mma")
+    g = torch.Generator().manual_seed(5)
+    N, K = 600, 2000
+    x = torch.randn(2, K, generator=g).half()
+    t = 0.8
+    dense = torch.tensor([True, False])
+    idx = torch.randint(0, 15, (N, K), generator=g)
+    idx[:, x[1].abs() <= t] = 15
+    cb = torch.randn(N, 16, generator=g).half()
+    cb_nan = cb.clone()
+    cb_nan[:, 15] = float("nan")
+    codes = pack_codes(idx, 4)
+    c = (x[1:], dense[1:], t, codes, cb_nan, None, None, 0)
+    y = run(c, sm.tile_codes(codes.cuda(), K))
+    assert torch.isfinite(y).all()
+    ref = reference(x[1:], dense[1:], t, codes, cb, None, None, 0)
+    assert float((y.double() - ref).norm()) < 2e-3 * float(ref.norm())
 
 
 @need_gpu
 def test_mma_sparse_graph_replay():
+    """Captured in a CUDA graph (no host sync), a replay on new x gives the eager call's bits."""
     _built()
-    graph_replay_for("mma")
+    c = case(7)
+    x, dense, t, codes, cb, res, act, f = c
+    K, N, M = x.shape[1], cb.shape[0], x.shape[0]
+    ct = sm.tile_codes(codes.cuda(), K)
+    xs, ds, cbd = x.cuda(), dense.cuda(), cb.cuda()
+    rd = None if res is None else res.cuda()
+    out = torch.empty(M, f if act else N, dtype=torch.float16, device="cuda")
+
+    def call():
+        sg.sparse_project(xs, ct, cbd, 4, N, threshold=t, dense_rows=ds, out=out, residual=rd, act=act, f=f,
+                          kernel="mma")
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    x2 = (torch.randn(M, K, generator=torch.Generator().manual_seed(9)) / K ** 0.5).half()
+    xs.copy_(x2.cuda())
+    graph.replay()
+    got = out.cpu().clone()
+    assert torch.equal(got, run((x2, dense, t, codes, cb, res, act, f), ct))
 
 
 @need_gpu
@@ -167,7 +322,47 @@ def test_engine_mma_sparse_kernel_keeps_the_verify_contract():
 @pytest.mark.skipif(GPU, reason="CPU only: on CUDA the real kernel's engine test runs")
 @pytest.mark.usefixtures("torch_fallbacks")
 def test_engine_wiring_with_a_stand_in_launcher(monkeypatch):
-    engine_wiring_for("mma", monkeypatch)
+    """The engine under the default sparse_kernel ("mma") with the extension faked ready (CPU): its 4-bit
+    projections get tile-major codes, every site's sparse GEMV reaches the launcher (epilogues 0 and 1 = SiLU), and
+    VERIFY rows are bitwise decode steps."""
+    from test_sparse_engine import TINY, decode, engine
+    from trapetum.eval.random_model import random_checkpoint
+    from trapetum.eval.verify_exact import check as verify_check
+    seen = []
+    monkeypatch.setattr(sm, "ready", lambda device, kopts: kopts.sparse_kernel == "mma")
+    monkeypatch.setattr(sm.EXT, "ready", lambda *a, **k: object())
+    monkeypatch.setattr(sm, "launch", torch_launch(seen))
+    eng = engine(random_checkpoint("llama2-7b", "cb4", device="cpu", overrides=TINY), kernel="mma")
+    assert all(sm.is_layout(p.ct) for L in eng.model.layers
+               for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down))
+    toks = [7, 11, 23]
+    steps = decode(eng, toks, 0)
+    assert {e[3] for e in seen} == {0, 1} and len(seen) >= 4 * 2 * 3
+    assert torch.equal(eng.verify(torch.tensor(toks), 0)[:3], steps)
+    res = verify_check(eng, rows=(1, 3), bases=(6,))
+    assert all(r["ok"] for r in res), [r for r in res if not r["ok"]]
+
+
+def test_mma_is_the_default_and_cuda_is_gone():
+    """The tensor-core kernel is the default (it beat the first CUDA sparse kernel, "cuda", in every end-to-end cell:
+    BENCHMARKS.md session 17); "cuda" was deleted with that kernel, and a config naming it fails with a ConfigError
+    that lists the choices (no silent fallback). Without the extension (the CPU here) "mma" keeps input-major codes
+    and runs "compact" where compact_ok, as "cuda" did."""
+    from trapetum.errors import ConfigError
+    from trapetum.schemes.codebook import CodebookProjection
+    from trapetum.settings import SPARSE_KERNELS, KernelOptions, Options
+    assert SPARSE_KERNELS == ("mma", "compact", "masked")
+    assert DEFAULT_KERNELS.sparse_kernel == "mma" and KernelOptions().sparse_kernel == "mma"
+    assert Options().kernels.sparse_kernel == "mma"
+    with pytest.raises(ConfigError, match=r"kernels\.sparse_kernel: expected one of mma, compact, masked, got 'cuda'"):
+        Options().replace(kernels={"sparse_kernel": "cuda"})
+    assert sg.compact_ok(64, 4, "mma") and sg.compact_ok(64, 8, "mma") and not sg.compact_ok(64, 4, "masked")
+    assert sg.CUDA_LAYOUTS == (sm,)
+    g = torch.Generator().manual_seed(4)
+    codes = pack_codes(torch.randint(0, 16, (64, 32), generator=g), 4)
+    p = CodebookProjection(codes, torch.randn(64, 16, generator=g), 4, 32, None)
+    if sm.EXT.ready(codes.device, DEFAULT_KERNELS) is None:
+        assert p.enable_sparse() and torch.equal(p.ct, sg.input_major_codes(codes, 4, 32))
 
 
 def test_mma_cluster_option_removed():
@@ -192,3 +387,5 @@ def test_cli_flag_reaches_the_options():
     assert both.sparse_kernel == "mma" and both.aqlm_kernel == "mma"
     with pytest.raises(SystemExit):
         p.parse_args(["--sparse-kernel", "mma-cluster"])
+    with pytest.raises(SystemExit):  # the deleted kernel: argparse's one-line "invalid choice" listing the choices
+        p.parse_args(["--sparse-kernel", "cuda"])

@@ -67,7 +67,7 @@ MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
-SPARSE_KERNELS = ("cuda", "mma", "compact", "masked")  # KernelOptions.sparse_kernel
+SPARSE_KERNELS = ("mma", "compact", "masked")  # KernelOptions.sparse_kernel
 
 
 def parse_bool(name: str, value: str | None, default: bool) -> bool:
@@ -122,12 +122,12 @@ class KernelOptions:
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
-    # "cuda": the CUDA sparse GEMV of 4-bit codes (kernels/sparse_cuda.py; where the extension does not build, and
-    # for 8-bit, "compact"); "compact": Triton, work follows the nonzeros (a per-program index list); "masked";
-    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py; opt-in: faster than "cuda" in every
-    # kernel cell on the H200, not yet compared with it end to end in one run: BENCHMARKS.md, issue 19, session 15).
+    # "mma": the tensor-core sparse GEMV of 4-bit codes (kernels/sparse_mma.py) where the CUDA extension builds;
+    # where it does not, for 8-bit and above sparse_mma.MAX_K inputs, "compact" (else "masked": sparse_gemv.compact_ok).
+    # (It beat the deleted first CUDA sparse kernel in every cell end to end on the H200: BENCHMARKS.md session 17.)
+    # "compact": Triton, work follows the nonzeros (a per-program index list); "masked": Triton, loads masked.
     # CLI: --sparse-kernel (generate, chat)
-    sparse_kernel: str = "cuda"
+    sparse_kernel: str = "mma"
 
     def __post_init__(self):
         if self.pdl not in PDL_MODES:

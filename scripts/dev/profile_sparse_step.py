@@ -20,14 +20,16 @@ from trapetum.eval.bench_sparse import _recorded_thresholds  # noqa: E402
 from trapetum.eval.random_model import random_checkpoint  # noqa: E402
 from trapetum.models.sparsity import SITES, SiteThresholds, SparsityTable  # noqa: E402
 from trapetum.runtime.engine import GpuEngine  # noqa: E402
-from trapetum.settings import Options  # noqa: E402
+from trapetum.settings import SPARSE_KERNELS, Options  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama2-7b")
     p.add_argument("--sparsity", type=float, default=0.5)
-    p.add_argument("--kernel", default="compact")
+    p.add_argument("--kernel", default="compact", choices=SPARSE_KERNELS,
+                   help="KernelOptions.sparse_kernel (default compact: the kernel session 12 profiled; the engine's "
+                        "default is mma)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--base", type=int, default=64)
     a = p.parse_args(argv)

@@ -9,7 +9,8 @@
 # Usage on the device: OUT=... STEPS="1 2" bash scripts/sessions/gpu_s17_first.sh, then STEPS=3 in the next call
 # (steps 1 + 2 need ~470 s, step 3 ~120 s with the .cbk's generation; BUDGET_S, default 580 s, is shared in order:
 # step 1 up to 330 s, step 2 up to 220 s, step 3 what is left). Carry: .whl, xfer/smollm2-tokenizer.
-# Prints one line a step; logs under $OUT.
+# Prints one line a step; logs under $OUT. (Session 17 ran step 1 with E2E_KERNELS=cuda,mma; the "cuda" kernel was
+# deleted after it, so step 1 now runs mma alone.)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:/tmp/site
 OUT=${OUT:-out/gpu-s17}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ ls .whl/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps 
   --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
 STEPS=" ${STEPS:-1 2 3} "
 step() { [[ $STEPS == *" $1 "* ]]; }
-step 1 && { OUT=$OUT/sparse BUDGET_S=$(( $(left) < 330 ? $(left) : 330 )) KERNEL_TABLE=0 E2E_KERNELS=cuda,mma \
+step 1 && { OUT=$OUT/sparse BUDGET_S=$(( $(left) < 330 ? $(left) : 330 )) KERNEL_TABLE=0 E2E_KERNELS=mma \
   bash scripts/sessions/gpu_sparse_mma.sh > "$OUT/sparse.txt" 2>&1
 echo "1. sparse: $(grep -h "tests rc\|e2e rc" "$OUT/sparse.txt" | tr '\n' ' ') ($(( $(date +%s) - t0 )) s)"; }
 step 2 && { s=$(( $(left) < 220 ? $(left) : 220 ))

@@ -31,8 +31,8 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
                    help="2x8 AQLM models on the GPU: the decode / verify GEMV, 'table' (default: fp32 lookup "
                         "tables) or 'mma' (tensor cores: faster verify rows, slower decode, other rounding)")
     p.add_argument("--sparse-kernel", default=None, choices=SPARSE_KERNELS,
-                   help="with --sparsity on the GPU: the activation-sparse GEMV, 'cuda' (default), 'mma' (tensor "
-                        "cores: BENCHMARKS.md, issue 19), or the Triton 'compact' / 'masked' kernels")
+                   help="with --sparsity on the GPU: the activation-sparse GEMV, 'mma' (default: tensor cores, "
+                        "where the CUDA extension builds, else 'compact'), or the Triton 'compact' / 'masked' kernels")
 
 
 def options_of(args: argparse.Namespace):

@@ -7,19 +7,19 @@ Shapes are in x out (x [1, in] @ W.T). Random 4-bit codes and fp16 codebooks; x 
 its entries zero (uniformly placed: the thresholded input of TEAL at sparsity S), one row (decode). Timing:
 bench_kernels.graph_time_us (CUDA graphs over rotating buffer sets larger than L2, median of replays). Printed per
 shape and S: dense us (canonical codes; and the tiled mma kernel the engine runs, where the CUDA kernels are
-built), the masked and the compacted Triton sparse kernels' us and the CUDA sparse kernel's (KernelOptions.sparse_kernel
-"masked" / "compact" / "cuda", the last where its extension builds), the tensor-core sparse kernel's ("mma",
-kernels/sparse_mma.py: its extension must build, else the benchmark stops with the build error), the best dense over
-the fastest sparse, the tiled dense over "mma", and the sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's
-HBM bandwidth) so that the gap to it is visible. Nothing is recorded by this module: figures go to BENCHMARKS.md
-with the command that produced them.
+built), the masked and the compacted Triton sparse kernels' us (KernelOptions.sparse_kernel "masked" / "compact"),
+the tensor-core sparse kernel's ("mma", the default, kernels/sparse_mma.py: its extension must build, else the
+benchmark stops with the build error), the best dense over the fastest sparse, the tiled dense over "mma", and the
+sparse kernel's floor (bytes_read / 4.8 TB/s, the H200's HBM bandwidth) so that the gap to it is visible. Nothing
+is recorded by this module: figures go to BENCHMARKS.md with the command that produced them.
 
 --e2e: one engine of the model shape in 4-bit (eval/random_model.py cb4: random codes and codebooks, 8-bit head),
 decode tok/s (bench_e2e.decode_bins: 128 greedy CUDA-graph steps from positions 0 and 1024) dense, then at each
-sparsity S, then dense again, in one process; ``--sparse-kernel cuda,mma``: one engine per kernel in turn, each
-with its dense runs (the engine checks that its projections hold that kernel's layout: no silent fallback). Thresholds: per layer and site, the S-quantile of |x| of the random
-model's own site inputs over one eager prompt pass of 256 random tokens (rows 1..; labelled "random activations"
-in the output: not a real model's). The same S on every site; position 0 dense.
+sparsity S, then dense again, in one process; ``--sparse-kernel mma,compact``: one engine per kernel in turn, each
+with its dense runs (the engine checks that its projections hold the mma kernel's layout under "mma": no silent
+fallback). Thresholds: per layer and site, the S-quantile of |x| of the random model's own site inputs over one
+eager prompt pass of 256 random tokens (rows 1..; labelled "random activations" in the output: not a real model's).
+The same S on every site; position 0 dense.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..kernels import cuda_ext, sparse_cuda, sparse_mma
+from ..kernels import cuda_ext, sparse_mma
 from ..kernels.codebook_gemv import codebook_gemv
 from ..kernels.codebook_layout import tile_codes
 from ..kernels.pack import pack_codes
@@ -40,11 +40,9 @@ from .bench_kernels import graph_time_us
 HBM_BYTES_PER_S = 4.8e12
 
 
-def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, cuda_splits=(),
-        mma_splits=()) -> list[dict]:
-    """One row per shape and S (module docstring); ``cuda_splits`` / ``mma_splits``: the CUDA / tensor-core kernel
-    also timed at these K-range counts (row keys "cuda_splits_us" / "mma_splits_us": {S: us}), to compare with the
-    default ``sparse_cuda.splits`` / ``sparse_mma.splits``."""
+def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, mma_splits=()) -> list[dict]:
+    """One row per shape and S (module docstring); ``mma_splits``: the tensor-core kernel also timed at these
+    K-range counts (row key "mma_splits_us": {S: us}), to compare with the default ``sparse_mma.splits``."""
     dev = torch.device("cuda")
     if bits == 4 and sparse_mma.EXT.ready(dev) is None:
         raise RuntimeError(f"bench_sparse: the tensor-core sparse GEMV (sparse_mma) did not build: {sparse_mma.EXT.error()}")
@@ -59,7 +57,6 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
         tiled = tile_codes(codes) if cuda_ext.ready(dev, DEFAULT_KERNELS) is not None and codes.shape[1] % 64 == 0 \
             else None
         no_dense = torch.zeros(1, dtype=torch.bool, device=dev)
-        cw = sparse_cuda.warp_major_codes(codes, K) if bits == 4 and sparse_cuda.EXT.ready(dev) is not None else None
         cm = sparse_mma.tile_codes(codes, K) if bits == 4 else None
         for s in sparsities:
             x = torch.randn(1, K, generator=g)
@@ -83,42 +80,32 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, c
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
                 return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y)
 
-            def kernel_op(i, codes_, kernel, x=x, splits=None):  # a CUDA sparse kernel on its own layout
-                c, b = codes_.clone(), cb.clone()
+            def mma_op(i, x=x, splits=None):  # the tensor-core sparse kernel on its own layout
+                c, b = cm.clone(), cb.clone()
                 y = torch.empty(1, N, dtype=torch.float16, device=dev)
-                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel=kernel,
+                return lambda: sparse_project(x, c, b, bits, N, threshold=0.0, dense_rows=no_dense, out=y, kernel="mma",
                                               splits=splits)
-
-            def cuda_op(i, splits=None):
-                return kernel_op(i, cw, "cuda", splits=splits)
-
-            def mma_op(i, splits=None):
-                return kernel_op(i, cm, "mma", splits=splits)
 
             d = graph_time_us(dense_op, weight_bytes)
             dt = graph_time_us(tiled_op, weight_bytes) if tiled is not None else float("nan")
             sp = graph_time_us(sparse_op, weight_bytes)
             cp = graph_time_us(compact_op, weight_bytes)
-            cu = graph_time_us(cuda_op, weight_bytes) if cw is not None else float("nan")
-            by_splits = {v: graph_time_us(lambda i, v=v: cuda_op(i, splits=v), weight_bytes)
-                         for v in cuda_splits if cw is not None and -(-K // v) <= sparse_cuda.MAX_KS}
             mm = graph_time_us(mma_op, weight_bytes) if cm is not None else float("nan")
             by_msplits = {v: graph_time_us(lambda i, v=v: mma_op(i, splits=v), weight_bytes)
                           for v in mma_splits if cm is not None and -(-K // v) <= sparse_mma.MAX_KS}
             floor = bytes_read(K, N, bits, s) / HBM_BYTES_PER_S * 1e6
-            best = min(v for v in (cp, cu, mm) if v == v)
+            best = min(v for v in (cp, mm) if v == v)
             out.append({"in": K, "out": N, "sparsity": s, "dense_us": d, "tiled_us": dt, "sparse_us": sp,
-                        "compact_us": cp, "cuda_us": cu, "mma_us": mm, "speedup": min(d, dt) / best,
-                        "mma_speedup": (dt if dt == dt else d) / mm,
-                        "sparse_floor_us": floor, "cuda_splits": sparse_cuda.splits(K, N), "cuda_splits_us": by_splits,
+                        "compact_us": cp, "mma_us": mm, "speedup": min(d, dt) / best,
+                        "mma_speedup": (dt if dt == dt else d) / mm, "sparse_floor_us": floor,
                         "mma_splits": sparse_mma.splits(K, N), "mma_splits_us": by_msplits})
     return out
 
 
 def _check_layout(eng, kernel: str) -> None:
-    """The engine's 4-bit projections hold the layout of ``kernel`` ("cuda": warp-major, "mma": tile-major), else a
-    RuntimeError: a benchmark of a kernel that silently fell back would time another one."""
-    mod = {"cuda": sparse_cuda, "mma": sparse_mma}.get(kernel)
+    """The engine's 4-bit projections hold the layout of ``kernel`` ("mma": tile-major), else a RuntimeError: a
+    benchmark of a kernel that silently fell back would time another one."""
+    mod = {"mma": sparse_mma}.get(kernel)
     if mod is None:
         return
     projs = [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down)]
@@ -151,7 +138,7 @@ def _recorded_thresholds(sparsities: list[float], tags: dict[float, tuple[int, s
         EngineOps.sparsify = real
 
 
-def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, kernel: str = "cuda") -> dict:
+def e2e(shape: str, sparsities: list[float], bins=(0, 1024), prompt: int = 256, kernel: str = "mma") -> dict:
     """{"dense": {bin: tok/s}, S: {bin: tok/s}, ..., "dense_again": ...} (module docstring, --e2e)."""
     from ..models.sparsity import SITES, SiteThresholds, SparsityTable
     from ..runtime.engine import GpuEngine
@@ -191,14 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparsity", default="", help="input sparsities, comma-separated (default 0,0.25,0.4,0.5,0.7; "
                    "--e2e: 0.25,0.4,0.5)")
     p.add_argument("--e2e", action="store_true", help="decode tok/s of a 4-bit engine, dense vs each sparsity")
-    p.add_argument("--cuda-splits", default="", help="kernel table: also time the CUDA sparse kernel at these K-range "
-                   "counts, comma-separated (default: only sparse_cuda.splits of the shape)")
     p.add_argument("--model", default="llama2-7b", help="--e2e: the model shape (eval/random_model.py SHAPES)")
     p.add_argument("--mma-splits", default="", help="kernel table: also time the tensor-core sparse kernel at these "
                    "K-range counts, comma-separated (default: only sparse_mma.splits of the shape)")
-    p.add_argument("--sparse-kernel", default="cuda",
+    p.add_argument("--sparse-kernel", default="mma",
                    help=f"--e2e: KernelOptions.sparse_kernel, one or several comma-separated of {', '.join(SPARSE_KERNELS)} "
-                   "(default cuda); cuda and mma fail unless their extension builds")
+                   "(default mma); mma fails unless its extension builds")
 
 
 def main(argv=None) -> int:
@@ -233,21 +218,19 @@ def run_args(args: argparse.Namespace) -> int:
         return 0
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = run(shapes, [float(s) for s in (args.sparsity or "0,0.25,0.4,0.5,0.7").split(",")],
-               cuda_splits=[int(v) for v in args.cuda_splits.split(",") if v],
                mma_splits=[int(v) for v in args.mma_splits.split(",") if v])
     sys.stdout.flush()
-    print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | cuda sparse us | "
+    print("| in x out | S | dense us | dense tiled (mma) us | masked sparse us | compact sparse us | "
           "mma sparse us | best dense / best sparse | dense tiled / mma sparse | sparse floor us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['in']}x{r['out']} | {r['sparsity']:.2f} | {r['dense_us']:.1f} | {r['tiled_us']:.1f} | "
-              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['cuda_us']:.1f} | {r['mma_us']:.1f} | "
+              f"{r['sparse_us']:.1f} | {r['compact_us']:.1f} | {r['mma_us']:.1f} | "
               f"{r['speedup']:.2f}x | {r['mma_speedup']:.2f}x | {r['sparse_floor_us']:.1f} |")
-    for name in ("cuda", "mma"):
-        for r in rows:
-            if r[f"{name}_splits_us"]:
-                print(f"{name} sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r[f'{name}_splits']}; "
-                      + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r[f"{name}_splits_us"].items()))
+    for r in rows:
+        if r["mma_splits_us"]:
+            print(f"mma sparse {r['in']}x{r['out']} S={r['sparsity']:.2f}: default splits {r['mma_splits']}; "
+                  + ", ".join(f"splits {v}: {us:.1f} us" for v, us in r["mma_splits_us"].items()))
     return 0
 
 

@@ -26,7 +26,7 @@ _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu", "expert_gemv_mma.cu")
 HEADERS = ("pdl.cuh", "act.cuh", "ptx.cuh", "codebook_gemv_groups.cuh", "sparse_split.cuh",
            "sparse_split_args.cuh", "smem_once.cuh")  # included by the sources (PDL, epilogue activations, PTX
-# helpers, the grouped codebook GEMV, the split sparse GEMVs' ending and launcher checks, the shared-memory attributes)
+# helpers, the grouped codebook GEMV, the split sparse GEMV's ending and launcher checks, the shared-memory attributes)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,

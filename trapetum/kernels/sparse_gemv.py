@@ -24,20 +24,19 @@ code rows, each row's result is what it gives alone: batch-invariant); tile size
 on M or the data, so results are deterministic. ``sparse_gemv_reference``: float64 dequantize-and-multiply.
 ``sparse_project``: the engine's form (schemes/codebook.py ``CodebookProjection.sparse_gemv``): the threshold
 select fused into the x load, position-0 rows dense, fp16 out with the residual or the gate/up activation fused,
-by one of two kernels (``KernelOptions.sparse_kernel``):
+by one of the kernels of ``KernelOptions.sparse_kernel``:
     "masked"   _sparse_gemv_kernel as above: saves the bytes of zero inputs, not the instructions (masked lanes
                still issue), one program per 64 rows and row over the whole K.
     "compact"  _compact_gemv_kernel (where ``compact_ok``: whole int32 words per input): K split into
                ``compact_splits(K, N)`` ranges (from the shape: ~1,024 programs a launch); each program lists the
                kept inputs of its range (a prefix sum, into its own scratch row), then loops over that list only,
                the 64 rows' codes of an input read as 8 (4-bit) or 16 (8-bit) int32 words; the last program of a
-               row block (a device counter) adds the split partials in split order and writes the epilogue.
-               Work follows the row's nonzeros; a row's bits depend on its own data only.
-    "cuda"     (4-bit, the default where the CUDA extension builds) kernels/sparse_cuda.py and cuda/sparse_gemv.cu:
-               its own warp-major layout (a warp reads one kept input's codes of 256 rows as one 128-byte line),
-               the same contracts; ``ct`` in that layout selects it (``enable_sparse`` makes the layout).
-    "mma"      (4-bit, opt-in) kernels/sparse_mma.py and cuda/sparse_mma.cu: tensor cores, tile-major codes
-               (uint8 [ceil(N/128), K, 64]), the same contracts; ``ct`` in that layout selects it.
+               row block (a device counter, kernels/sparse_split.py) adds the split partials in split order and
+               writes the epilogue. Work follows the row's nonzeros; a row's bits depend on its own data only.
+    "mma"      (4-bit, the default where the CUDA extension builds) kernels/sparse_mma.py and cuda/sparse_mma.cu:
+               tensor cores, tile-major codes (uint8 [ceil(N/128), K, 64]), the same contracts; ``ct`` in that
+               layout selects it (``enable_sparse`` makes the layout). Codes left input-major under "mma" (8-bit,
+               no extension, more than sparse_mma.MAX_K inputs) run "compact" where ``compact_ok``, else "masked".
 """
 from __future__ import annotations
 
@@ -45,9 +44,10 @@ import warnings
 
 import torch
 
-from . import sparse_cuda, sparse_mma
+from . import sparse_mma
 from ..settings import DEFAULT_KERNELS
 from .pack import pack_codes, packed_width, unpack_codes
+from .sparse_split import split_counters
 from .triton_util import HAVE_TRITON, ROW_POINTERS, triton_ok
 
 if HAVE_TRITON:
@@ -55,8 +55,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
 SPARSE_BITS = (4, 8)
-# the CUDA kernels' own 4-bit code layouts: modules with is_layout, layout_shape, to_input_major, EXT, launch
-CUDA_LAYOUTS = (sparse_cuda, sparse_mma)
+# the CUDA kernel's own 4-bit code layout: modules with is_layout, layout_shape, to_input_major, EXT, launch
+CUDA_LAYOUTS = (sparse_mma,)
 BLOCK_N = 64  # rows per program: 32 bytes of 4-bit codes per input (one sector)
 
 
@@ -201,9 +201,10 @@ if HAVE_TRITON:
 
 
 def compact_ok(N: int, bits: int, kernel: str) -> bool:
-    """Whether ``sparse_project`` runs the compacted-list kernel on input-major codes: asked for ("cuda" on codes
-    left input-major: 8-bit, no extension), and the input-major rows whole int32 words (N * bits / 8 % 4 == 0)."""
-    return kernel in ("compact", "cuda") and (N * bits // 8) % 4 == 0 and N * bits % 8 == 0
+    """Whether ``sparse_project`` runs the compacted-list kernel on input-major codes: asked for ("mma" on codes
+    left input-major: 8-bit, no extension, K > sparse_mma.MAX_K), and the input-major rows whole int32 words
+    (N * bits / 8 % 4 == 0)."""
+    return kernel in ("compact", "mma") and (N * bits // 8) % 4 == 0 and N * bits % 8 == 0
 
 
 TARGET_PROGRAMS = 1024  # split K until a launch has about this many programs (latency hiding on 132 SMs)
@@ -220,7 +221,7 @@ def _launch_compact(x2, ct, codebook, bits, N, y, residual, t, dense, epi, f, sp
     S = compact_splits(K, N) if splits is None else splits
     KS = -(-K // S)
     grid = (triton.cdiv(N, BLOCK_N), M, S)
-    cnt = sparse_cuda.split_counters(x2.device, grid[0] * M)  # M * ceil(N / BLOCK_N) blocks
+    cnt = split_counters(x2.device, grid[0] * M)  # M * ceil(N / BLOCK_N) blocks
     scr = torch.empty(grid[0] * M * S * KS, dtype=torch.int16 if K < 1 << 15 else torch.int32, device=x2.device)
     part = torch.empty(S * M * N if S > 1 else 1, dtype=torch.float32, device=x2.device)
     res = residual if residual is not None else y
@@ -301,9 +302,8 @@ def sparse_project(x: torch.Tensor, ct: torch.Tensor, codebook: torch.Tensor, bi
     bits do not depend on M or on the other rows), one launch, no host sync on CUDA (capturable). ``kernel``
     "compact" (KernelOptions.sparse_kernel): the kernel whose work follows the row's nonzeros
     (_compact_gemv_kernel) where ``compact_ok``, else "masked": _sparse_gemv_kernel, loads masked by x != 0.
-    ``ct`` in the warp-major layout (sparse_cuda.warp_major_codes, 4-bit; what ``enable_sparse`` makes for
-    sparse_kernel "cuda" where the extension runs): the CUDA kernel (``kopts``: its PDL), else converted back;
-    ``ct`` tile-major (sparse_mma.tile_codes, sparse_kernel "mma"): the tensor-core kernel, likewise."""
+    ``ct`` tile-major (sparse_mma.tile_codes, 4-bit; what ``enable_sparse`` makes for sparse_kernel "mma" where
+    the extension runs): the tensor-core kernel (``kopts``: its PDL), else converted back to input-major."""
     from .codebook_gemv import ACTS, _act_ref
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M, K = x2.shape

@@ -6,18 +6,25 @@
         code 0: sparse_gemv.input_major_codes cut into 64-byte tiles of 128 rows, so that the codes of one kept
         input for a block's 128 rows are one 64-byte piece and a block's pieces lie in one K x 64-byte run.
     to_input_major(ct, N) -> sparse_gemv.py's input-major uint8 [K, packed_width(N, 4)] (the torch path, tests).
-The layout module interface of kernels/sparse_cuda.py (is_layout, layout_shape, to_input_major, EXT, launch).
+The CUDA layout module interface that ``sparse_gemv.sparse_project`` reads (sparse_gemv.CUDA_LAYOUTS): LAYOUT,
+CODE_DTYPE, is_layout(ct), layout_shape(N, K), to_input_major(ct, N), EXT, launch(...). The default sparse kernel
+(KernelOptions.sparse_kernel "mma") where the extension builds; elsewhere the codes stay input-major and the
+Triton / torch path runs.
 
 Kernel contract (the .cu file's comment): blocks of 128 rows x a K range of ``splits(K, N)`` ranges (from the
-shape only) x row m; the same select, epilogues, determinism (a row's bits those of its one-row call), no host
-sync and split reduction as the "cuda" kernel (kernels/sparse_cuda.py), whose completion counters it shares.
+shape only) x row m; each block lists its row's kept inputs (the select fused into the x load, dense rows: x != 0),
+the last block of a row tile (a device counter left at zero, kernels/sparse_split.py's, shared with the compacted
+Triton kernel) adds the ranges' partials in range order and writes the epilogue (residual, or act(gate) * up of
+rows interleaved 8 / 8). Deterministic, a row's bits those of its one-row call, no host sync (capturable), PDL as
+KernelOptions.pdl_cuda.
 """
 from __future__ import annotations
 
 import torch
 
-from . import cuda_ext, sparse_cuda
+from . import cuda_ext
 from .pack import packed_width, unpack_codes
+from .sparse_split import launch_split, split_count
 
 LAYOUT, CODE_DTYPE = "tile-major", "uint8"
 ROWS = 128  # rows per tile (a block)
@@ -66,12 +73,12 @@ def layout_shape(N: int, K: int) -> tuple[int, int, int]:
 
 
 def splits(K: int, N: int) -> int:
-    """K ranges per row tile (sparse_cuda.split_count with this kernel's tile, target grid and range limit)."""
-    return sparse_cuda.split_count(K, N, ROWS, TARGET_BLOCKS, MAX_KS)
+    """K ranges per row tile (sparse_split.split_count with this kernel's tile, target grid and range limit)."""
+    return split_count(K, N, ROWS, TARGET_BLOCKS, MAX_KS)
 
 
 def launch(x2, ct, codebook, N, out, residual, t, dense_u8, epi, f, kopts, splits_=None):
     """out = the sparse GEMV of x2 fp16 [M, K] (``sparse_project``'s arguments, checked there)."""
     S = splits(x2.shape[1], N) if splits_ is None else splits_
-    return sparse_cuda.launch_split(EXT.load().cb_sparse_mma, ROWS, x2, ct, codebook, out, residual, t, dense_u8,
-                                    epi, f, kopts, S)
+    return launch_split(EXT.load().cb_sparse_mma, ROWS, x2, ct, codebook, out, residual, t, dense_u8, epi, f, kopts,
+                        S)

@@ -29,7 +29,7 @@ from ..kernels import host_gemv as hg
 from ..kernels.codebook_layout import interleave_gate_up, tile_codes, untile_codes
 from ..kernels.dequant import dequantize as dequantize16
 from ..kernels.pack import SUPPORTED_BITS, packed_width, unpack_codes
-from ..kernels import sparse_cuda, sparse_mma
+from ..kernels import sparse_mma
 from ..kernels.sparse_gemv import SPARSE_BITS, input_major_codes, sparse_project
 from ..settings import DEFAULT_KERNELS, KernelOptions
 from .base import GateUp, Part, Projection, Scheme, cat_bias, residual16
@@ -235,17 +235,14 @@ class CodebookProjection(Projection):
 
     def enable_sparse(self) -> bool:
         """Keep the input-major codes ``ct`` [in, packed_width(out)] (kernels/sparse_gemv.py; for 4-bit under
-        sparse_kernel "cuda" where the extension runs, the warp-major int32 [ceil(out/256), in, 32] of
-        kernels/sparse_cuda.py; under "mma", the tile-major uint8 [ceil(out/128), in, 64] of kernels/sparse_mma.py)
-        beside the dense kernel's codes, for the activation-sparse GEMV of DECODE / VERIFY rows: the code bytes twice (the dense
-        codes still serve PREFILL and passes of more than ``KernelOptions.sparse_rows`` rows). False (nothing
-        kept) for other bit widths."""
+        sparse_kernel "mma", the default, where the extension runs and in <= sparse_mma.MAX_K, the tile-major uint8
+        [ceil(out/128), in, 64] of kernels/sparse_mma.py) beside the dense kernel's codes, for the activation-sparse
+        GEMV of DECODE / VERIFY rows: the code bytes twice (the dense codes still serve PREFILL and passes of more
+        than ``KernelOptions.sparse_rows`` rows). False (nothing kept) for other bit widths."""
         if self.bits not in SPARSE_BITS:
             return False
         if self.ct is None:
-            if self.bits == 4 and sparse_cuda.ready(self.codes.device, self.kopts):  # the CUDA kernel's layout
-                self.ct = sparse_cuda.warp_major_codes(self.canonical_codes(), self.in_features)
-            elif self.bits == 4 and self.in_features <= sparse_mma.MAX_K and \
+            if self.bits == 4 and self.in_features <= sparse_mma.MAX_K and \
                     sparse_mma.ready(self.codes.device, self.kopts):  # the tensor-core kernel's layout
                 self.ct = sparse_mma.tile_codes(self.canonical_codes(), self.in_features)
             else:

@@ -2,7 +2,7 @@
 // KernelOptions.sparse_kernel "mma"): the codes of the inputs that the threshold drops are not read.
 //
 // y[m, r] = sum over kept k of x[m, k] * codebook[r, idx(r, k)]  (+ residual[m, r]), where kept = |x[m, k]| > t,
-// or x[m, k] != 0 on a dense row (dense[m] != 0). The same contract as sparse_gemv.cu (the "cuda" kernel).
+// or x[m, k] != 0 on a dense row (dense[m] != 0). The contract of sparse_gemv.sparse_project (kernels/sparse_gemv.py).
 //
 // Code layout (tile-major, made once at load, sparse_mma.tile_codes): uint8 ct[T][K][64], T = ceil(N / 128);
 // byte b of ct[tt][k] holds the codes of input k for rows 128 tt + 2b (low nibble) and 2b + 1 (high nibble)

@@ -1,10 +1,10 @@
-// The ending both split sparse GEMVs share (sparse_gemv.cu's "cuda" kernel, sparse_mma.cu's "mma" kernel): a block
-// of kRows output rows (row group b of B, activation row m) and K range s of S holds each row's sum in `sum`.
+// The ending of the split sparse GEMV (sparse_mma.cu, the "mma" kernel; once shared with a deleted first kernel):
+// a block of kRows output rows (row group b of B, activation row m) and K range s of S holds each row's sum in `sum`.
 // With S > 1 it writes its fp32 partial, and the last block of the row group to finish (a device counter, left at
 // zero again) adds the S partials in range order s = 0, 1, ..; then the epilogue: EPI 0 y = sum (+ residual), else
 // y = act(gate) * up of rows interleaved 8 / 8 (through `red`, the block's shared scratch of >= kRows floats).
 // `active`: this thread holds row r (the mma kernel has more threads than rows). Same arithmetic, same order as
-// each kernel had it inline.
+// the kernel had it inline.
 #pragma once
 #include <cuda_fp16.h>
 #include "pdl.cuh"

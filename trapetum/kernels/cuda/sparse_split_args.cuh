@@ -1,4 +1,4 @@
-// The argument checks both split sparse GEMV launchers share (sparse_gemv.cu, sparse_mma.cu; included after
+// The argument checks of the split sparse GEMV launcher (sparse_mma.cu; included after
 // <torch/extension.h>): codebook cb fp16 [N, 16] over B blocks of kRows rows, dense uint8 [M], y fp16 [M, N]
 // (epi 0) or [M, f] (epi 1, 2), the residual, S K ranges of at most max_ks inputs, the fp32 partials and the int32
 // counters. Returns N.
