@@ -23,8 +23,8 @@
    - code paths: AVX-512 with FP16 and VBMI (avx512fp16: 4-bit as avx512; 8-bit: byte permutes of the table's
      low / high byte planes, row8_bytes), AVX-512 with VBMI (avx512vbmi: 4-bit avx512's results bit for bit, 8-bit
      avx512fp16's: the same byte lookup on the same tables), AVX-512 (4-bit: the 16-entry table in one register, vpermps;
-     8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: two 8-entry halves, vpermps + blend; 8-bit:
-     gathers), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
+     8-bit: 16-bit permutes of the fp16 table), AVX2 (4-bit: the fp16 table's two byte planes, vpshufb; 8-bit:
+     scalar loads and inserts), portable C, chosen at run time from the CPU (tp_path); results differ between paths only in
      rounding; on each path the two table storages give the same bits.
    x is copied once per call into a zero-padded buffer, permuted per block so that the low / high nibbles of
    consecutive code bytes meet consecutive x entries (AVX2: blocks of 16 columns, AVX-512: 128 by nibble
@@ -74,40 +74,79 @@ __attribute__((target("avx2,fma,f16c"))) static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-__attribute__((target("avx2,fma,f16c"))) static inline __m256 look16(__m256 lo, __m256 hi, __m256i idx) {
-  __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
-  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+/* row n's 16-entry table (fp32 t, every entry an fp16 value) as its fp16 bits in two byte planes, low bytes
+   and high bytes, for 16-entry byte lookups (vpshufb) */
+__attribute__((target("avx2,fma,f16c"))) static inline void planes4_avx2(const float *t, __m128i *plo, __m128i *phi) {
+  const __m128i sel = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const __m128i a = _mm_shuffle_epi8(_mm256_cvtps_ph(_mm256_load_ps(t), _MM_FROUND_TO_NEAREST_INT), sel);
+  const __m128i b = _mm_shuffle_epi8(_mm256_cvtps_ph(_mm256_load_ps(t + 8), _MM_FROUND_TO_NEAREST_INT), sel);
+  *plo = _mm_unpacklo_epi64(a, b);  /* entries 0..7 are exact fp16 values: the round trip is exact */
+  *phi = _mm_unpackhi_epi64(a, b);
 }
 
-/* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1] */
+/* 4-bit, R x rows: blocks of 16 columns = 8 code bytes; xp[16g + i] = x[16g + 2i], xp[16g + 8 + i] = x[16g + 2i + 1].
+   The 16 indices of a block (8 low nibbles, then 8 high) look up both byte planes at once (two vpshufb), the
+   bytes interleave back into fp16 weights, widened exactly (vcvtph2ps): the table's fp32 entries, as the
+   permute-and-blend lookup of sessions before 18 gave them (two vpermps, a blend, per 8), with 128-bit shuffles
+   only (a 256-bit vpermps costs 3 ops on AMD Zen 1; that lookup ran 2.8 GB/s a core there). */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_avx2(
     const job_t *j, long n, long m0, int R, const float *t) {
-  const __m256 lo = _mm256_load_ps(t), hi = _mm256_load_ps(t + 8);
+  __m128i plo, phi;
+  planes4_avx2(t, &plo, &phi);
+  const __m128i m4 = _mm_set1_epi8(15);
   const uint8_t *c = j->codes + n * j->ldc;
   const long nb = j->Kp / 16, full = j->K / 16;  /* blocks; full blocks lie inside the stored row */
   __m256 a0[4], a1[4];
   for (int r = 0; r < R; r++) { a0[r] = _mm256_setzero_ps(); a1[r] = _mm256_setzero_ps(); }
   uint8_t tail[8];
-  for (long b = 0; b < nb; b++) {
-    const uint8_t *p = c + b * 8;
-    if (!(b & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);
-    if (b >= full) { /* the row's partial last block */
-      long have = (j->K + 1) / 2 - b * 8;
-      memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
-    }
-    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256 w0 = look16(lo, hi, v); /* bits 2:0 pick, bit 3 blends; the high nibble is shifted out */
-    __m256 w1 = look16(lo, hi, _mm256_srli_epi32(v, 4));
-    for (int r = 0; r < R; r++) {
-      const float *x = j->xp + (m0 + r) * j->Kp + b * 16;
-      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a0[r]);
-      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a1[r]);
-    }
+#define BLOCK4_AVX2(IDX, B)                                                                   \
+  do {                                                                                        \
+    const __m128i lb = _mm_shuffle_epi8(plo, IDX), hb = _mm_shuffle_epi8(phi, IDX);           \
+    const __m256 w0 = _mm256_cvtph_ps(_mm_unpacklo_epi8(lb, hb)); /* the low nibbles' weights */ \
+    const __m256 w1 = _mm256_cvtph_ps(_mm_unpackhi_epi8(lb, hb)); /* the high nibbles' */     \
+    for (int r = 0; r < R; r++) {                                                             \
+      const float *x = j->xp + (m0 + r) * j->Kp + (B) * 16;                                   \
+      a0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), a0[r]);                                 \
+      a1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), a1[r]);                             \
+    }                                                                                         \
+  } while (0)
+  long b = 0;
+  for (; b + 2 <= full; b += 2) { /* two full blocks from one 16-byte load */
+    if (!(b & 7)) _mm_prefetch((const char *)(c + b * 8) + PF, _MM_HINT_T0);
+    const __m128i v = _mm_loadu_si128((const __m128i *)(c + b * 8));
+    const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m128i i0 = _mm_unpacklo_epi64(lo, hi), i1 = _mm_unpackhi_epi64(lo, hi);
+    BLOCK4_AVX2(i0, b);
+    BLOCK4_AVX2(i1, b + 1);
   }
+  for (; b < nb; b++) { /* a last full block, the row's partial last block, the zero padding */
+    const uint8_t *p = c + b * 8;
+    if (b >= full) {
+      long have = (j->K + 1) / 2 - b * 8;
+      memset(tail, 0, 8);
+      if (have > 0) memcpy(tail, p, have);
+      p = tail;
+    }
+    const __m128i v = _mm_loadl_epi64((const __m128i *)p);
+    const __m128i idx = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    BLOCK4_AVX2(idx, b);
+  }
+#undef BLOCK4_AVX2
   for (int r = 0; r < R; r++) j->y[(m0 + r) * j->ldy + n] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 }
 
-/* 8-bit, R x rows: blocks of 8 columns, 256-entry fp32 table on the stack, gathered */
+/* the table entries of 8 code bytes as 8 fp32: 8 scalar loads put together by inserts (vgatherdps gives the
+   same values, but costs ~20 cycles a call on AMD Zen 1, 1.9 GB/s a core for the 8-bit head there) */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline __m256 look8_avx2(const float *t,
+                                                                                        const uint8_t *p) {
+  uint64_t q;
+  memcpy(&q, p, 8);
+  const __m128 l = _mm_setr_ps(t[q & 255], t[(q >> 8) & 255], t[(q >> 16) & 255], t[(q >> 24) & 255]);
+  const __m128 h = _mm_setr_ps(t[(q >> 32) & 255], t[(q >> 40) & 255], t[(q >> 48) & 255], t[q >> 56]);
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(l), h, 1);
+}
+
+/* 8-bit, R x rows: blocks of 8 columns, 256-entry fp32 table on the stack, looked up by look8_avx2 */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_avx2(
     const job_t *j, long n, long m0, int R, const float *t) {
   const uint8_t *c = j->codes + n * j->ldc;
@@ -120,7 +159,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row8_
     const uint8_t *p = c + (B) * 8;                                                           \
     if (!((B) & 7)) _mm_prefetch((const char *)p + PF, _MM_HINT_T0);                           \
     if ((B) >= full) { memset(tail, 0, 8); memcpy(tail, p, j->K - (B) * 8); p = tail; }       \
-    __m256 w = _mm256_i32gather_ps(t, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4); \
+    __m256 w = look8_avx2(t, p);                                                              \
     for (int r = 0; r < R; r++)                                                               \
       A[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(j->xp + (m0 + r) * j->Kp + (B) * 8), A[r]);   \
   } while (0)
