@@ -91,7 +91,7 @@ def test_same_logits_in_memory(tiny, fam):
 @pytest.mark.parametrize("fam", ["gemma2", "gemma3"])
 def test_signed_permutation_folds_no_norm(tiny, fam):
     """Sandwich norms (Gemma): the residual map is a signed permutation, and every norm stays, its weights
-    permuted, instead of being folded into its readers (folding gave the readers' columns the norms' 4-32x
+    permuted, instead of being folded into its readers (folding gave the readers' columns the pre-norms' 4-7x
     spread, which broke every quantizer of Gemma's fair source). So each reader is its source with its columns
     permuted and sign-flipped (the same multiset of magnitudes), and each norm holds its source weights."""
     d, _ = tiny[fam]

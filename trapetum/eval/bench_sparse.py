@@ -105,9 +105,9 @@ def run(shapes: list[tuple[int, int]], sparsities: list[float], bits: int = 4, m
 def _check_layout(eng, kernel: str) -> None:
     """The engine's 4-bit projections hold the layout of ``kernel`` ("mma": tile-major), else a RuntimeError: a
     benchmark of a kernel that silently fell back would time another one."""
-    mod = {"mma": sparse_mma}.get(kernel)
-    if mod is None:
+    if kernel != "mma":
         return
+    mod = sparse_mma
     projs = [p for L in eng.model.layers for p in (L.attention.qkv, L.attention.o, L.mlp.gate_up.proj, L.mlp.down)]
     bad = sum(1 for p in projs if p.ct is None or not mod.is_layout(p.ct))
     if bad:

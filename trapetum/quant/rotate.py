@@ -12,7 +12,7 @@ dense weights (QuaRot-style), so that every quantizer starts from the same grid-
   (Gemma-2/3) scale the *writes* to the residual after a norm (``x + diag(s) n(Wo a)``), which no dense
   rotation commutes with; there ``Q`` is a random **signed permutation** (``Q^T diag(s) Q`` stays diagonal), and
   every norm, pre-norms and final norm included, stays with its weights permuted: nothing is folded. Folding there
-  would hand the readers' columns the norm weights' spread (4-32x max/median on Gemma-3-270M,
+  would hand the readers' columns the pre-norm weights' spread (4-7x max/median on Gemma-3-270M,
   scripts/dev/gguf_norm_spread.py), which a permutation does not blend and which broke every quantizer of the
   folded fair source (QUALITY.md, session 17). Tied embeddings stay tied.
 * **Head rotation** (``heads=True``): per KV head a seeded orthogonal ``H`` [hd, hd] rotates the value space

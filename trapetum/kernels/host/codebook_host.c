@@ -119,13 +119,11 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void row4_
     BLOCK4_AVX2(i0, b);
     BLOCK4_AVX2(i1, b + 1);
   }
-  for (; b < nb; b++) { /* a last full block, the row's partial last block, the zero padding */
+  for (; b < nb; b++) { /* an odd last full block, then the row's partial last block (Kp: K rounded up to 16) */
     const uint8_t *p = c + b * 8;
     if (b >= full) {
       long have = (j->K + 1) / 2 - b * 8;
-      memset(tail, 0, 8);
-      if (have > 0) memcpy(tail, p, have);
-      p = tail;
+      memset(tail, 0, 8); memcpy(tail, p, have); p = tail;
     }
     const __m128i v = _mm_loadl_epi64((const __m128i *)p);
     const __m128i idx = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
