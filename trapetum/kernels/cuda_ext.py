@@ -56,8 +56,10 @@ class Extension:
     """One torch extension built from sources of ``trapetum/kernels/cuda`` on first use (``load()``), its build
     failure remembered and warned once (``error()``): the callers keep their Triton / torch fallbacks."""
 
-    def __init__(self, name: str, sources: tuple[str, ...], decls: str, functions: list[str]):
+    def __init__(self, name: str, sources: tuple[str, ...], decls: str, functions: list[str],
+                 cuda_flags: tuple[str, ...] = ()):
         self.name, self.sources, self.decls, self.functions = name, tuple(sources), decls, list(functions)
+        self.cuda_flags = tuple(cuda_flags)  # e.g. an arch of its own (torch then adds none)
         self._lock = threading.Lock()
         self._ext = None
         self._err: str | None = None
@@ -75,7 +77,7 @@ class Extension:
             try:
                 from torch.utils.cpp_extension import load_inline
                 self._ext = load_inline(name=self.name, cpp_sources=self.decls, cuda_sources=cuda_source(self.sources),
-                                        functions=self.functions, extra_cuda_cflags=["-O3", "-lineinfo"],
+                                        functions=self.functions, extra_cuda_cflags=["-O3", "-lineinfo", *self.cuda_flags],
                                         extra_include_paths=[str(_DIR)], verbose=False)
             except Exception as e:  # keep the Triton / torch fallbacks, but say why
                 self._err = f"{type(e).__name__}: {e}"
