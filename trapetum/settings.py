@@ -32,6 +32,8 @@ bench_e2e ``--aqlm-kernels``); ``kernels.grouped_gemv_groups`` (2): the 4-/8-bit
 (batched decode) gives a block 1 group of 16 rows (a block per group), 2 (two an SM) or 4 (one block an SM), each
 weight dequantized once for the groups of a block (the same bits in every mode; bench_kernels ``--only rows``
 times them: at 64 rows 2 took 0.82-0.88x the time of 1 on the H200, 4 measured slower in the 64-row paged step);
+``kernels.many_rows`` ("wgmma"): the 4-bit GEMV on more than 16 rows runs on Hopper's warpgroup MMA where it can
+(kernels/codebook_gemm_wgmma.py), "mma" keeps the grouped mma kernel (the same bits);
 ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
@@ -67,6 +69,7 @@ MLA_MODES = ("expanded", "latent")
 AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
+MANY_ROWS_KERNELS = ("wgmma", "mma")  # KernelOptions.many_rows
 SPARSE_KERNELS = ("mma", "compact", "masked")  # KernelOptions.sparse_kernel
 
 
@@ -119,6 +122,10 @@ class KernelOptions:
     # groups of a block: 4 (one block an SM), 2 (two an SM) or 1 (a block per group: the session-10 kernel, the
     # default: at 4 the 7B 64-row paged step's GEMVs took 10.3 ms against 8.3 ms, NOTES-kernels.md session 11)
     grouped_gemv_groups: int = 2
+    # 4-bit GEMV on more than 16 rows (tiled codes): "wgmma" (Hopper warpgroup MMA, x from shared memory, weights
+    # dequantized in registers: kernels/codebook_gemm_wgmma.py) where it runs (sm_90, extension built), else and with
+    # "mma" the grouped mma kernel above. The same bits either way (each row its one-row call's).
+    many_rows: str = "wgmma"
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
@@ -139,6 +146,8 @@ class KernelOptions:
         if self.grouped_gemv_groups not in GROUPED_GEMV_GROUPS:
             raise ConfigError(f"kernels.grouped_gemv_groups: expected one of {GROUPED_GEMV_GROUPS}, "
                               f"got {self.grouped_gemv_groups!r}")
+        if self.many_rows not in MANY_ROWS_KERNELS:
+            raise ConfigError(f"kernels.many_rows: expected one of {', '.join(MANY_ROWS_KERNELS)}, got {self.many_rows!r}")
         if self.sparse_kernel not in SPARSE_KERNELS:
             raise ConfigError(f"kernels.sparse_kernel: expected one of {', '.join(SPARSE_KERNELS)}, "
                               f"got {self.sparse_kernel!r}")

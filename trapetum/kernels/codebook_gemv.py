@@ -14,7 +14,9 @@ Backends (``backend=None`` picks the first that applies):
   "mma"    CUDA C++ tensor-core kernel (``cuda/codebook_gemv_mma.cu``: its comment has the design): bits 4 and 8,
            M <= 16, in % 128 == 0 (4-bit) or in % 64 == 0 (8-bit), compute capability >= 8.0, ``kopts.cuda``.
            Reads canonical codes, or (``tiled=True``, the engine's layout) tiled codes; both give the same bits.
-           With the kernels off, tiled codes are untiled for the fallbacks.
+           With the kernels off, tiled codes are untiled for the fallbacks. Tiled codes also take more than 16 rows
+           (up to ``MAX_GROUPED_ROWS``: groups of 16 in one launch), 4-bit ones of 17 or more on Hopper through the
+           warpgroup-MMA kernel (``codebook_gemm_wgmma``, ``kopts.many_rows``), with the same bits.
   "triton" Triton kernel, bits in {2, 4, 8}, any M and shape; also runs on the CPU under TRITON_INTERPRET=1.
   "torch"  dequantize + fp32 matrix-vector products (the CPU fallback when Triton cannot run).
 
@@ -36,7 +38,7 @@ import warnings
 import torch
 
 from ..settings import DEFAULT_KERNELS, KernelOptions
-from . import cuda_ext
+from . import codebook_gemm_wgmma, cuda_ext
 from .codebook_layout import FRAG_ROWS, Fragments, frag_pieces, to_fragments
 from .codebook_layout import interleave_gate_up, tile_codes, untile_codes  # noqa: F401  (re-exported)
 from .pack import unpack_codes
@@ -306,6 +308,13 @@ def _prepare(x, codes, codebook, bits, backend, tiled, kopts):
     return x2, codes.contiguous(), tiled, squeeze
 
 
+def _many_rows(x2, codes, bits, tiled, xf, kopts) -> bool:
+    """Whether this call runs the wgmma kernel (``codebook_gemm_wgmma``: the same bits as the grouped mma kernel,
+    which runs otherwise): tiled 4-bit codes, rows and shape where it measured faster, and it runs here."""
+    return (bits == 4 and tiled and not xf and codebook_gemm_wgmma.takes(x2.shape[0], codes.shape[0], x2.shape[1])
+            and codebook_gemm_wgmma.ready(x2.device, kopts))
+
+
 def _out(out, shape, device, name="out"):
     M, N = shape
     if out is None:
@@ -338,7 +347,9 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     y = _out(out, (M, N), x.device)
     codebook = codebook.contiguous()
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
-    if be == "mma":
+    if be == "mma" and _many_rows(x2, codes, bits, tiled, xf, kopts):
+        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, residual=residual, pdl=kopts.pdl_cuda)
+    elif be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
                                     int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0,
                                     int(kopts.grouped_gemv_groups))
@@ -380,6 +391,9 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     y = _out(out, (M, f), x.device)
     codebook = codebook.contiguous()
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
+    if be == "mma" and not pt and _many_rows(x2, codes, bits, tiled, xf, kopts):
+        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, gate_up_f=f, act=ACTS[act], pdl=kopts.pdl_cuda)
+        return y.view(f) if squeeze else y
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
                                     xf, pt, int(kopts.grouped_gemv_groups))
