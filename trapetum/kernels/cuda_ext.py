@@ -25,8 +25,9 @@ from ..settings import DEFAULT_KERNELS, KernelOptions
 _DIR = Path(__file__).with_name("cuda")
 SOURCES = ("codebook_gemv_mma.cu", "dense_gemv.cu", "expert_gemv_mma.cu")
 HEADERS = ("pdl.cuh", "act.cuh", "ptx.cuh", "codebook_gemv_groups.cuh", "sparse_split.cuh",
-           "sparse_split_args.cuh", "smem_once.cuh")  # included by the sources (PDL, epilogue activations, PTX
-# helpers, the grouped codebook GEMV, the split sparse GEMV's ending and launcher checks, the shared-memory attributes)
+           "sparse_split_args.cuh", "smem_once.cuh", "lut4.cuh")  # included by the sources (PDL, epilogue activations, PTX
+# helpers, the grouped codebook GEMV, the split sparse GEMV's ending and launcher checks, the shared-memory attributes,
+# the 4-bit codebook's register lookups)
 _DECLS = """
 void cb_gemv_mma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
                  int64_t bits, int64_t epi, int64_t has_res, int64_t f, int64_t tiled, int64_t pdl,

@@ -14,20 +14,24 @@
 // (k-steps j = 0..7 of each chunk in order, A = the pair (cb[lo nibble], cb[hi nibble]) of code byte
 // (j & 1) * 2 (+1) of word j >> 1 of lane t's 16 code bytes, B = x columns c*128 + t*32 + j*4 + {0,1} / {2,3}).
 // This kernel computes the same chains one after another (residue w = 0..7, accumulators reset per residue) and
-// adds each finished P_w into S in that order; A and the k order are those of the mma kernel, B holds the same x
-// values in the same k positions. It is exact iff wgmma.m64nNk16 accumulates a k-step as mma.sync.m16n8k16 does:
-// scripts/dev/wgmma_bits.cu checks that on the GPU.
+// adds each finished P_w into S in that order (with a residue split, Split below, in a workspace first, then by the
+// last block in the same order); A and the k order are those of the mma kernel, B holds the same x values in the
+// same k positions. It is exact iff wgmma.m64nNk16 accumulates a k-step as mma.sync.m16n8k16 does: observed on the
+// H100 in every case of scripts/dev/wgmma_gemm_check.py and pinned by tests/test_kernels_gemv_wgmma.py (not a
+// documented guarantee: the Python side runs it on sm_90 only).
 //
 // Layout: block = one warpgroup (4 warps) = 64 weight rows (warp q: tiled 16-row tile 4 b + q) x NX activation rows
 // (grid.y: groups of NX rows). x is read in "wgmma order" (x_wgmma_kernel below): per group and chunk c, NX * 256
 // bytes, for k-step j, n-group ng (8 rows), half hi: a core matrix of 8 rows x 16 bytes at ((j*NG + ng)*2 + hi)*128,
 // row r holding x[8 ng + r][c*128 + t*32 + j*4 + hi*2 + {0,1}] for t = 0..3; descriptor LBO 128 (hi), SBO 256 (ng).
-// Chunks stream through STAGES shared buffers by cp.async, two chunks ahead; codes two chunks ahead in registers.
+// Chunks stream through kStages shared buffers by cp.async, two chunks ahead; codes two chunks ahead in registers;
+// two groups of 4 wgmmas a chunk, each half-chunk's A dequantized while the other half's wgmmas run.
 #include <cuda_fp16.h>
 #include <stdint.h>
 #include "pdl.cuh"
 #include "act.cuh"
 #include "ptx.cuh"
+#include "lut4.cuh"
 
 namespace trapetum_wg {
 
@@ -35,33 +39,8 @@ constexpr int kThreads = 128;
 constexpr int kResidues = 8;  // the mma kernel's warps: chunk c belongs to partial c % 8
 constexpr int kStages = 4;
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// The pairs of 4 nibbles (one 16-bit piece v of a code word): p01 = (cb[n0], cb[n1]), p23 = (cb[n2], cb[n3]),
-// from the row's codebook as byte planes L (low bytes of the 16 entries) and H (high bytes).
-__device__ __forceinline__ void lut4(uint32_t v, const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                     uint32_t& p01, uint32_t& p23) {
-  const uint32_t s7 = v & 0x7777u, sf = ((v >> 1) & 0x4444u) | 0x3210u;
-  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
-  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
-  p01 = prmt(lo, hi, 0x5140);
-  p23 = prmt(lo, hi, 0x7362);
-}
-
-__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
-  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
-    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
-  }
-}
+using trapetum_lut::load_planes;
+using trapetum_lut::lut4_piece;
 
 __device__ __forceinline__ uint64_t desc(uint32_t saddr) {  // no swizzle, LBO 128 B, SBO 256 B
   return (uint64_t)((saddr >> 4) & 0x3FFF) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
@@ -198,8 +177,8 @@ cb_gemm_wgmma_kernel(const half* __restrict__ xw, const uint8_t* __restrict__ co
           const int j = 4 * h + jj;
           const uint32_t va = (j & 1) ? (wa[j >> 1] >> 16) : (wa[j >> 1] & 0xFFFFu);
           const uint32_t vb = (j & 1) ? (wb[j >> 1] >> 16) : (wb[j >> 1] & 0xFFFFu);
-          lut4(va, La, Ha, A[h][jj][0], A[h][jj][2]);
-          lut4(vb, Lb, Hb, A[h][jj][1], A[h][jj][3]);
+          lut4_piece(va, La, Ha, A[h][jj][0], A[h][jj][2]);
+          lut4_piece(vb, Lb, Hb, A[h][jj][1], A[h][jj][3]);
         }
         wg_fence();
 #pragma unroll

@@ -46,6 +46,7 @@
 #include "pdl.cuh"
 #include "act.cuh"
 #include "ptx.cuh"
+#include "lut4.cuh"
 
 // Dynamic shared memory, named at file scope so PTX can take its address as a constant
 // (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
@@ -358,34 +359,9 @@ x_fragments_groups_kernel(const half* __restrict__ x, half* __restrict__ xf, int
 // (low bytes L[4], high bytes H[4]; two 16-byte loads, L1 hits for the row's other threads) and byte-permute
 // lookups, four 16-byte stores; consecutive threads take consecutive segments of a row: coalesced.
 // Memory-bound at 2.5 bytes per weight. Requires KB % 16 == 0. Not launched with PDL (a prefill kernel).
-//   Per 16-bit piece v (4 nibbles): s7 = v & 0x7777 (byte index inside each 8-entry half),
-//   sf = ((v >> 1) & 0x4444) | 0x3210 (per output byte: half 0 or 1 = bit 3 of the nibble);
-//   lo = PRMT(PRMT(L0,L1,s7), PRMT(L2,L3,s7), sf), hi likewise from H; pairs = PRMT(lo, hi, 0x5140 / 0x7362).
-// Raw PTX prmt: the selectors never set bit 3, and going around __byte_perm keeps nvcc from re-masking them.
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                     uint32_t& p01, uint32_t& p23) {
-  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
-  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
-  p01 = __byte_perm(lo, hi, 0x5140);
-  p23 = __byte_perm(lo, hi, 0x7362);
-}
-
-__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
-  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
-    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
-  }
-}
+// (lut4.cuh: the byte-permute lookups of 4 nibbles in the row's codebook planes.)
+using trapetum_lut::lut4_piece;
+using trapetum_lut::load_planes;
 
 __global__ void __launch_bounds__(256)
 cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ cb, half* __restrict__ w,
@@ -403,8 +379,8 @@ cb_dequant4_kernel(const uint8_t* __restrict__ codes, const half* __restrict__ c
   for (int k = 0; k < 4; ++k) {  // word k: columns 8k .. 8k+7 of the segment, low nibble first
     uint32_t a0, a1, a2, a3;
     const uint32_t lo = qw[k], hi = qw[k] >> 16;
-    lut4(lo & 0x7777u, ((lo >> 1) & 0x4444u) | 0x3210u, L, H, a0, a1);
-    lut4(hi & 0x7777u, ((hi >> 1) & 0x4444u) | 0x3210u, L, H, a2, a3);
+    lut4_piece(lo, L, H, a0, a1);
+    lut4_piece(hi, L, H, a2, a3);
     out[k] = make_uint4(a0, a1, a2, a3);
   }
 }

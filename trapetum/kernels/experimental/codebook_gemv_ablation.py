@@ -19,7 +19,7 @@ from pathlib import Path
 
 _CUDA = Path(__file__).resolve().parents[1] / "cuda"
 SOURCE = _CUDA / "experimental" / "codebook_gemv_ablation.cu"
-DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh",
+DEPS = ("codebook_gemv_mma.cu", "codebook_gemv_groups.cuh", "pdl.cuh", "act.cuh", "ptx.cuh", "lut4.cuh",
         "experimental/codebook_gemv_xr2.cuh")
 NPARTS = 8
 
