@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "act.cuh"
+#include "lut4.cuh"
 
 // Dynamic shared memory, named at file scope so PTX can take its address as a constant
 // (ptxas then folds the table base into the LDS immediate: PRMT + LDS per lookup).
@@ -86,33 +87,10 @@ __device__ __forceinline__ void load_x(uint32_t (&xw)[NT][XWords<BITS>::value], 
 //   A-operand pairs = PRMT(lo, hi, 0x5140), PRMT(lo, hi, 0x7362)
 // 11 ALU instructions per 4 weights and no shared-memory traffic: the V3 kernel was bound by the
 // L1/shared-memory pipe (ncu: L1/TEX 83%, MIO-queue stalls), this one by instruction issue.
-// Raw PTX prmt: selectors here never set bit 3, and going around __byte_perm keeps nvcc from
-// re-masking every selector (it emits an extra LOP3 per __byte_perm with a run-time selector).
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// s7 / sf: selectors of one 16-bit piece (see above), computed for both pieces of a word at once.
-__device__ __forceinline__ void lut4(uint32_t s7, uint32_t sf, const uint32_t (&L)[4], const uint32_t (&H)[4],
-                                     uint32_t& p01, uint32_t& p23) {
-  const uint32_t lo = prmt(prmt(L[0], L[1], s7), prmt(L[2], L[3], s7), sf);
-  const uint32_t hi = prmt(prmt(H[0], H[1], s7), prmt(H[2], H[3], s7), sf);
-  p01 = __byte_perm(lo, hi, 0x5140);
-  p23 = __byte_perm(lo, hi, 0x7362);
-}
-
-__device__ __forceinline__ void load_planes(const half* __restrict__ cb, int r, uint32_t (&L)[4], uint32_t (&H)[4]) {
-  const uint4* cp = reinterpret_cast<const uint4*>(cb + (size_t)r * 16);
-  const uint4 c0 = __ldg(cp), c1 = __ldg(cp + 1);
-  const uint32_t c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    L[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x6420);
-    H[q] = __byte_perm(c[2 * q], c[2 * q + 1], 0x7531);
-  }
-}
+// (prmt, lut4 and load_planes: lut4.cuh, shared with the production kernels.)
+using trapetum_lut::prmt;
+using trapetum_lut::lut4;
+using trapetum_lut::load_planes;
 
 // The code stream of one lane: 16 bytes of rows g and g+8 of a 16-row tile per 64-byte chunk.
 // Canonical layout (TILED = false): rows past N read row N-1 (valid loads; never stored); a warp load
