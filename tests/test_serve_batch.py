@@ -227,3 +227,24 @@ def test_overlap_flag_reaches_the_scheduler(model_dir):
         sch.run()
         got[overlap] = [r.completion.token_ids for r in reqs]
     assert got[True] == got[False]
+
+
+def test_kernel_flags_reach_the_loaded_model(model_dir, monkeypatch):
+    """``serve --many-rows mma --aqlm-kernel mma`` -> each ModelSpec's options -> ``trapetum.load(options=)``: the
+    served model runs with those kernel options (the batched GPU engine's GEMVs read them); without the flags the
+    specs carry none and the environment's options apply."""
+    import argparse
+
+    from trapetum.commands import serve as cmd
+    from trapetum.serve import server
+    sub = argparse.ArgumentParser().add_subparsers(dest="cmd")
+    cmd.register(sub)
+    parse = sub.choices["serve"].parse_args
+    got = {}
+    monkeypatch.setattr(server, "run", lambda specs, **kw: got.setdefault("specs", specs))
+    cmd.run(parse([f"tiny={model_dir}", "--many-rows", "mma", "--aqlm-kernel", "mma", "--threads", "1"]))
+    (spec,) = got.pop("specs")
+    alias, m = spec.load()
+    assert alias == "tiny" and m.options.kernels.many_rows == "mma" and m.options.kernels.aqlm_kernel == "mma"
+    cmd.run(parse([f"tiny={model_dir}", "--threads", "1"]))
+    assert got["specs"][0].options is None

@@ -11,7 +11,7 @@ import sys
 import time
 
 from ..errors import ConfigError, TrapetumError
-from ..settings import SPARSE_KERNELS
+from ..settings import MANY_ROWS_KERNELS, SPARSE_KERNELS
 from ._args import with_default
 
 DEVICE_HELP = ("cpu or cuda (default cpu: it runs the same everywhere, and the GPU engine compiles its CUDA "
@@ -26,18 +26,23 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 
 def add_kernel_options(p: argparse.ArgumentParser) -> None:
-    """GPU kernel choices that change numerics (settings.KernelOptions fields without a variable)."""
+    """GPU kernel choices (settings.KernelOptions fields without a variable): two change numerics (aqlm, sparse),
+    many-rows only speed."""
     p.add_argument("--aqlm-kernel", default=None, choices=("table", "mma"),
                    help="2x8 AQLM models on the GPU: the decode / verify GEMV, 'table' (default: fp32 lookup "
                         "tables) or 'mma' (tensor cores: faster verify rows, slower decode, other rounding)")
     p.add_argument("--sparse-kernel", default=None, choices=SPARSE_KERNELS,
                    help="with --sparsity on the GPU: the activation-sparse GEMV, 'mma' (default: tensor cores, "
                         "where the CUDA extension builds, else 'compact'), or the Triton 'compact' / 'masked' kernels")
+    p.add_argument("--many-rows", default=None, choices=MANY_ROWS_KERNELS,
+                   help="4-bit GEMVs of 17+ rows on the GPU (batched decode, serve --gpu-batch): 'wgmma' (default: "
+                        "Hopper's warpgroup MMA where it measured faster) or 'mma' (the grouped mma kernel); the "
+                        "same bits either way")
 
 
 def options_of(args: argparse.Namespace):
     """The engine's Options for this command (the TRAPETUM_* switches, then the kernel flags), or None."""
-    kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel") if (v := getattr(args, k, None)) is not None}
+    kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel", "many_rows") if (v := getattr(args, k, None)) is not None}
     if not kernels:
         return None
     from ..settings import Options

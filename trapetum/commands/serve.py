@@ -89,10 +89,11 @@ def register(subparsers) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
-    from ._common import add_draft, add_gpu_mem, add_sparsity
+    from ._common import add_draft, add_gpu_mem, add_kernel_options, add_sparsity
     add_draft(p)  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
     add_sparsity(p)  # the same thresholds for every model
     add_gpu_mem(p)  # the same budget for every model (each its own GPU engine)
+    add_kernel_options(p)  # the same GPU kernel choices for every model
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)
@@ -124,8 +125,10 @@ def run(args) -> int:
     specs = [ModelSpec.parse(m, d, draft_kw, args.ctx) for m, d in zip(models, devices)]
     if args.gpu_mem is not None and not all((s.device or "").startswith("cuda") for s in specs):
         raise TrapetumError("--gpu-mem: a GPU memory budget applies to the GPU engine (--device cuda)")
+    from ._common import options_of
+    options = options_of(args)
     for s in specs:
-        s.sparsity, s.gpu_mem = args.sparsity, args.gpu_mem
+        s.sparsity, s.gpu_mem, s.options = args.sparsity, args.gpu_mem, options
     for s in specs:      # fail now, not later in the background loader
         if s.path is not None and not os.path.exists(s.path):
             raise TrapetumError(f"{s.path}: file not found")

@@ -76,6 +76,7 @@ class ModelSpec:
     max_context: int | None = None
     sparsity: str | None = None
     gpu_mem: float | None = None  # ``trapetum.load``'s GPU memory budget (--gpu-mem), GB
+    options: Any = None  # ``trapetum.load``'s Options (serve's kernel flags), None: from the environment
 
     def load(self) -> tuple[str | None, Any]:
         if self.loader is not None:
@@ -86,6 +87,8 @@ class ModelSpec:
             kw["sparsity"] = self.sparsity
         if self.gpu_mem is not None:
             kw["gpu_mem"] = self.gpu_mem
+        if self.options is not None:
+            kw["options"] = self.options
         return self.alias, trapetum.load(self.path, **kw, **self.draft_kw)
 
     @staticmethod
