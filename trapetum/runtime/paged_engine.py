@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import UnsupportedError
+from ..kernels import codebook_gemm_wgmma
 from ..kernels.paged_attention import CHUNK_BLOCKS, paged_attention, paged_rope_append
 from ..models.batch import MAX_VERIFY_ROWS, ForwardBatch, Mode
 from ..models.blocks import decoder_forward
@@ -155,6 +156,8 @@ class GpuBatchRunner:
             raise UnsupportedError("batched decoding on the GPU engine: tensors in host RAM (--gpu-mem) are not "
                                    "supported yet")
         self.eng, self.cfg = eng, cfg
+        # the many-row GEMV's extension (Hopper), built now rather than inside the first step's graph capture
+        codebook_gemm_wgmma.ready(eng.device, eng.options.kernels)
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
