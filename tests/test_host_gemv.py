@@ -214,3 +214,21 @@ def test_dequantize_is_exact_and_matmul_matches_the_reference(bits):
         assert _rel(g.matmul(x, rows=128), hg.reference(x, codes, cb, bits, K)) < 2e-6
     with pytest.raises(ValueError, match="outside"):
         g.dequantize(3, 1000)
+
+
+def test_limit_path_caps_the_calls_that_name_none():
+    """``limit_path`` (bench_cpu --host-path): calls that name no path take the capped path, bit for bit that path's
+    results; a cap above the CPU's best leaves its best; None lifts the cap; an unknown name raises."""
+    best = hg.best_path()
+    try:
+        for bits, K in ((4, 257), (8, 97)):
+            x, codes, cb = _case(bits, 3, 53, K, seed=7)
+            for p in PATHS:
+                assert hg.limit_path(p) == p == hg.best_path()
+                assert torch.equal(hg.codebook_gemv_host(x, codes, cb, bits, K, threads=2),
+                                   hg.codebook_gemv_host(x, codes, cb, bits, K, threads=2, path=p)), (bits, p)
+        assert hg.limit_path(hg.PATHS[-1]) == best
+        with pytest.raises(ValueError, match="host path"):
+            hg.limit_path("sse2")
+    finally:
+        assert hg.limit_path(None) == best

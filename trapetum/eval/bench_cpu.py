@@ -2,6 +2,7 @@
 
     python -m trapetum.eval.bench_cpu MODEL.cbk [--threads 1,2] [--tokens 64] [--rounds 3] [--out DIR]
                                       [--paths torch,host,step] [--llama-bench PATH --gguf FILE]
+                                      [--host-path avx2]
 
 Measured, each round alternating every (threads, path) so that a busy machine slows all of them alike:
   * decode tok/s, greedy, ``--tokens`` new tokens after a short prompt (``Completion.tokens_per_s``: the first
@@ -22,7 +23,9 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
     pass takes (its norms and residual adds excluded, its activation included). Before session 16 the pass
     called each GEMV from Python (~5 us a call on the development VM: 6-12% of SmolLM2's pass);
   * with ``--llama-bench`` and ``--gguf``: llama.cpp's ``llama-bench -p 0 -n TOKENS -t T`` in the same rounds.
-Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``). Prints a
+Torch's thread count is set to T for every path (the host kernels follow ``torch.get_num_threads()``).
+``--host-path P`` caps the host kernels' code path for the whole run (``host_gemv.limit_path``): a lower path's
+speed on this CPU, e.g. the AVX2 path on an AVX-512 machine (against a llama.cpp built for AVX2 alone). Prints a
 markdown table (medians over the rounds, with the range; "step / llama.cpp" is the ratio of the medians);
 ``--out``: results.json there.
 """
@@ -153,6 +156,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gguf", default=None, help="the GGUF that llama-bench decodes")
     ap.add_argument("--paths", default="torch,host,step", help="comma-separated: torch, host, step")
     ap.add_argument("--out", default=None, metavar="DIR")
+    ap.add_argument("--host-path", default=None, metavar="PATH",
+                    help="cap the host kernels' code path (c, avx2, avx512, avx512vbmi, avx512fp16; default: the "
+                         "best this CPU runs), e.g. avx2: what an AVX2-only machine runs, on this one")
 
 
 def main(argv=None) -> int:
@@ -178,6 +184,10 @@ def run_args(a: argparse.Namespace) -> int:
         raise TrapetumError(f"bench cpu: --paths takes {', '.join(PATH_OPTIONS)}, got {a.paths!r}")
     if not hg.available():
         raise TrapetumError(f"bench cpu: host kernels unavailable: {hg.error()}")
+    if a.host_path is not None:
+        if a.host_path not in hg.PATHS:
+            raise TrapetumError(f"bench cpu: --host-path takes {', '.join(hg.PATHS)}, got {a.host_path!r}")
+        hg.limit_path(a.host_path)
     models = {p: trapetum.load(a.model, options=Options(**PATH_OPTIONS[p])) for p in paths}
     probe = models.get("step") or models.get("host") or trapetum.load(a.model)
     ids = probe.encode(PROMPT)

@@ -104,6 +104,8 @@ def _build() -> ctypes.CDLL:
     lib = compile_library("codebook_host", SOURCES, ("-lm",))
     lib.tp_path.restype = ctypes.c_int
     lib.tp_path.argtypes = []
+    lib.tp_limit_path.restype = ctypes.c_int
+    lib.tp_limit_path.argtypes = [ctypes.c_int]
     L, P, I = ctypes.c_long, ctypes.c_void_p, ctypes.c_int
     lib.tp_codebook_gemv.restype = I
     lib.tp_codebook_gemv.argtypes = [P, L, L, L, P, L, P, P, L, L, I, P, L, I, I]
@@ -159,11 +161,25 @@ def error() -> str | None:
 
 
 def best_path() -> str:
-    """The best code path this CPU runs (one of ``PATHS``); the kernels must be available."""
+    """The code path of calls that name none (one of ``PATHS``): the best this CPU runs, unless ``limit_path`` caps
+    it; the kernels must be available."""
     lib = _load()
     if lib is None:
         raise RuntimeError(f"host kernels unavailable: {_err}")
     return PATHS[lib.tp_path()]
+
+
+def limit_path(path: str | None) -> str:
+    """Cap, for this process, the code path of every later host call that names none (the CPU step's, the decode's)
+    at ``path`` (one of ``PATHS``; None removes the cap). For benchmarks: a lower path's speed on this CPU, e.g. what
+    an AVX2-only machine runs, measured on an AVX-512 one (``bench_cpu --host-path``). Returns the path such calls
+    take now (``best_path``); a path above this CPU's best leaves its best."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"host kernels unavailable: {_err}")
+    if path is not None and path not in PATHS:
+        raise ValueError(f"host path: expected one of {', '.join(PATHS)}, got {path!r}")
+    return PATHS[lib.tp_limit_path(-1 if path is None else PATHS.index(path))]
 
 
 def supports(bits: int) -> bool:

@@ -212,7 +212,7 @@ __attribute__((target("avx2,fma,f16c"))) static void rows_avx2(const job_t *j, l
 
 /* ---------------------------------------------------------------- path choice */
 
-int tp_path(void) { /* the best path this CPU runs */
+static int best_path(void) { /* the best path this CPU runs */
 #if TP_X86
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")
@@ -222,6 +222,20 @@ int tp_path(void) { /* the best path this CPU runs */
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
 #endif
   return PATH_C;
+}
+
+static volatile int path_limit = -1; /* tp_limit_path: the highest path tp_path returns; < 0: none */
+
+int tp_path(void) { /* the path of calls that name none: the best, at most the limit */
+  const int p = best_path(), lim = path_limit;
+  return lim >= 0 && p > lim ? lim : p;
+}
+
+/* Caps the path of every later call that names none (benchmarks: a lower path's speed on this CPU, e.g. an
+   AVX2-only machine's code on an AVX-512 one); limit < 0 removes the cap. Returns the path such calls take now. */
+int tp_limit_path(int limit) {
+  path_limit = limit;
+  return tp_path();
 }
 
 static void run_rows1(const job_t *j, long n0, long n1) {
