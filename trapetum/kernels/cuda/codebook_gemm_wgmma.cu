@@ -276,6 +276,7 @@ __global__ void __launch_bounds__(256) x_wgmma_kernel(const half* __restrict__ x
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include "smem_once.cuh"
 
 namespace trapetum_wg {
 // The residue split (Split above) of a launch: 1 if the (64-row block, row group) grid already has two blocks an SM
@@ -290,9 +291,9 @@ inline int residue_split(int blocks, int nchunks) {
 
 constexpr int kCounters = 1 << 16;
 inline int* counters(const torch::Device& d) {  // per device, zero between launches (each user resets its own)
-  static torch::Tensor c[64];
+  static torch::Tensor c[trapetum_launch::kAttrDevices];
   const int i = d.index() < 0 ? 0 : d.index();
-  TORCH_CHECK(i < 64, "device index");
+  TORCH_CHECK(i < trapetum_launch::kAttrDevices, "device index");
   if (!c[i].defined()) c[i] = torch::zeros({kCounters}, torch::dtype(torch::kInt32).device(d));
   return c[i].data_ptr<int>();
 }
@@ -302,13 +303,8 @@ void launch_gemm(const half* xw, const uint8_t* codes, const half* cb, const hal
                  int KB, int has_res, int F, Split<NX> sp, dim3 grid, cudaStream_t s, bool pdl) {
   auto kern = cb_gemm_wgmma_kernel<EPI, NX>;
   const int smem = kStages * NX * 256;
-  static bool attr_set[64] = {};
-  int dev = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev >= 0 && dev < 64 && !attr_set[dev]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    attr_set[dev] = true;
-  }
+  static bool attr_set[trapetum_launch::kAttrDevices] = {};
+  trapetum_launch::set_smem_once(kern, attr_set, smem, cudaSharedmemCarveoutDefault);  // the carveout it was timed at
   C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem, s, pdl, xw, codes, cb, res, y, M, N, Npad, KB,
                                       has_res, F, sp));
 }

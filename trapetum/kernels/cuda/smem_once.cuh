@@ -1,5 +1,6 @@
 // Launcher-side helper shared by the extensions whose kernels take dynamic shared memory above 48 KB
-// (codebook_gemv_mma.cu, expert_gemv_mma.cu through it, sparse_mma.cu): include after the torch / c10 headers.
+// (codebook_gemv_mma.cu, expert_gemv_mma.cu through it, sparse_mma.cu, codebook_gemm_wgmma.cu): include after the
+// torch / c10 headers.
 #pragma once
 
 namespace trapetum_launch {
