@@ -43,11 +43,12 @@ import torch
 from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
-SOURCES = (SOURCE, SOURCE.parent / "codebook_host_512.c", SOURCE.parent / "host_pool.c",
-           SOURCE.parent / "cpu_step.c")  # one library: the GEMVs (codebook_host.h shared), their thread pool, the
-# decode step's small ops
+SOURCES = (SOURCE, SOURCE.parent / "codebook_host_512.c", SOURCE.parent / "codebook_host_q8.c",
+           SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs (codebook_host.h
+# shared; codebook_host_q8.c: the int8 numerics), their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
-PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")  # index = the C side's path number (avx512vbmi:
+PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")
+NUMERICS = ("fp32", "int8")  # Options.host_numerics: fp32 x times the fp16 tables (the default), or the int8 dot  # index = the C side's path number (avx512vbmi:
 # avx512's 4-bit results bit for bit, the 8-bit lookup by byte permutes in its own column order; avx512fp16: the
 # same with the shared tables formed by fp16 multiplies, bitwise avx512vbmi's)
 HOST_BITS = (4, 8)
@@ -118,6 +119,10 @@ def _build() -> ctypes.CDLL:
     lib.tp_gemv_multi_norm.argtypes = [P, L, L, L, P, F, F, I, P, I, P, L, P, P, L, I, I, I]
     lib.tp_gemv_multi_list.restype = I
     lib.tp_gemv_multi_list.argtypes = [P, L]
+    lib.tp_q8_prepare.restype = I
+    lib.tp_q8_prepare.argtypes = [P, L, L, L, I, P, P, P]
+    lib.tp_q8_no_vnni.restype = I
+    lib.tp_q8_no_vnni.argtypes = [I]
     lib.tp_dense_layer.restype = I
     lib.tp_dense_layer.argtypes = [P, P, L, L, P, L, L, I, P, P, P, P, L, L, L, I]
     lib.tp_rmsnorm.restype = I
@@ -194,17 +199,73 @@ class SharedTables(NamedTuple):
     group_rows: int
 
 
+class Int8Tables(NamedTuple):
+    """A 4-bit weight's tables in the int8 numerics (``NUMERICS`` "int8", host/codebook_host_q8.c's file comment):
+    row n's weights are ``scale[n] * q[n, e]``, q = round(c / scale), scale = max |c| / 127 of the row's fp16
+    centroids c (``int8_tables``, made once when the weight is loaded); ``source``: the tables they were made
+    from (fp16 [N, 16] or ``SharedTables``), kept for the checks of the modules that hold them."""
+    q: torch.Tensor  # int8 [N, 16]
+    scale: torch.Tensor  # fp32 [N]
+    source: object
+
+
+def row_centroids(tables, N: int, bits: int) -> torch.Tensor:
+    """fp32 [N, 2**bits]: each row's centroids (shared storage: fp16(scale * shared) as the C forms them)."""
+    if isinstance(tables, SharedTables):
+        g = torch.arange(N) // tables.group_rows
+        return (tables.scale.float().unsqueeze(1) * tables.shared.float()[g]).to(torch.float16).float()
+    return tables.float()
+
+
+def int8_tables(tables, bits: int) -> Int8Tables:
+    """The int8 numerics' tables of a 4-bit weight's ``tables`` (either storage): per row s = max |c| / 127 (fp32),
+    q = round(c / s) (fp32 division, nearest even; 0 where s is 0)."""
+    if bits != 4:
+        raise ValueError(f"host GEMV: the int8 numerics take 4-bit codebooks, got {bits}-bit")
+    N = int(tables.scale.shape[0] if isinstance(tables, SharedTables) else tables.shape[0])
+    c = row_centroids(tables, N, bits)
+    s = c.abs().amax(1) / 127.0
+    q = torch.where(s.unsqueeze(1) > 0, torch.round(c / s.unsqueeze(1).clamp_min(torch.finfo(torch.float32).tiny)),
+                    torch.zeros(()))
+    return Int8Tables(q.clamp(-127, 127).to(torch.int8).contiguous(), s.contiguous(), tables)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 numerics' activations of x fp32 [M, K] (torch, the C prepare's definition): (xq int8 [M, K],
+    d fp32 [M, ceil(K / 32)]), per block of 32 columns d = max |x| / 127, xq = round(x / d) (0 where d is 0)."""
+    x = x.to(torch.float32)
+    M, K = x.shape
+    nb = -(-K // 32)
+    xp = torch.zeros(M, nb * 32)
+    xp[:, :K] = x
+    xb = xp.view(M, nb, 32)
+    d = xb.abs().amax(2) / 127.0
+    q = torch.where(d.unsqueeze(2) > 0, torch.round(xb / d.unsqueeze(2).clamp_min(torch.finfo(torch.float32).tiny)),
+                    torch.zeros(()))
+    return q.clamp(-127, 127).to(torch.int8).view(M, nb * 32)[:, :K], d
+
+
 def table_bytes(tables) -> int:
     """Bytes of ``tables`` as stored (what a pass over the weight reads beside its codes)."""
-    ts = tables[:2] if isinstance(tables, SharedTables) else (tables,)
+    ts = tables[:2] if isinstance(tables, (SharedTables, Int8Tables)) else (tables,)
     return sum(t.numel() * t.element_size() for t in ts)
 
 
 def table_args(tables) -> tuple[int, int | None, int]:
-    """(table pointer, row-scale pointer or None, G) of the C entry points."""
+    """(table pointer, row-scale pointer or None, G) of the C entry points (the fp32 numerics)."""
     if isinstance(tables, SharedTables):
         return tables.shared.data_ptr(), tables.scale.data_ptr(), int(tables.group_rows)
     return tables.data_ptr(), None, 0
+
+
+def segment(codes: torch.Tensor, tables) -> list[int]:
+    """One weight as a segment of ``tp_gemv_multi`` (8 longs: codes, ldc, table, N, row scale or 0, G, int8 table
+    or 0, int8 row scale or 0)."""
+    if isinstance(tables, Int8Tables):
+        return [codes.data_ptr(), codes.stride(0), 0, int(codes.shape[0]), 0, 0, tables.q.data_ptr(),
+                tables.scale.data_ptr()]
+    tab, scale, G = table_args(tables)
+    return [codes.data_ptr(), codes.stride(0), tab, int(codes.shape[0]), scale or 0, G, 0, 0]
 
 
 def _check_fp16(name: str, t, shape: tuple[int, ...]) -> None:
@@ -228,7 +289,17 @@ def check_weight(codes: torch.Tensor, tables, bits: int, in_features: int) -> in
                          f"got {codes.dtype} {tuple(codes.shape)}")
     if codes.device.type != "cpu":
         raise ValueError("host GEMV: tensors must be on the CPU")
-    if isinstance(tables, SharedTables):
+    if isinstance(tables, Int8Tables):
+        if bits != 4:
+            raise ValueError(f"host GEMV: the int8 numerics take 4-bit codes, got {bits}-bit")
+        q, sc = tables.q, tables.scale
+        if not isinstance(q, torch.Tensor) or q.dtype != torch.int8 or tuple(q.shape) != (N, 16) \
+                or not q.is_contiguous() or not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 \
+                or tuple(sc.shape) != (N,) or not sc.is_contiguous():
+            raise ValueError(f"host GEMV: int8 tables must be contiguous int8 [{N}, 16] and fp32 [{N}]")
+        if q.device.type != "cpu" or sc.device.type != "cpu":
+            raise ValueError("host GEMV: tensors must be on the CPU")
+    elif isinstance(tables, SharedTables):
         G = tables.group_rows
         if not isinstance(G, int) or isinstance(G, bool) or G < 1:
             raise ValueError(f"host GEMV: group_rows must be a positive integer, got {G!r}")
@@ -265,8 +336,13 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, tables, bits: int,
     if t < 1:
         raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
     p = -1 if path is None else PATHS.index(path)
-    rc = lib.tp_codebook_gemv(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), codes.stride(0),
-                              *table_args(tables), N, bits, out.data_ptr(), out.stride(0), t, p)
+    if isinstance(tables, Int8Tables):
+        segs = (ctypes.c_long * 8)(*segment(codes, tables))
+        rc = lib.tp_gemv_multi(x.data_ptr(), x.stride(0), M, K, 1, segs, bits, out.data_ptr(), out.stride(0), None,
+                               None, 0, 0, t, p)
+    else:
+        rc = lib.tp_codebook_gemv(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), codes.stride(0),
+                                  *table_args(tables), N, bits, out.data_ptr(), out.stride(0), t, p)
     if rc != 0:
         raise RuntimeError(f"host GEMV failed (code {rc})")
     return out
@@ -287,7 +363,12 @@ class HostGemv:
         self.out_features = int(codes.shape[0])
         self.nbytes = codes.numel() + table_bytes(tables)
         self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant
-        self._args = (codes.data_ptr(), codes.stride(0), *table_args(tables), self.out_features, bits)
+        self.int8 = isinstance(tables, Int8Tables)
+        if self.int8:  # one segment of tp_gemv_multi (the int8 numerics)
+            self._fn, self._prep = lib.tp_gemv_multi, lib.tp_q8_prepare
+            self._segs = (ctypes.c_long * 8)(*segment(codes, tables))
+        else:
+            self._args = (codes.data_ptr(), codes.stride(0), *table_args(tables), self.out_features, bits)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """x [M, K] on the CPU -> fp32 [M, N] (a fresh tensor)."""
@@ -300,9 +381,13 @@ class HostGemv:
         if t < 1:
             raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
         out = torch.empty(M, self.out_features, dtype=torch.float32)
-        c, ldc, cb, sc, G, n, bits = self._args
-        rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, sc, G, n, bits, out.data_ptr(), self.out_features,
-                      t, -1)
+        if self.int8:
+            rc = self._fn(x.data_ptr(), x.stride(0), M, K, 1, self._segs, 4, out.data_ptr(), self.out_features, None,
+                          None, 0, 0, t, -1)
+        else:
+            c, ldc, cb, sc, G, n, bits = self._args
+            rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, sc, G, n, bits, out.data_ptr(),
+                          self.out_features, t, -1)
         if rc != 0:
             raise RuntimeError(f"host GEMV failed (code {rc})")
         return out
@@ -312,6 +397,10 @@ class HostGemv:
         n1 = self.out_features if n1 is None else n1
         if not 0 <= n0 <= n1 <= self.out_features:
             raise ValueError(f"host GEMV: rows {n0}..{n1} outside 0..{self.out_features}")
+        if self.int8:  # the int8 numerics' weights s[n] * q[n, e] (fp32 products)
+            t = self.tables
+            idx = unpack_codes(self.codes[n0:n1], 4, self.in_features).long()
+            return torch.gather(t.q[n0:n1].float() * t.scale[n0:n1].unsqueeze(1), 1, idx)
         w = torch.empty(n1 - n0, self.in_features, dtype=torch.float32)
         c, ldc, cb, sc, G, _, bits = self._args
         if self._dq(c, ldc, cb, sc, G, n0, n1, self.in_features, bits, w.data_ptr(), self.in_features) != 0:
@@ -322,11 +411,36 @@ class HostGemv:
         """x [T, K] -> fp32 [T, N] for many rows (prefill): ``rows`` weight rows at a time dequantized into a
         temporary and multiplied by torch (no dense copy kept; not batch-invariant, unlike the GEMV)."""
         x = x.to(torch.float32)
+        if self.int8:  # x quantized as the GEMV quantizes it (the C prepare), then d * xq in fp32
+            x = self.quantized_x(x)
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         for n0 in range(0, self.out_features, rows):
             n1 = min(n0 + rows, self.out_features)
             torch.matmul(x, self.dequantize(n0, n1).T, out=out[:, n0:n1])
         return out
+
+    def quantized_x(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 numerics' activations of x fp32 [T, K] as fp32 d * xq (C's tp_q8_prepare, natural order)."""
+        T, K = x.shape
+        x = x.contiguous()
+        Kq = -(-K // 128) * 128
+        xq = torch.empty(T, Kq, dtype=torch.int8)
+        dg = torch.empty(T, Kq // 8, dtype=torch.float32)
+        xc = torch.empty(T, Kq // 8, dtype=torch.int32)
+        self._prep(x.data_ptr(), x.stride(0), T, K, 0, xq.data_ptr(), dg.data_ptr(), xc.data_ptr())
+        return xq[:, :K].float() * dg.repeat_interleave(8, 1)[:, :K]
+
+
+def reference_int8(x: torch.Tensor, codes: torch.Tensor, tables: Int8Tables,
+                   in_features: int | None = None) -> torch.Tensor:
+    """float64 reference of the int8 numerics: y[m, n] = s[n] * sum_k d[m, k // 32] * xq[m, k] * q[n, idx(n, k)]
+    (``quantize_x``'s xq and d, the tables' q and s) -> [M, N]."""
+    K = int(in_features if in_features is not None else x.shape[-1])
+    xq, d = quantize_x(x)
+    idx = unpack_codes(codes.contiguous(), 4, K).long()
+    w = torch.gather(tables.q.double(), 1, idx)  # [N, K] integers
+    xd = xq.double() * d.double().repeat_interleave(32, 1)[:, :K]
+    return (xd @ w.T) * tables.scale.double().unsqueeze(0)
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, tables, bits: int,

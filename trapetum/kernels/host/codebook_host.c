@@ -239,6 +239,7 @@ int tp_limit_path(int limit) {
 }
 
 static void run_rows1(const job_t *j, long n0, long n1) {
+  if (j->qt) { tp_rows_q8(j, n0, n1); return; }  /* the int8 numerics (codebook_host_q8.c) */
 #if TP_X86
   if (j->path == PATH_FP16) { tp_rows_spr(j, n0, n1); return; }
   if (j->path == PATH_VBMI) { tp_rows_vbmi(j, n0, n1); return; }
@@ -346,46 +347,62 @@ static float act_f(float g, int act) {
 }
 
 /* Several weights of one input in one call: their output rows side by side, y fp32 [M, N_0 + .. + N_{n-1}].
-   segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G) as longs (the two storages of
-   tp_codebook_gemv, per segment); every segment has `bits`, K columns.
+   segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G, int8 table pointer or 0, int8
+   row-scale pointer or 0) as longs (the two storages of tp_codebook_gemv, per segment; an int8 table: the int8
+   numerics of codebook_host_q8.c, 4-bit only, every segment or none; its fp16 table pointer is not read);
+   every segment has `bits`, K columns.
    Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
      act 0: y = res[m, n] + y (res NULL: none)
      act 1 (SiLU) / 2 (GELU tanh): nseg 2, N_0 == N_1 = F: y [M, F] (stride ldy) = act(g) * u, the gate / up
      outputs (bias included) computed into a scratch first.
    Each output element is its row's one fixed sequence (batch-invariant, any thread count). */
-#define SEG 6 /* longs per segment */
+#define SEG 8 /* longs per segment */
 int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
                   long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path) {
   if ((bits != 4 && bits != 8) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
   if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[SEG + 3]))) return -1;
   multi_t mj;
   long N = 0;
+  const int q8 = segs[6] != 0;
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
     if (g[1] < (bits == 4 ? (K + 1) / 2 : K) || g[3] < 0 || (g[4] && g[5] < 1)) return -1;
+    if ((g[6] != 0) != q8 || (q8 && (bits != 4 || !g[7]))) return -1;
     mj.off[s] = N; N += g[3];
   }
   mj.off[nseg] = N; mj.nseg = nseg; mj.N = N;
   if (act ? ldy < N / 2 : ldy < N) return -1;
   if (M == 0 || N == 0) return 0;
   if (path < 0) path = tp_path();
-  long Kp;
-  float *xp = prepare_x(x, ldx, M, K, bits, path, &Kp);
-  if (!xp) return -2;
+  long Kp = 0, Kq = (K + 127) / 128 * 128;
+  float *xp = NULL, *dg = NULL;
+  int8_t *xq = NULL;
+  int32_t *xc = NULL;
+  if (q8) { /* x quantized once, for every row and thread */
+    xq = (int8_t *)malloc((size_t)(M * Kq));
+    dg = (float *)malloc((size_t)(M * Kq / 8) * sizeof(float));
+    xc = (int32_t *)malloc((size_t)(M * Kq / 8) * sizeof(int32_t));
+    if (!xq || !dg || !xc) { free(xq); free(dg); free(xc); return -2; }
+    tp_q8_prepare(x, ldx, M, K, path, xq, dg, xc);
+  } else {
+    xp = prepare_x(x, ldx, M, K, bits, path, &Kp);
+    if (!xp) return -2;
+  }
   float *out = y;
   long ldo = ldy;
   if (act) {
     out = (float *)malloc((size_t)(M * N) * sizeof(float));
-    if (!out) { free(xp); return -2; }
+    if (!out) { free(xp); free(xq); free(dg); free(xc); return -2; }
     ldo = N;
   }
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
     mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)g[0], g[1], (const uint16_t *)g[2], g[3], out + mj.off[s],
-                        ldo, bits, path, (const uint16_t *)g[4], g[5]};
+                        ldo, bits, path, (const uint16_t *)g[4], g[5], (const int8_t *)g[6], (const float *)g[7],
+                        xq, dg, xc, Kq};
   }
   run_all(&mj, threads);
-  free(xp);
+  free(xp); free(xq); free(dg); free(xc);
   for (long m = 0; m < M; m++) {
     float *o = out + m * ldo;
     if (bias) for (long n = 0; n < N; n++) o[n] = o[n] + bias[n];

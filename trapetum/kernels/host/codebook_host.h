@@ -63,6 +63,10 @@ typedef struct {
   const uint8_t *codes; long ldc; const uint16_t *cb; long N;
   float *y; long ldy; int bits, path;
   const uint16_t *scale; long G;   /* shared storage: row scales [N], G rows a group (scale NULL: per-row cb) */
+  /* the int8 numerics (codebook_host_q8.c; qt NULL: the fp32 mode above): the rows' int8 tables qt [N, 16] and
+     scales qs [N]; x quantized once per call: xq [M, Kq] in the path's order, dg / xc [M, Kq / 8] per octet */
+  const int8_t *qt; const float *qs;
+  const int8_t *xq; const float *dg; const int32_t *xc; long Kq;
 } job_t;
 
 /* a call over several weights of one input (tp_gemv_multi): segment s holds global rows off[s] .. off[s+1]-1 */
@@ -88,6 +92,10 @@ typedef struct {
    (T0) the code lines pushed out the row of x that every code row reads again (19 KB at K = 4864), and a cold
    896 x 4864 matrix ran 8.8-9.4 GB/s against 12.2-12.4 with T1 (Zen 4, K = 896: the same within the noise;
    scripts/dev/s14_lib_mb.c, session 14) */
+
+/* the int8 numerics (codebook_host_q8.c): x quantized once per call, then the output rows n0 .. n1 - 1 */
+int tp_q8_prepare(const float *x, long ldx, long M, long K, int path, int8_t *xq, float *dg, int32_t *xc);
+void tp_rows_q8(const job_t *j, long n0, long n1);
 
 #if TP_X86
 /* the AVX-512 paths (codebook_host_512.c): output rows n0 .. n1 - 1 of job j */
