@@ -47,8 +47,9 @@ def _check_rows(name: str, t: torch.Tensor, cols: int) -> None:
 
 
 class FusedGemv:
-    """y = x [W_0; W_1; ...]^T in one call. ``parts``: (codes uint8 [N_i, packed], tables (fp16 [N_i, 2**bits] or
-    ``hg.SharedTables``), bias fp32 [N_i] or None) of one bit width and ``in_features``; referenced, not copied
+    """y = x [W_0; W_1; ...]^T in one call. ``parts``: (codes uint8 [N_i, packed], tables (fp16 [N_i, 2**bits],
+    ``hg.SharedTables``, or for the int8 numerics ``hg.Int8Tables``: every part or none), bias fp32 [N_i] or
+    None) of one bit width and ``in_features``; referenced, not copied
     (the codes stay where they were loaded). ``act``: None, or "silu" / "gelu_tanh" over two parts of equal N (gate, up)."""
 
     def __init__(self, parts, bits: int, in_features: int, act: str | None = None):
@@ -66,10 +67,13 @@ class FusedGemv:
         self.parts, self.bits, self.in_features = list(parts), int(bits), K
         self.n = sum(int(c.shape[0]) for c, _, _ in parts)
         self.out_features = self.n // 2 if self.act else self.n
+        int8 = [isinstance(cb, hg.Int8Tables) for _, cb, _ in parts]
+        if any(int8) and not all(int8):
+            raise ValueError("host ops: a fused GEMV's weights take one numerics (all int8 tables or none)")
+        self.int8 = all(int8)
         flat = []
-        for codes, cb, _ in parts:
-            tab, scale, G = hg.table_args(cb)
-            flat += [codes.data_ptr(), codes.stride(0), tab, int(codes.shape[0]), scale or 0, G]
+        for codes, cb, _ in parts:  # tp_gemv_multi's segments (8 longs each)
+            flat += hg.segment(codes, cb)
         self._segs = (ctypes.c_long * len(flat))(*flat)
         if any(b is not None for _, _, b in parts):
             self.bias = torch.cat([(b if b is not None else torch.zeros(c.shape[0])).to(torch.float32)
