@@ -141,7 +141,7 @@ class Model:
         if self._decoder is None:
             dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
             if self.device == "cpu" and self.options.host_kernels:
-                dec.use_host_kernels(self.threads, step=self.options.cpu_step)
+                dec.use_host_kernels(self.threads, step=self.options.cpu_step, numerics=self.options.host_numerics)
             dec.set_sparsity(self.sparsity)
             self._decoder = dec
         return self._decoder

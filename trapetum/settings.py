@@ -37,7 +37,11 @@ times them: at 64 rows 2 took 0.82-0.88x the time of 1 on the H200, 4 measured s
 ``host_kernels`` (True): the CPU decodes 4/8-bit codebook
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
-small ops in C) instead of the reference decoder's torch ops; ``mla`` ("expanded"): the GPU engine's latent attention
+small ops in C) instead of the reference decoder's torch ops; ``host_numerics`` ("fp32"): the numbers of the host
+GEMV of 4-bit codebooks, "fp32" (fp32 x times the fp16 centroids) or "int8" (an opt-in mode of other numbers: each
+row's centroids as int8 times a row scale, x as int8 per 32 columns times a block scale, integer dots:
+kernels/host/codebook_host_q8.c; the 8-bit head stays fp32; CLI ``--host-numerics``; prompts of more than 16 rows
+multiply the same int8 weights and activations in fp32); ``mla`` ("expanded"): the GPU engine's latent attention
 caches per-head keys and values ("expanded") or the compressed latent and attends in the absorbed form ("latent":
 runtime/engine_latent.py); ``prefill_graph`` (True): the default prefill of a prompt (last-row logits, CUDA) runs padded
 to a length bucket (runtime/engine.py ``prefill_bucket``), eagerly the first time a bucket is used (always with
@@ -70,6 +74,7 @@ AQLM_LAYOUTS = ("slices", "rows")
 AQLM_KERNELS = ("table", "mma")
 GROUPED_GEMV_GROUPS = (4, 2, 1)
 MANY_ROWS_KERNELS = ("wgmma", "mma")  # KernelOptions.many_rows
+HOST_NUMERICS = ("fp32", "int8")  # Options.host_numerics (kernels/host_gemv.py NUMERICS)
 SPARSE_KERNELS = ("mma", "compact", "masked")  # KernelOptions.sparse_kernel
 
 
@@ -177,6 +182,7 @@ class Options:
     calib_mem_gb: float | None = None
     host_kernels: bool = True
     cpu_step: bool = True
+    host_numerics: str = "fp32"
     mla: str = "expanded"
     prefill_graph: bool = True
     exact_prefill_max: int = 128
@@ -186,7 +192,8 @@ class Options:
     def __post_init__(self):
         for name, value, choices in (("attention", self.attention, ATTENTION_MODES),
                                      ("prefill", self.prefill, PREFILL_MODES), ("engine", self.engine, ENGINES),
-                                     ("mla", self.mla, MLA_MODES)):
+                                     ("mla", self.mla, MLA_MODES),
+                                     ("host_numerics", self.host_numerics, HOST_NUMERICS)):
             if value not in choices:
                 raise ConfigError(f"options.{name}: expected one of {', '.join(choices)}, got {value!r}")
         if self.calib_mem_gb is not None and not self.calib_mem_gb > 0:

@@ -11,7 +11,7 @@ import sys
 import time
 
 from ..errors import ConfigError, TrapetumError
-from ..settings import MANY_ROWS_KERNELS, SPARSE_KERNELS
+from ..settings import HOST_NUMERICS, MANY_ROWS_KERNELS, SPARSE_KERNELS
 from ._args import with_default
 
 DEVICE_HELP = ("cpu or cuda (default cpu: it runs the same everywhere, and the GPU engine compiles its CUDA "
@@ -40,13 +40,23 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
                         "same bits either way")
 
 
+def add_host_numerics(p: argparse.ArgumentParser) -> None:
+    """The CPU's host GEMV numerics (settings.Options.host_numerics)."""
+    p.add_argument("--host-numerics", default=None, choices=HOST_NUMERICS,
+                   help="on the CPU, the 4-bit codebook GEMV's numbers: 'fp32' (default: fp32 activations times "
+                        "the fp16 centroids) or 'int8' (opt-in, other numbers: centroids and activations as int8 "
+                        "with scales, integer dots; faster where the CPU lacks AVX-512; the 8-bit head stays fp32)")
+
+
 def options_of(args: argparse.Namespace):
-    """The engine's Options for this command (the TRAPETUM_* switches, then the kernel flags), or None."""
+    """The engine's Options for this command (the TRAPETUM_* switches, then the kernel and host flags), or None."""
     kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel", "many_rows") if (v := getattr(args, k, None)) is not None}
-    if not kernels:
+    numerics = getattr(args, "host_numerics", None)
+    if not kernels and numerics is None:
         return None
     from ..settings import Options
-    return Options.from_env().replace(kernels=kernels)
+    opts = Options.from_env().replace(kernels=kernels)
+    return opts if numerics is None else opts.replace(host_numerics=numerics)
 
 
 def apply_threads(args: argparse.Namespace):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_host_numerics, add_kernel_options, add_model_option, add_sampling, add_sparsity,
                       apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 HELP = "Type a message and press Enter; /help lists the commands, /exit (or Ctrl-D) quits."
@@ -28,6 +28,7 @@ def register(sub) -> None:
     p.add_argument("--system", default=None, help="system prompt (also /system TEXT in the chat)")
     add_device(p)
     add_kernel_options(p)
+    add_host_numerics(p)
     add_gpu_mem(p)
     add_context(p)
     add_sampling(p, temperature=0.7, max_new=512)

@@ -9,7 +9,7 @@ import os
 import sys
 
 from ..errors import TrapetumError
-from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_kernel_options, add_model_option, add_sampling, add_sparsity,
+from ._common import (add_context, add_device, add_draft, add_gpu_mem, add_host_numerics, add_kernel_options, add_model_option, add_sampling, add_sparsity,
                       apply_threads, context_of, draft_kwargs, loading, options_of, settings_from)
 
 MAX_PROMPT_BYTES = 64 << 20  # a prompt file or standard input larger than this is refused
@@ -37,6 +37,7 @@ def register(sub) -> None:
                         "prompt, same decode; same as TRAPETUM_PREFILL=precise)")
     add_device(p)
     add_kernel_options(p)
+    add_host_numerics(p)
     add_gpu_mem(p)
     add_context(p)
     add_sampling(p)

@@ -30,8 +30,9 @@ def register(sub) -> None:
                         "fp32 reference's accuracy; 2-3x the GEMM work; same as TRAPETUM_PREFILL=precise)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_sparsity(p)
-    from ._common import add_gpu_mem
+    from ._common import add_gpu_mem, add_host_numerics
     add_gpu_mem(p)
+    add_host_numerics(p)
     p.set_defaults(func=run)
 
 
@@ -58,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     if args.precise_prefill and args.decode:
         raise TrapetumError("--precise-prefill scores in the prefill; --decode scores through the (fp16) decode "
                             "step: use one of them")
+    from ._common import options_of
     model = load(args.model, device=args.device, dtype=dtype, precise_prefill=args.precise_prefill,
-                 sparsity=args.sparsity, gpu_mem=args.gpu_mem)
+                 sparsity=args.sparsity, gpu_mem=args.gpu_mem, options=options_of(args))
     ids = tokenize_file(model.tokenizer, args.text)
     bos_id = None
     if args.bos:
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         path += f", activation sparsity {args.sparsity}"
     if getattr(scorer, "precise", None) is not None:
         path += ", precise prefill"
+    if model.options.host_numerics != "fp32" and args.device == "cpu":
+        path += f", host numerics {model.options.host_numerics}"
     print(f"# {args.model} on {args.text}: {r.protocol()}; {model.dtype} on {args.device} ({path}); {dt:.1f} s",
           file=sys.stderr)
     return 0

@@ -89,11 +89,12 @@ def register(subparsers) -> None:
     p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
                    help="let web pages from ORIGIN (for example http://localhost:3000, or *) call the API "
                         "from a browser; repeatable (default: same origin only)")
-    from ._common import add_draft, add_gpu_mem, add_kernel_options, add_sparsity
+    from ._common import add_draft, add_gpu_mem, add_host_numerics, add_kernel_options, add_sparsity
     add_draft(p)  # every model gets the drafter; each speculative model is also served plainly as NAME:plain
     add_sparsity(p)  # the same thresholds for every model
     add_gpu_mem(p)  # the same budget for every model (each its own GPU engine)
     add_kernel_options(p)  # the same GPU kernel choices for every model
+    add_host_numerics(p)  # the same CPU numerics for every model
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
     p.set_defaults(func=run)

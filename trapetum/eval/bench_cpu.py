@@ -8,7 +8,9 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
   * decode tok/s, greedy, ``--tokens`` new tokens after a short prompt (``Completion.tokens_per_s``: the first
     token excluded), for each of ``--paths``: torch (``Options(host_kernels=False)``: dense copies of the
     codebook weights, fp32 matmul), host (``Options(cpu_step=False)``: the reference decoder's ops with
-    kernels/host_gemv.py on the stored codes) and step (the default: the CPU executor, models/cpu_ops.py);
+    kernels/host_gemv.py on the stored codes), step (the default: the CPU executor, models/cpu_ops.py) and
+    step-int8 (the step with ``Options(host_numerics="int8")``: the 4-bit projections' int8 dot, other numbers;
+    ``--paths step,step-int8`` compares the two modes in one run, with "step-int8 GEMV GB/s" its step GEMV pass);
   * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (run back to back by one C
     call, ``host_ops.GemvPass``; before session 16 each from Python), over the bytes a decode
     step's GEMVs actually read (``HostGemv.nbytes``: the codes and the tables as the GEMV reads them: per-row
@@ -43,7 +45,8 @@ from pathlib import Path
 from ..errors import TrapetumError
 
 PROMPT = "The history of the printing press begins"
-PATH_OPTIONS = {"torch": {"host_kernels": False}, "host": {"cpu_step": False}, "step": {}}
+PATH_OPTIONS = {"torch": {"host_kernels": False}, "host": {"cpu_step": False}, "step": {},
+                "step-int8": {"host_numerics": "int8"}}
 
 
 def read_bandwidth(threads: int, mb: int = 512, reps: int = 5) -> float:
@@ -154,7 +157,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--bw-mb", type=int, default=512)
     ap.add_argument("--llama-bench", default=None, metavar="PATH", help="llama.cpp's llama-bench binary")
     ap.add_argument("--gguf", default=None, help="the GGUF that llama-bench decodes")
-    ap.add_argument("--paths", default="torch,host,step", help="comma-separated: torch, host, step")
+    ap.add_argument("--paths", default="torch,host,step", help="comma-separated: torch, host, step, step-int8")
     ap.add_argument("--out", default=None, metavar="DIR")
     ap.add_argument("--host-path", default=None, metavar="PATH",
                     help="cap the host kernels' code path (c, avx2, avx512, avx512vbmi, avx512fp16; default: the "
@@ -197,6 +200,7 @@ def run_args(a: argparse.Namespace) -> int:
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
         decode_rate(m, ids, 4)
     steps = step_gemvs(models["step"].decoder) if "step" in models else []
+    steps8 = step_gemvs(models["step-int8"].decoder) if "step-int8" in models else []
     runs: dict[str, list[float]] = {}
     for r in range(a.rounds):
         for t in threads:
@@ -210,18 +214,24 @@ def run_args(a: argparse.Namespace) -> int:
             runs.setdefault(f"gemv ms t={t}", []).append(ms)
             if steps:
                 runs.setdefault(f"step gemv GB/s t={t}", []).append(step_gemv_bandwidth(steps, t))
+            if steps8:  # over the bytes the int8 pass reads (its int8 tables and scales: 20 bytes a row)
+                runs.setdefault(f"step-int8 gemv GB/s t={t}", []).append(step_gemv_bandwidth(steps8, t))
             runs.setdefault(f"read GB/s t={t}", []).append(read_bandwidth(t, a.bw_mb))
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
     nbytes = sum(g.nbytes for g in gemvs)
     res = {"model": a.model, "cpu": _cpu_name(), "host_path": hg.best_path(), "tokens": a.tokens,
            "rounds": a.rounds, "gemv_weight_bytes": nbytes,
-           "step_gemv_bytes": sum(b for _, b in steps), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "step_gemv_bytes": sum(b for _, b in steps), "step_int8_gemv_bytes": sum(b for _, b in steps8), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "runs": runs}
     lines = [f"{a.model}: {_cpu_name()}, host path {hg.best_path()}, {len(gemvs)} host GEMVs "
              f"({nbytes / 1e6:.1f} MB per step), {a.tokens} new tokens, {a.rounds} rounds alternated",
              "", "| threads | " + " | ".join(f"{p} tok/s" for p in paths) + " | llama.cpp tok/s | step / llama.cpp "
              "| host GEMV GB/s | read GB/s | GEMV / read | step GEMV GB/s | step GEMV / read |",
              "|---|" + "---|" * (len(paths) + 7)]
+
+    if steps8:
+        lines[2] = lines[2].rstrip() + " step-int8 / llama.cpp | step-int8 GEMV GB/s |"
+        lines[3] += "---|---|"
 
     def cell(k):
         v = runs.get(k)
@@ -235,6 +245,9 @@ def run_args(a: argparse.Namespace) -> int:
                      f"{ratio} | {cell(f'gemv GB/s t={t}')} | {cell(f'read GB/s t={t}')} | "
                      f"{med[f'gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} | {cell(f'step gemv GB/s t={t}')} | "
                      + (f"{med[f'step gemv GB/s t={t}'] / med[f'read GB/s t={t}']:.0%} |" if steps else "- |"))
+        if steps8:
+            r8 = (f"{med[f'step-int8 t={t}'] / med[f'llama.cpp t={t}']:.2f}x" if f"llama.cpp t={t}" in med else "-")
+            lines[-1] += f" {r8} | {cell(f'step-int8 gemv GB/s t={t}')} |"
     print("\n".join(lines))
     if a.out:
         out = Path(a.out)

@@ -203,13 +203,14 @@ class Decoder(nn.Module):
         p = next(self.parameters())
         return KVCache(self.config, batch, max_len or self.config.context_length, p.dtype, p.device)
 
-    def use_host_kernels(self, threads: int | None = None, step: bool = True) -> int:
+    def use_host_kernels(self, threads: int | None = None, step: bool = True, numerics: str = "fp32") -> int:
         """Route the projections that can (4/8-bit codebooks on the CPU) through the host GEMV
         (``CodebookLinear.use_host``; their dense copies dropped); ``threads``: None follows
         ``torch.get_num_threads()``. ``step``: passes of 1..16 rows over an fp32 CPU cache then run the CPU
         executor (models/cpu_ops.py: fused GEMVs, the small ops in C) where the model is dense (attention + MLP
-        blocks). Returns how many projections use the host GEMV."""
-        n = sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads))
+        blocks). ``numerics``: "fp32" or "int8" (``Options.host_numerics``: the 4-bit projections' int8 dot).
+        Returns how many projections use the host GEMV."""
+        n = sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads, numerics=numerics))
         self.cpu_step = CpuStep(self.config, (self.rope_global, self.rope_local), threads) if n and step else None
         return n
 

@@ -69,14 +69,21 @@ class CodebookLinear(nn.Module):
         self.host: hg.HostGemv | None = None  # use_host(): the host GEMV on the CPU
         self.host_threads: int | None = None
 
-    def use_host(self, threads: int | None = None) -> bool:
+    def use_host(self, threads: int | None = None, numerics: str = "fp32") -> bool:
         """Multiply fp32 inputs on the CPU by the host GEMV (kernels/host_gemv.py: the codes decoded in place,
         batch-invariant rows, the same bits for every thread count) and drop the dense copy; ``threads``: None is
-        ``torch.get_num_threads()`` at each call. False (nothing changes) where it does not apply: other bit
-        widths, codes not on the CPU, the kernels unavailable (no compiler: warned once)."""
+        ``torch.get_num_threads()`` at each call. ``numerics`` "int8" (``Options.host_numerics``): a 4-bit weight
+        runs the int8 dot (``hg.int8_tables``, made here once; other numbers); other widths stay fp32. False
+        (nothing changes) where it does not apply: other bit widths, codes not on the CPU, the kernels unavailable
+        (no compiler: warned once)."""
+        if numerics not in hg.NUMERICS:
+            raise ValueError(f"host numerics: expected one of {', '.join(hg.NUMERICS)}, got {numerics!r}")
         if not hg.supports(self.bits) or self.codes.device.type != "cpu" or not hg.available():
             return False
-        self.host, self.host_threads = hg.HostGemv(self.codes, self.tables(), self.bits, self.in_features), threads
+        tables = self.tables()
+        if numerics == "int8" and self.bits == 4:
+            tables = hg.int8_tables(tables, self.bits)
+        self.host, self.host_threads = hg.HostGemv(self.codes, tables, self.bits, self.in_features), threads
         self.__dict__.pop("_dense", None)
         return True
 
@@ -98,6 +105,8 @@ class CodebookLinear(nn.Module):
         if h is None or h.codes is not self.codes:
             return False
         t = h.tables
+        if isinstance(t, hg.Int8Tables):  # the int8 tables were made from these
+            t = t.source
         if self.group_rows is None:
             return t is self.codebook
         return isinstance(t, hg.SharedTables) and t.shared is self.codebook_shared and t.scale is self.row_scale
@@ -177,7 +186,7 @@ class CodebookEmbedding(CodebookLinear):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embed(ids, self.dtype)
 
-    def use_host(self, threads: int | None = None) -> bool:
+    def use_host(self, threads: int | None = None, numerics: str = "fp32") -> bool:
         return False  # a table gathers rows (its tied head is a CodebookLinear of its own: ``as_linear``)
 
     def as_linear(self) -> CodebookLinear:
