@@ -90,9 +90,10 @@ def test_wgmma_random_shapes_gpu(seed):
     wg.gemm(x, kc, cb, y_wg, residual=res)
     cg.codebook_gemv(x, kc, cb, 4, res, out=y_mma, tiled=True, kopts=MMA)
     assert torch.equal(y_wg.view(torch.int16), y_mma.view(torch.int16)), (m, k, n)
-    nx, rs = r.choice([32, 64]), r.choice([1, 2, 4, 8])  # any block shape and residue split: the same bits
-    y_split = wg.gemm(x, kc, cb, torch.empty_like(y_wg), residual=res, nx=nx, rs=rs)
-    assert torch.equal(y_split.view(torch.int16), y_mma.view(torch.int16)), (m, k, n, nx, rs)
+    # any block shape, residue split and warpgroup count: the same bits
+    nx, rs, wgs = r.choice([32, 64]), r.choice([1, 2, 4, 8]), r.choice([1, 2, 3])
+    y_split = wg.gemm(x, kc, cb, torch.empty_like(y_wg), residual=res, nx=nx, rs=rs, wg=wgs)
+    assert torch.equal(y_split.view(torch.int16), y_mma.view(torch.int16)), (m, k, n, nx, rs, wgs)
     ref = cg.codebook_gemv_reference(x, codes, cb, 4, res)
     assert rel_err(y_wg, ref) < TOL[torch.float16], (m, k, n)
     for i in sorted({0, 15, 16, 63, 64, m - 1, r.randrange(m)} & set(range(m))):
@@ -117,6 +118,10 @@ def test_wgmma_gate_up_gpu(f, act):
                        act=cg.ACTS[act])
         y_mma = cg.codebook_gemv_gate_up(x, kc, cb, 4, ff, act, tiled=True, kopts=MMA)
         assert torch.equal(y_wg.view(torch.int16), y_mma.view(torch.int16)), (f, m)
+        for wgs in (2, 3):  # warpgroups sharing a block's x stages: the same bits
+            y2 = wg.gemm(x, kc, cb, torch.empty(m, ff, dtype=torch.float16, device="cuda"), gate_up_f=ff,
+                         act=cg.ACTS[act], wg=wgs, rs=2)
+            assert torch.equal(y2.view(torch.int16), y_mma.view(torch.int16)), (f, m, wgs)
         ref = cg.codebook_gemv_gate_up_reference(x, codes, cb, 4, ff, act)
         assert rel_err(y_wg, ref) < TOL[torch.float16], (f, m)
         singles = torch.cat([cg.codebook_gemv_gate_up(x[i:i + 1], kc, cb, 4, ff, act, tiled=True) for i in (0, m - 1)])

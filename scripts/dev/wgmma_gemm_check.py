@@ -21,7 +21,9 @@ from trapetum.settings import DEFAULT_KERNELS  # noqa: E402
 import dataclasses  # noqa: E402
 
 KOPTS = dataclasses.replace(DEFAULT_KERNELS, pdl="off", many_rows="mma")  # the grouped mma kernel
-VARIANTS = [("auto", 0, 0), ("nx64-rs1", 64, 1), ("nx64-rs8", 64, 8)]  # (name, nx, rs) timed; 0 = the launcher's choice
+# (name, nx, rs, wg) timed; 0 = the launcher's choice. wg: warpgroups a block sharing its x stages (session 20)
+VARIANTS = [("auto", 0, 0, 0), ("wg2", 64, 0, 2), ("wg2-rs4", 64, 4, 2), ("wg3", 64, 0, 3), ("wg3-rs8", 64, 8, 3),
+            ("wg3-rs2", 64, 2, 3)]
 
 
 def case(n, k, m, gen, gate_up=False, spread=False):
@@ -41,7 +43,8 @@ def check(args, gen) -> list[str]:
     shapes = [(64, 256), (80, 384), (4096, 4096), (11008 // 4, 1024), (96, 11008 // 2 // 64 * 128), (300, 640)]
     for (n, k) in shapes:
         for m in args.rows:
-            for nx, rs in [(0, 0), (32, 1), (64, 1), (64, 2), (32, 8), (64, 8)]:
+            for nx, rs, wgs in [(0, 0, 0), (32, 1, 1), (64, 1, 1), (64, 2, 1), (32, 8, 1), (64, 8, 1), (64, 0, 2),
+                                (32, 4, 3), (64, 8, 3)]:
                 for mode in ("plain", "res", "gate_up"):
                     gu = mode == "gate_up"
                     if gu and n % 16:
@@ -51,27 +54,27 @@ def check(args, gen) -> list[str]:
                         y0 = torch.empty(m, n, device="cuda", dtype=torch.float16)
                         y1 = torch.empty_like(y0)
                         cg.codebook_gemv_gate_up(x, tiled, cb, 4, n, out=y0, tiled=True, kopts=KOPTS)
-                        wg.gemm(x, tiled, cb, y1, gate_up_f=n, act=1, nx=nx, rs=rs)
+                        wg.gemm(x, tiled, cb, y1, gate_up_f=n, act=1, nx=nx, rs=rs, wg=wgs)
                     else:
                         res = torch.randn(m, n, device="cuda", generator=gen).half() if mode == "res" else None
                         y0 = torch.empty(m, n, device="cuda", dtype=torch.float16)
                         y1 = torch.empty_like(y0)
                         cg.codebook_gemv(x, tiled, cb, 4, out=y0, tiled=True, residual=res, kopts=KOPTS)
-                        wg.gemm(x, tiled, cb, y1, residual=res, nx=nx, rs=rs)
+                        wg.gemm(x, tiled, cb, y1, residual=res, nx=nx, rs=rs, wg=wgs)
                         ref = cg.codebook_gemv_reference(x, canon, cb, 4, res)  # float64 sanity
                         err = ((y1.double() - ref).norm() / ref.norm()).item()
                         if not err < 2e-3:
-                            bad.append(f"{n}x{k} m={m} nx={nx} rs={rs} {mode}: float64 rel err {err:.2e}")
+                            bad.append(f"{n}x{k} m={m} nx={nx} rs={rs} wg={wgs} {mode}: float64 rel err {err:.2e}")
                     torch.cuda.synchronize()
                     diff = (y0.view(torch.int16) != y1.view(torch.int16)).sum().item()
                     if diff:
-                        bad.append(f"{n}x{k} m={m} nx={nx} rs={rs} {mode}: {diff} of {y0.numel()} elements differ in bits")
+                        bad.append(f"{n}x{k} m={m} nx={nx} rs={rs} wg={wgs} {mode}: {diff} of {y0.numel()} elements differ in bits")
                     if mode == "plain":  # a few rows against their one-row calls
                         for r in (0, m // 2, m - 1):
                             y2 = torch.empty(1, n, device="cuda", dtype=torch.float16)
                             cg.codebook_gemv(x[r:r + 1].contiguous(), tiled, cb, 4, out=y2, tiled=True, kopts=KOPTS)
                             if not torch.equal(y2.view(torch.int16)[0], y1.view(torch.int16)[r]):
-                                bad.append(f"{n}x{k} m={m} nx={nx} rs={rs}: row {r} differs from its one-row call")
+                                bad.append(f"{n}x{k} m={m} nx={nx} rs={rs} wg={wgs}: row {r} differs from its one-row call")
     return bad
 
 
@@ -82,18 +85,19 @@ def bench(args, gen) -> list[dict]:
         for m in args.bench_rows:
             nbytes = rows * k // 2 + m * k * 2
 
-            def make(i, kind, nx=0, rs=0):
+            def make(i, kind, nx=0, rs=0, wgs=0):
                 tiled, cb, x, _ = case(n, k, m, gen, gate_up=gu)
                 y = torch.empty(m, n, device="cuda", dtype=torch.float16)
                 if kind == "prod":
                     if gu:
                         return lambda: cg.codebook_gemv_gate_up(x, tiled, cb, 4, n, out=y, tiled=True, kopts=KOPTS)
                     return lambda: cg.codebook_gemv(x, tiled, cb, 4, out=y, tiled=True, kopts=KOPTS)
-                return lambda: wg.gemm(x, tiled, cb, y, gate_up_f=n if gu else 0, nx=nx, rs=rs)
+                return lambda: wg.gemm(x, tiled, cb, y, gate_up_f=n if gu else 0, nx=nx, rs=rs, wg=wgs)
             row = {"shape": f"{k}x{n}" + (" gate/up" if gu else ""), "M": m,
                    "prod_us": graph_time_us(lambda i: make(i, "prod"), nbytes, max_sets=16)}
-            for name, nx, rs in VARIANTS:
-                row[name] = graph_time_us(lambda i, nx=nx, rs=rs: make(i, "wg", nx, rs), nbytes, max_sets=16)
+            for name, nx, rs, wgs in VARIANTS:
+                row[name] = graph_time_us(lambda i, nx=nx, rs=rs, wgs=wgs: make(i, "wg", nx, rs, wgs), nbytes,
+                                          max_sets=16)
             out.append(row)
             print(json.dumps(row), flush=True)
     return out

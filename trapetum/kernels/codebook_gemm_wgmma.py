@@ -18,7 +18,7 @@ from .cuda_ext import Extension, available
 EXT = Extension(
     "trapetum_cuda_wgmma", ("codebook_gemm_wgmma.cu",),
     "void cb_gemm_wgmma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,"
-    " int64_t epi, int64_t has_res, int64_t f, int64_t nx, int64_t rs, int64_t pdl);",
+    " int64_t epi, int64_t has_res, int64_t f, int64_t nx, int64_t rs, int64_t wg, int64_t pdl);",
     ["cb_gemm_wgmma"], cuda_flags=("-gencode=arch=compute_90a,code=sm_90a",))
 
 MIN_ROWS = 17  # up to 16 rows the mma kernel's n-tiles cost what one row costs: it stays
@@ -45,13 +45,14 @@ def ready(device: torch.device | None, kopts: KernelOptions = DEFAULT_KERNELS) -
 
 def gemm(x: torch.Tensor, tiled_codes: torch.Tensor, cb: torch.Tensor, out: torch.Tensor, *,
          residual: torch.Tensor | None = None, gate_up_f: int = 0, act: int = 1, nx: int = 0, rs: int = 0,
-         pdl: bool = False) -> torch.Tensor:
+         wg: int = 0, pdl: bool = False) -> torch.Tensor:
     """out [M, N] = x [M, K] W^T (+ residual) on 4-bit tiled codes (``codebook_layout.tile_codes``), or with
     ``gate_up_f`` the interleaved gate/up rows' act(gate) * up (act 1 SiLU, 2 GELU-tanh) into out [M, gate_up_f].
     nx: activation rows a block (32, 64; 0: by M); rs: residue split across blocks (1, 2, 4, 8; 0: by the grid's
-    size); every choice gives the same bits. Shapes are checked by the launcher (``codebook_gemv`` checks first)."""
+    size); wg: warpgroups a block, 64 weight rows each, sharing the block's x stages (1, 2, 3; 0: 1); every choice gives
+    the same bits. Shapes are checked by the launcher (``codebook_gemv`` checks first)."""
     epi = act if gate_up_f else 0
     res = residual if residual is not None else out
     EXT.load().cb_gemm_wgmma(x, tiled_codes, cb, res, out, epi, int(residual is not None), int(gate_up_f), nx, rs,
-                             int(pdl))
+                             wg, int(pdl))
     return out

@@ -20,8 +20,9 @@
 // H100 in every case of scripts/dev/wgmma_gemm_check.py and pinned by tests/test_kernels_gemv_wgmma.py (not a
 // documented guarantee: the Python side runs it on sm_90 only).
 //
-// Layout: block = one warpgroup (4 warps) = 64 weight rows (warp q: tiled 16-row tile 4 b + q) x NX activation rows
-// (grid.y: groups of NX rows). x is read in "wgmma order" (x_wgmma_kernel below): per group and chunk c, NX * 256
+// Layout: block = WG warpgroups (4 WG warps) = 64 WG weight rows (warp q: tiled 16-row tile 4 WG b + q) x NX activation
+// rows (grid.y: groups of NX rows). The warpgroups of a block share its x stages: x is read from L2 once per 64 WG
+// weight rows (at 64 rows of 4096x11008 and WG = 1, x is 4x the weights' bytes). x is read in "wgmma order" (x_wgmma_kernel below): per group and chunk c, NX * 256
 // bytes, for k-step j, n-group ng (8 rows), half hi: a core matrix of 8 rows x 16 bytes at ((j*NG + ng)*2 + hi)*128,
 // row r holding x[8 ng + r][c*128 + t*32 + j*4 + hi*2 + {0,1}] for t = 0..3; descriptor LBO 128 (hi), SBO 256 (ng).
 // Chunks stream through kStages shared buffers by cp.async, two chunks ahead; codes two chunks ahead in registers;
@@ -35,7 +36,7 @@
 
 namespace trapetum_wg {
 
-constexpr int kThreads = 128;
+constexpr int kWarpgroup = 128;  // threads of one warpgroup
 constexpr int kResidues = 8;  // the mma kernel's warps: chunk c belongs to partial c % 8
 constexpr int kStages = 4;
 
@@ -91,15 +92,15 @@ template <int N> __device__ __forceinline__ void cp_wait() {
 // canonical sum, whatever the finishing order. The counter it takes is reset by that block (graph replays).
 template <int NX>
 struct Split {
-  float* ws;         // [slots][blocks][NX / 2][kThreads] fp32
+  float* ws;         // [slots][blocks][NX / 2][threads a block] fp32
   int* counters;     // [blocks], zero between launches
   int rs;            // 1, 2, 4 or 8
 };
 
 // y[m, r] for the rows r of 64-row block blockIdx.x and activation rows m of group blockIdx.y (EPI 0; EPI 1 / 2:
 // act(gate) * up as the mma kernel's gate/up epilogue, 8 gate then 8 up rows per 16-row tile).
-template <int EPI, int NX>
-__global__ void __launch_bounds__(kThreads)
+template <int EPI, int NX, int WG>
+__global__ void __launch_bounds__(WG * kWarpgroup)
 cb_gemm_wgmma_kernel(const half* __restrict__ xw, const uint8_t* __restrict__ codes, const half* __restrict__ cb,
                      const half* __restrict__ res, half* __restrict__ y, int M, int N, int Npad, int KB,
                      int has_res, int F, Split<NX> sp) {
@@ -109,10 +110,11 @@ cb_gemm_wgmma_kernel(const half* __restrict__ xw, const uint8_t* __restrict__ co
   __shared__ int last_block;
   constexpr int kChunkBytes = NX * 256;
   constexpr int R = NX / 2;  // accumulator registers a thread
+  constexpr int kThreads = WG * kWarpgroup;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int tiles = Npad >> 4;
-  const int tile = min((int)blockIdx.x * 4 + warp, tiles - 1);  // a warp past the last tile repeats it (not stored)
+  const int tile = min((int)blockIdx.x * 4 * WG + warp, tiles - 1);  // a warp past the last tile repeats it (not stored)
   const int row0 = tile * 16;
   const int nchunks = KB >> 6;
   const int per = kResidues / sp.rs, w0 = (int)blockIdx.z * per, w1 = w0 + per;
@@ -231,14 +233,14 @@ cb_gemm_wgmma_kernel(const half* __restrict__ xw, const uint8_t* __restrict__ co
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row0 + g + 8 * h;
-          if ((int)blockIdx.x * 4 + warp >= tiles || row >= N) continue;
+          if ((int)blockIdx.x * 4 * WG + warp >= tiles || row >= N) continue;
           float s = S[4 * i + 2 * h + e];
           if (has_res) s += trapetum_pdl::ld_input_half(res + (size_t)m * N + row);
           y[(size_t)m * N + row] = __float2half(s);
         }
       } else {
         const int o = tile * 8 + g;
-        if ((int)blockIdx.x * 4 + warp >= tiles || o >= F) continue;
+        if ((int)blockIdx.x * 4 * WG + warp >= tiles || o >= F) continue;
         const float a = trapetum_act::apply(EPI, S[4 * i + e]);
         y[(size_t)m * F + o] = __float2half(a * S[4 * i + 2 + e]);
       }
@@ -298,24 +300,32 @@ inline int* counters(const torch::Device& d) {  // per device, zero between laun
   return c[i].data_ptr<int>();
 }
 
-template <int EPI, int NX>
+template <int EPI, int NX, int WG>
 void launch_gemm(const half* xw, const uint8_t* codes, const half* cb, const half* res, half* y, int M, int N, int Npad,
                  int KB, int has_res, int F, Split<NX> sp, dim3 grid, cudaStream_t s, bool pdl) {
-  auto kern = cb_gemm_wgmma_kernel<EPI, NX>;
+  auto kern = cb_gemm_wgmma_kernel<EPI, NX, WG>;
   const int smem = kStages * NX * 256;
   static bool attr_set[trapetum_launch::kAttrDevices] = {};
   trapetum_launch::set_smem_once(kern, attr_set, smem, cudaSharedmemCarveoutDefault);  // the carveout it was timed at
-  C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, kThreads, smem, s, pdl, xw, codes, cb, res, y, M, N, Npad, KB,
+  C10_CUDA_CHECK(trapetum_pdl::launch(kern, grid, WG * kWarpgroup, smem, s, pdl, xw, codes, cb, res, y, M, N, Npad, KB,
                                       has_res, F, sp));
+}
+
+template <int NX, int WG>
+void launch_epi(int epi, const half* xw, const uint8_t* codes, const half* cb, const half* res, half* y, int M, int N,
+                int Npad, int KB, int has_res, int F, Split<NX> sp, dim3 grid, cudaStream_t s, bool pdl) {
+  if (epi == 0) launch_gemm<0, NX, WG>(xw, codes, cb, res, y, M, N, Npad, KB, has_res, F, sp, grid, s, pdl);
+  else if (epi == 1) launch_gemm<1, NX, WG>(xw, codes, cb, res, y, M, N, Npad, KB, has_res, F, sp, grid, s, pdl);
+  else launch_gemm<2, NX, WG>(xw, codes, cb, res, y, M, N, Npad, KB, has_res, F, sp, grid, s, pdl);
 }
 }  // namespace trapetum_wg
 
 // x [M, K] row-major; codes tiled uint8 [Npad, KB] (4-bit: K = 2 KB, KB % 64 == 0); cb [>= N, 16]; y [M, N] (epi 0)
 // or [M, f] (epi 1, 2); res [M, N] when has_res; nx: activation rows per block (32 or 64; 0: 32 up to 32 rows, else
-// 64); rs: residue split (1, 2, 4, 8; 0: residue_split). One launch copies x into wgmma order (a workspace), the
-// second is the GEMM.
+// 64); rs: residue split (1, 2, 4, 8; 0: residue_split); wg: warpgroups a block (1, 2 or 3; 0: 1). One launch copies x
+// into wgmma order (a workspace), the second is the GEMM.
 void cb_gemm_wgmma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch::Tensor res, torch::Tensor y,
-                   int64_t epi, int64_t has_res, int64_t f, int64_t nx, int64_t rs, int64_t pdl) {
+                   int64_t epi, int64_t has_res, int64_t f, int64_t nx, int64_t rs, int64_t wg, int64_t pdl) {
   using namespace trapetum_wg;
   TORCH_CHECK(x.is_cuda() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kHalf, "x");
   TORCH_CHECK(codes.is_cuda() && codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte, "codes");
@@ -329,10 +339,13 @@ void cb_gemm_wgmma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch
   TORCH_CHECK(!has_res || res.numel() == (int64_t)M * N, "residual");
   if (nx == 0) nx = M <= 32 ? 32 : 64;
   TORCH_CHECK(nx == 32 || nx == 64, "nx");
+  if (wg == 0) wg = 1;
+  TORCH_CHECK(wg >= 1 && wg <= 3, "wg");
   const c10::cuda::CUDAGuard guard(x.device());
   cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
   const bool use_pdl = pdl != 0;
-  const int groups = (M + (int)nx - 1) / (int)nx, blocks = ((Npad / 16 + 3) / 4) * groups, nchunks = KB / 64;
+  const int groups = (M + (int)nx - 1) / (int)nx, tile_blocks = (Npad / 16 + 4 * (int)wg - 1) / (4 * (int)wg);
+  const int blocks = tile_blocks * groups, nchunks = KB / 64;
   if (rs == 0) rs = residue_split(blocks, nchunks);
   TORCH_CHECK(rs == 1 || rs == 2 || rs == 4 || rs == 8, "rs");
   TORCH_CHECK(blocks <= kCounters, "too many blocks for the residue-split counters");
@@ -343,9 +356,9 @@ void cb_gemm_wgmma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch
   C10_CUDA_CHECK(trapetum_pdl::launch(nx == 32 ? x_wgmma_kernel<32> : x_wgmma_kernel<64>,
                                       (unsigned)((rows16 + 255) / 256), 256, 0, s, use_pdl, xp, xwp, M, K));
   const int slots = rs > 1 ? kResidues + 1 - kResidues / (int)rs : 0;
-  auto ws = torch::empty({(int64_t)slots * blocks * (nx / 2) * kThreads + 1}, x.options().dtype(torch::kFloat32));
+  auto ws = torch::empty({(int64_t)slots * blocks * (nx / 2) * wg * kWarpgroup + 1}, x.options().dtype(torch::kFloat32));
   int* cnt = counters(x.device());
-  dim3 grid((Npad / 16 + 3) / 4, groups, (unsigned)rs);
+  dim3 grid(tile_blocks, groups, (unsigned)rs);
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const half* cbp = reinterpret_cast<const half*>(cb.data_ptr<at::Half>());
   const half* rp = reinterpret_cast<const half*>(res.data_ptr<at::Half>());
@@ -354,14 +367,14 @@ void cb_gemm_wgmma(torch::Tensor x, torch::Tensor codes, torch::Tensor cb, torch
   const int e = (int)epi, hr = (int)has_res, F = (int)f, R = (int)rs;
   if (nx == 32) {
     Split<32> sp{wsp, cnt, R};
-    if (e == 0) launch_gemm<0, 32>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
-    else if (e == 1) launch_gemm<1, 32>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
-    else launch_gemm<2, 32>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    if (wg == 1) launch_epi<32, 1>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    else if (wg == 2) launch_epi<32, 2>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    else launch_epi<32, 3>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
   } else {
     Split<64> sp{wsp, cnt, R};
-    if (e == 0) launch_gemm<0, 64>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
-    else if (e == 1) launch_gemm<1, 64>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
-    else launch_gemm<2, 64>(xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    if (wg == 1) launch_epi<64, 1>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    else if (wg == 2) launch_epi<64, 2>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
+    else launch_epi<64, 3>(e, xwp, cp, cbp, rp, yp, M, N, Npad, KB, hr, F, sp, grid, s, use_pdl);
   }
 }
 #endif
