@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Session 20 (issue 20): where the 64-row step and the wgmma GEMV spend their time, in one device call.
+#   1. builds (main extension, wgmma extension) beside a random Llama-2-7B-shape 4-bit .cbk (as gpu_load.sh);
+#   2. tests/test_kernels_gemv_wgmma.py (the launcher change of 6485b1a had not run on a GPU; warpgroups a block);
+#   3. scripts/dev/wgmma_gemm_check.py: bits of every (nx, rs, wg) case, then times of 1, 2, 3 warpgroups a block;
+#   4. Nsight Compute on one launch each: wgmma at 64 rows for 4096x11008 (wg 1, 2, 3), gate/up 4096x2*11008, and
+#      the grouped mma kernel at 4096x11008 (speed of light, memory, warp states, occupancy, scheduler);
+#   5. scripts/dev/profile_paged_step.py at 1, 16, 64 sequences (wgmma) and 64 (mma): the step's kernels;
+#   6. the load bench (gpu_load.sh, TESTS=0) if LOAD=1, with what is left of the budget.
+# Usage on the device: OUT=DIR BUDGET_S=580 bash scripts/sessions/gpu_s20_profile.sh   (carry .whl, xfer)
+OUT=${OUT:-out/s20}
+SKIP_BUILD=1
+BUDGET_S=${BUDGET_S:-580}
+source "$(dirname "$0")/../gpu_common.sh"
+python3 -m pip install -q --no-index --no-deps .whl/gguf-*.whl > "$L/pip.log" 2>&1
+F=/tmp/random-llama2-7b-cb4.cbk
+python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build_main.log" 2>&1 &
+B1=$!
+python3 -c "from trapetum.kernels import codebook_gemm_wgmma as m; assert m.EXT.load() is not None, m.EXT.error()" > "$L/build_wg.log" 2>&1 &
+B2=$!
+( s=$(date +%s); python3 -m trapetum.eval.random_cbk --shape llama2-7b --format cb4 --tokenizer xfer/smollm2-tokenizer/tokenizer.json \
+    --out "$F" --device cuda; echo "rc=$? process wall $(( $(date +%s) - s )) s" ) > "$L/random_cbk.log" 2>&1 &
+CBK=$!
+rc=0; wait $B1 || rc=3; wait $B2 || rc=3
+echo "builds rc=$rc ($(since))"
+[ $rc = 0 ] || { tail -c 3000 "$L"/build_*.log; tar czf "$OUT/logs.tgz" -C "$L" .; exit 3; }
+timeout "$(budget 100 430)" python3 -m pytest -q -x -rf -p no:cacheprovider tests/test_kernels_gemv_wgmma.py > "$L/pytest.log" 2>&1
+echo "GPU tests rc=$?: $(tail -1 "$L/pytest.log") ($(since))"; grep -E "^FAILED|Error" "$L/pytest.log" | head -10
+cp "$L/pytest.log" "$OUT/"
+timeout "$(budget 170 260)" python3 scripts/dev/wgmma_gemm_check.py --rows 33,64 --bench-rows 64 --out "$OUT/wg" > "$OUT/wg.log" 2>&1
+echo "wgmma gemm check rc=$? ($(since))"
+
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis"
+prof() {  # prof NAME KERNEL_REGEX ARGS...: one launch of scripts/dev/gemv_rows_once.py under ncu
+  local name=$1 k=$2; shift 2
+  timeout "$(budget 45 150)" "$NCU" --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 $SECTIONS \
+    python3 scripts/dev/gemv_rows_once.py "$@" > "$OUT/ncu_$name.txt" 2>&1
+  echo "ncu $name rc=$? ($(since))"
+}
+if [ -n "$NCU" ]; then
+  prof wg1_4096x11008 cb_gemm_wgmma --shape 4096x11008 --rows 64 --wg 1
+  prof wg2_4096x11008 cb_gemm_wgmma --shape 4096x11008 --rows 64 --wg 2
+  prof wg3_4096x11008 cb_gemm_wgmma --shape 4096x11008 --rows 64 --wg 3
+  prof wg1_gateup cb_gemm_wgmma --shape 4096x11008 --rows 64 --gate-up --wg 1
+  prof mma_4096x11008 cb_gemv_mma --shape 4096x11008 --rows 64 --many-rows mma
+else
+  echo "no ncu"
+fi
+wait $CBK; echo "random cbk: $(grep -h "^wrote\|^rc=\|rror" "$L/random_cbk.log" | tr '\n' ' ') ($(since))"
+timeout "$(budget 100 60)" python3 scripts/dev/profile_paged_step.py "$F" --sizes 1,16,64 > "$OUT/profile_wgmma.txt" 2>&1
+echo "profile wgmma rc=$? ($(since))"
+timeout "$(budget 60 5)" python3 scripts/dev/profile_paged_step.py "$F" --sizes 64 --many-rows mma > "$OUT/profile_mma.txt" 2>&1
+echo "profile mma rc=$? ($(since))"
+left=$(( deadline - $(date +%s) - 5 ))
+[ "${LOAD:-0}" = 1 ] && OUT=$OUT/load BUDGET_S=$left TESTS=0 bash scripts/sessions/gpu_load.sh > "$L/load.log" 2>&1
+tar czf "$OUT/logs.tgz" -C "$L" .
+echo "==== wgmma check"
+grep -v "^{" "$OUT/wg.log" | tail -12
+echo "==== ncu summaries"
+for f in "$OUT"/ncu_*.txt; do
+  echo "-- $(basename "$f")"
+  grep -E "^\s+(Duration|Memory Throughput|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy|Theoretical Occupancy|Block Limit Registers|Block Limit Shared Mem|Issued Warp Per Scheduler|No Eligible|Active Warps Per Scheduler|Eligible Warps Per Scheduler|Warp Cycles Per Issued Instruction|Executed Ipc Active|Waves Per SM)" "$f" | sed 's/  */ /g' | head -24
+  grep -iE "stall|Est\. Speedup" "$f" | head -8 | cut -c1-220
+done
+echo "==== profiles"
+grep -E "^S=|ms .*x " "$OUT"/profile_*.txt | cut -c1-160 | head -70
+[ "${LOAD:-0}" = 1 ] && { echo "==== load"; tail -12 "$L/load.log"; }
