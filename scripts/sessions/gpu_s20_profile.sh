@@ -24,17 +24,17 @@ CBK=$!
 rc=0; wait $B1 || rc=3; wait $B2 || rc=3
 echo "builds rc=$rc ($(since))"
 [ $rc = 0 ] || { tail -c 3000 "$L"/build_*.log; tar czf "$OUT/logs.tgz" -C "$L" .; exit 3; }
-timeout "$(budget 100 430)" python3 -m pytest -q -x -rf -p no:cacheprovider tests/test_kernels_gemv_wgmma.py > "$L/pytest.log" 2>&1
+timeout "$(budget 100 350)" python3 -m pytest -q -x -rf -p no:cacheprovider tests/test_kernels_gemv_wgmma.py > "$L/pytest.log" 2>&1
 echo "GPU tests rc=$?: $(tail -1 "$L/pytest.log") ($(since))"; grep -E "^FAILED|Error" "$L/pytest.log" | head -10
 cp "$L/pytest.log" "$OUT/"
-timeout "$(budget 170 260)" python3 scripts/dev/wgmma_gemm_check.py --rows 33,64 --bench-rows 64 --out "$OUT/wg" > "$OUT/wg.log" 2>&1
+timeout "$(budget 150 200)" python3 scripts/dev/wgmma_gemm_check.py --rows 64 --bench-rows 64 --out "$OUT/wg" > "$OUT/wg.log" 2>&1
 echo "wgmma gemm check rc=$? ($(since))"
 
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis"
 prof() {  # prof NAME KERNEL_REGEX ARGS...: one launch of scripts/dev/gemv_rows_once.py under ncu
   local name=$1 k=$2; shift 2
-  timeout "$(budget 45 150)" "$NCU" --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 $SECTIONS \
+  timeout "$(budget 40 110)" "$NCU" --clock-control none -k "regex:$k" --launch-skip 2 --launch-count 1 $SECTIONS \
     python3 scripts/dev/gemv_rows_once.py "$@" > "$OUT/ncu_$name.txt" 2>&1
   echo "ncu $name rc=$? ($(since))"
 }
