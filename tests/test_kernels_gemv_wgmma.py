@@ -33,6 +33,14 @@ def test_many_rows_option():
             KernelOptions(many_rows=bad)
 
 
+def test_wgmma_warpgroups_option():
+    """0 (the kernel's rule) by default, 1-3 forced; anything else is a ConfigError naming the field."""
+    assert KernelOptions().wgmma_warpgroups == 0 and KernelOptions(wgmma_warpgroups=3).wgmma_warpgroups == 3
+    for bad in (-1, 4, 8, "2"):
+        with pytest.raises(ConfigError, match="wgmma_warpgroups"):
+            KernelOptions(wgmma_warpgroups=bad)
+
+
 def test_not_ready_without_hopper_or_kernels():
     """No CUDA, kernels off or "mma": the wgmma kernel is not taken (the grouped kernel or the fallbacks run)."""
     assert not wg.ready(torch.device("cpu"), WG)

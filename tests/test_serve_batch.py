@@ -242,9 +242,11 @@ def test_kernel_flags_reach_the_loaded_model(model_dir, monkeypatch):
     parse = sub.choices["serve"].parse_args
     got = {}
     monkeypatch.setattr(server, "run", lambda specs, **kw: got.setdefault("specs", specs))
-    cmd.run(parse([f"tiny={model_dir}", "--many-rows", "mma", "--aqlm-kernel", "mma", "--threads", "1"]))
+    cmd.run(parse([f"tiny={model_dir}", "--many-rows", "mma", "--aqlm-kernel", "mma", "--wgmma-warpgroups", "2",
+                   "--threads", "1"]))
     (spec,) = got.pop("specs")
     alias, m = spec.load()
     assert alias == "tiny" and m.options.kernels.many_rows == "mma" and m.options.kernels.aqlm_kernel == "mma"
+    assert m.options.kernels.wgmma_warpgroups == 2
     cmd.run(parse([f"tiny={model_dir}", "--threads", "1"]))
     assert got["specs"][0].options is None

@@ -131,6 +131,10 @@ class KernelOptions:
     # dequantized in registers: kernels/codebook_gemm_wgmma.py) where it runs (sm_90, extension built), else and with
     # "mma" the grouped mma kernel above. The same bits either way (each row its one-row call's).
     many_rows: str = "wgmma"
+    # warpgroups a block of the wgmma kernel (64 weight rows each, sharing the block's x stages): 1, 2 or 3, or 0
+    # for the kernel's own rule (codebook_gemm_wgmma.warpgroups). Speed only: every choice gives the same bits.
+    # CLI: --wgmma-warpgroups (generate, chat, serve)
+    wgmma_warpgroups: int = 0
     # activation sparsity: DECODE / VERIFY passes of up to this many rows run the sparse-input GEMV (each row its
     # decode step's bits); more rows, the dense kernel on the thresholded rows. A fixed count, never data-dependent.
     sparse_rows: int = 16
@@ -153,6 +157,9 @@ class KernelOptions:
                               f"got {self.grouped_gemv_groups!r}")
         if self.many_rows not in MANY_ROWS_KERNELS:
             raise ConfigError(f"kernels.many_rows: expected one of {', '.join(MANY_ROWS_KERNELS)}, got {self.many_rows!r}")
+        if self.wgmma_warpgroups not in (0, 1, 2, 3):
+            raise ConfigError(f"kernels.wgmma_warpgroups: expected 0 (the kernel's rule), 1, 2 or 3, "
+                              f"got {self.wgmma_warpgroups!r}")
         if self.sparse_kernel not in SPARSE_KERNELS:
             raise ConfigError(f"kernels.sparse_kernel: expected one of {', '.join(SPARSE_KERNELS)}, "
                               f"got {self.sparse_kernel!r}")

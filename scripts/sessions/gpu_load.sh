@@ -15,6 +15,7 @@
 #      that overlap on (BATCH passes --overlap, step 4) and off compare in one run;
 #   6. the baseline, if the budget allows: `serve --max-batch 1` (one request at a time on the engine's decode
 #      graph) at 1 and 16 clients, 16 requests each.
+# LEVELS (default "1 4 16 64"): the client counts of step 4; EXTRA=0 skips steps 5 and 6.
 # Full results under $OUT (JSON per level, logs); a table with the issue's bars printed last.
 # Usage on the device: OUT=... bash scripts/sessions/gpu_load.sh
 # (A CPU dry run of the same steps at a tiny shape: DEVICE=cpu TESTS=0 MAX_TOKENS=16 BATCH="--max-batch 4"
@@ -26,6 +27,8 @@ TESTS=${TESTS:-1}
 MAX_TOKENS=${MAX_TOKENS:-128}
 BATCH=${BATCH:---max-batch 64 --gpu-batch --kv-mem 32 --overlap}
 SET=${SET:-}
+LEVELS=${LEVELS:-1 4 16 64}
+EXTRA=${EXTRA:-1}
 BUDGET_S=${BUDGET_S:-410}
 SKIP_BUILD=1
 source "$(dirname "$0")/../gpu_common.sh"
@@ -78,20 +81,20 @@ level() {  # level NAME CLIENTS CAP RESERVE ARGS...
   echo "$name $n clients rc=$? ($(since))"
 }
 if serve batched 120 $BATCH; then
-  level batched 1 45 110 --per-client 8
-  level batched 4 40 95 --per-client 8
-  level batched 16 50 75 --per-client 8
-  level batched 64 100 10 --per-client 8
+  for n in $LEVELS; do
+    case $n in 1) level batched 1 45 110 --per-client 8 ;; 4) level batched 4 40 95 --per-client 8 ;;
+      16) level batched 16 50 75 --per-client 8 ;; *) level batched "$n" 100 10 --per-client 8 ;; esac
+  done
   python3 -c "import httpx; print(httpx.get('http://127.0.0.1:8765/health', timeout=5).text)" > "$OUT/health_batched.json" 2>&1
 fi
 stop_serve
-if (( deadline - $(date +%s) > 110 )) && serve sequential 120 $BATCH --no-overlap; then
+if [ "$EXTRA" = 1 ] && (( deadline - $(date +%s) > 110 )) && serve sequential 120 $BATCH --no-overlap; then
   level sequential 1 30 70 --per-client 8
   level sequential 16 30 45 --per-client 8
   level sequential 64 60 10 --per-client 8
 fi
 stop_serve
-if (( deadline - $(date +%s) > 75 )) && serve single 50 --max-batch 1; then
+if [ "$EXTRA" = 1 ] && (( deadline - $(date +%s) > 75 )) && serve single 50 --max-batch 1; then
   level single 1 30 15 --requests 16
   level single 16 30 5 --requests 16
 fi

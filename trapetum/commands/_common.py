@@ -38,6 +38,9 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
                    help="4-bit GEMVs of 17+ rows on the GPU (batched decode, serve --gpu-batch): 'wgmma' (default: "
                         "Hopper's warpgroup MMA where it measured faster) or 'mma' (the grouped mma kernel); the "
                         "same bits either way")
+    p.add_argument("--wgmma-warpgroups", type=int, default=None, choices=(0, 1, 2, 3), metavar="W",
+                   help="with --many-rows wgmma: warpgroups a block (64 weight rows each, sharing the block's "
+                        "activation stages), 1-3, or 0 (default) for the kernel's own rule; speed only, same bits")
 
 
 def add_host_numerics(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,8 @@ def add_host_numerics(p: argparse.ArgumentParser) -> None:
 
 def options_of(args: argparse.Namespace):
     """The engine's Options for this command (the TRAPETUM_* switches, then the kernel and host flags), or None."""
-    kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel", "many_rows") if (v := getattr(args, k, None)) is not None}
+    kernels = {k: v for k in ("aqlm_kernel", "sparse_kernel", "many_rows", "wgmma_warpgroups")
+               if (v := getattr(args, k, None)) is not None}
     numerics = getattr(args, "host_numerics", None)
     if not kernels and numerics is None:
         return None

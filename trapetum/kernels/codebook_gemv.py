@@ -348,7 +348,8 @@ def codebook_gemv(x: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor, 
     codebook = codebook.contiguous()
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma" and _many_rows(x2, codes, bits, tiled, xf, kopts):
-        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, residual=residual, pdl=kopts.pdl_cuda)
+        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, residual=residual, wg=kopts.wgmma_warpgroups,
+                                 pdl=kopts.pdl_cuda)
     elif be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, residual if residual is not None else y, y, bits, 0,
                                     int(residual is not None), 0, int(tiled), int(kopts.pdl_cuda), xf, 0,
@@ -392,7 +393,8 @@ def codebook_gemv_gate_up(x: torch.Tensor, codes: torch.Tensor, codebook: torch.
     codebook = codebook.contiguous()
     be = _pick_backend("mma" if tiled else backend, x2, K, bits, kopts, tiled)
     if be == "mma" and not pt and _many_rows(x2, codes, bits, tiled, xf, kopts):
-        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, gate_up_f=f, act=ACTS[act], pdl=kopts.pdl_cuda)
+        codebook_gemm_wgmma.gemm(x2, codes, codebook, y, gate_up_f=f, act=ACTS[act], wg=kopts.wgmma_warpgroups,
+                                 pdl=kopts.pdl_cuda)
         return y.view(f) if squeeze else y
     if be == "mma":
         cuda_ext.load().cb_gemv_mma(x2, codes, codebook, y, y, bits, ACTS[act], 0, f, int(tiled), int(kopts.pdl_cuda),
