@@ -480,6 +480,34 @@ def test_folded_prompts_are_exact_in_any_batch_cancelled_or_exhausted(which, ove
     assert sch.kv.alloc.num_free == sch.kv.num_blocks
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_row_groups_bound_the_folded_rows_and_keep_the_tokens(overlap, cbk_model):
+    """row_group 8: a step folds at most the rows left in its decode rows' last group of 8 (a whole group when none
+    are left), so no step spills into a group its decode rows did not open; 24 requests (greedy and seeded, prompts
+    of 1..37 tokens) still give bitwise the tokens and logits of each alone, and the runner's row_group is the
+    default (0, none, on the CPU runner); a negative group is refused."""
+    reqs = _requests(24, seed=5)
+    ref, ref_rows = _fold_alone(cbk_model, reqs)
+    sch = _scheduler(cbk_model, max_batch=24, chunk=8, fold=FOLD, prefill_budget=40, overlap=overlap, row_group=8)
+    steps = []  # (decode rows, rows of the forward)
+    fold_rows, decode = sch._fold_rows, sch.runner.decode
+    sch._fold_rows = lambda d: steps.append([d, None]) or fold_rows(d)
+    sch.runner.decode = lambda tables, *a: (steps[-1].__setitem__(1, len(tables)), decode(tables, *a))[1]
+    handles = [sch.submit(p, _copy(s)) for p, s in reqs]
+    sch.run()
+    assert sch.peak_batch >= 12
+    folded = [(d, n) for d, n in steps if n is not None and n > d]
+    assert len(folded) >= 8 and any(d % 8 for d, _ in folded)
+    for d, n in folded:
+        assert n <= (-(-d // 8) * 8 if d % 8 else d + 8), (d, n)
+    for i, (h, c) in enumerate(zip(handles, ref)):
+        assert _same(h.completion, c), i
+        assert _same_rows(sch.rows[i], ref_rows[i]), i
+    assert _scheduler(cbk_model).row_group == 0
+    with pytest.raises(TrapetumError, match="row group"):
+        _scheduler(cbk_model, row_group=-1)
+
+
 def test_a_folded_prompt_computes_the_prefill_logits(hf_model):
     """The first token's logits of a folded prompt (its rows in the decode forward, with other requests' decode
     rows beside them) against the prefill forward's, within fp32 rounding; fold 0 folds nothing."""

@@ -21,6 +21,7 @@ EXT = Extension(
     " int64_t epi, int64_t has_res, int64_t f, int64_t nx, int64_t rs, int64_t wg, int64_t pdl);",
     ["cb_gemm_wgmma"], cuda_flags=("-gencode=arch=compute_90a,code=sm_90a",))
 
+ROW_GROUP = 64  # activation rows a block at most (nx): a call of M rows dequantizes every weight ceil(M / 64) times
 MIN_ROWS = 17  # up to 16 rows the mma kernel's n-tiles cost what one row costs: it stays
 LARGE_N = 8192  # output rows from which it runs at 17..32 rows too (below: the grouped kernel was faster)
 LARGE_NK = 1 << 25  # weights from which it runs above 32 rows (4096 x 4096: the grouped kernel was faster)

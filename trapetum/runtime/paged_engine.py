@@ -19,6 +19,8 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
     fold_prompt   the scheduler's default ``fold`` (FOLD_PROMPT): a short prompt as decode rows costs its row
         groups of the batched GEMVs, where ``prefill`` dequantizes every weight of the model (NOTES-serving.md,
         session 12).
+    row_group   the scheduler's ``row_group``: 64 where the wgmma GEMV runs (its cost steps by 64-row groups, each
+        dequantizing every weight: a step of 65 rows costs what 128 do), else None.
 
 PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
 into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
@@ -157,7 +159,8 @@ class GpuBatchRunner:
                                    "supported yet")
         self.eng, self.cfg = eng, cfg
         # the many-row GEMV's extension (Hopper), built now rather than inside the first step's graph capture
-        codebook_gemm_wgmma.ready(eng.device, eng.options.kernels)
+        wgmma = codebook_gemm_wgmma.ready(eng.device, eng.options.kernels)
+        self.row_group = codebook_gemm_wgmma.ROW_GROUP if wgmma else None
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)

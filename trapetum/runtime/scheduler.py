@@ -30,6 +30,11 @@ A row's bits are then those of a decode step at its position whatever the split 
 short prompt costs a few row groups of the batched GEMVs (about what 16 more decode rows cost per 16 prompt
 tokens) instead of a prefill forward that dequantizes every weight. Whether a prompt folds depends on its length
 alone, so a request still takes the same path alone and in any batch.
+Row groups (``row_group``; default the runner's ``row_group``, 0: no limit): where the batched GEMV's cost
+steps by whole groups of rows (the GPU runner's wgmma kernel dequantizes every weight once per 64 rows), a step
+folds at most the rows left in the decode rows' last group (all of one group when none are left), so a prompt
+arriving beside 63 decoding rows goes in over several 64-row steps instead of one 112-row step that costs two:
+more steps to its first token, no step at double cost. Only the split of the prompt over steps changes, not a bit.
 Overlapped steps (``overlap``; default the runner's ``overlap``: on for the GPU runner, measured on the H200 in
 session 15; off on the CPU, whose forward is the host's own work): step N + 1's
 decode forward and sampling are enqueued before the host reads step N's tokens, so that the host's work on them
@@ -114,7 +119,8 @@ class Scheduler:
 
     def __init__(self, runner, tokenizer: Tokenizer | None, vocab_size: int, context_size: int, *,
                  max_batch: int = 16, chunk: int = 64, prefill_budget: int | None = None, on_full: str = "queue",
-                 device: str | torch.device = "cpu", fold: int | None = None, overlap: bool | None = None):
+                 device: str | torch.device = "cpu", fold: int | None = None, overlap: bool | None = None,
+                 row_group: int | None = None):
         if max_batch < 1:
             raise TrapetumError(f"max batch: at least 1, got {max_batch}")
         if chunk < 1:
@@ -130,6 +136,10 @@ class Scheduler:
             raise TrapetumError(f"fold: prompts of at most this many tokens fold into the decode forward, at least 0, "
                                 f"got {self.fold}")
         self.overlap = bool(getattr(runner, "overlap", False) if overlap is None else overlap)
+        self.row_group = int((getattr(runner, "row_group", None) or 0) if row_group is None else row_group)
+        if self.row_group < 0:
+            raise TrapetumError(f"row group: rows a batched GEMV dequantizes its weights for, 0 for no limit, "
+                                f"got {self.row_group}")
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: list[Request] = []   # admitted, in admission order
         self._ids = itertools.count()
@@ -196,7 +206,7 @@ class Scheduler:
         assert all(r.pending is None or r.pending[0] is prev for r in rows)
         tables, pos = [r.table for r in rows], [r.computed for r in rows]
         toks = [0 if r.pending is not None else r.last for r in rows]
-        folds, left = [], self.prefill_budget  # (request, rows) of the folded prompts, after the decode rows
+        folds, left = [], self._fold_rows(len(rows))  # (request, rows) of the folded prompts, after the decode rows
         for r in [r for r in self.active if r.state == "prefill" and self._folded(r)]:
             if left <= 0:
                 break
@@ -241,6 +251,14 @@ class Scheduler:
         """Steps until nothing is waiting or running."""
         while self.has_work:
             self.step()
+
+    def _fold_rows(self, decode_rows: int) -> int:
+        """Prompt rows this step may fold beside ``decode_rows`` decode rows (module docstring, row groups)."""
+        g = self.row_group
+        if not g:
+            return self.prefill_budget
+        room = -decode_rows % g  # rows left in the last group the decode rows open
+        return min(self.prefill_budget, room or g)
 
     def _folded(self, req: Request) -> bool:
         """Whether ``req``'s remaining prompt positions go into the decode forward (module docstring)."""
