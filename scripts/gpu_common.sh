@@ -18,3 +18,17 @@ python3 -c "from trapetum.kernels import additive_gemv as ag; assert ag.EXT.load
 wait
 echo "build done ($(since)): $(tail -c 300 "$L/build4.log") $(tail -c 300 "$L/build2.log")"
 fi
+# start_batch_builds: in the background, the main and wgmma extensions' builds (pids B1, B2) and the random
+# Llama-2-7B-shape 4-bit .cbk with SmolLM2's tokenizer at $F (pid CBK) that the batched-serving runs load.
+start_batch_builds() {
+  F=${F:-/tmp/random-llama2-7b-cb4.cbk}
+  python3 -m pip install -q --no-index --no-deps .whl/gguf-*.whl > "$L/pip.log" 2>&1
+  python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build_main.log" 2>&1 &
+  B1=$!
+  python3 -c "from trapetum.kernels import codebook_gemm_wgmma as m; assert m.EXT.load() is not None, m.EXT.error()" > "$L/build_wg.log" 2>&1 &
+  B2=$!
+  ( s=$(date +%s); python3 -m trapetum.eval.random_cbk --shape llama2-7b --format cb4 \
+      --tokenizer xfer/smollm2-tokenizer/tokenizer.json --out "$F" --device cuda; echo "rc=$? process wall $(( $(date +%s) - s )) s" ) \
+    > "$L/random_cbk.log" 2>&1 &
+  CBK=$!
+}

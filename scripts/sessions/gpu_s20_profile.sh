@@ -14,15 +14,7 @@ OUT=${OUT:-out/s20}
 SKIP_BUILD=1
 BUDGET_S=${BUDGET_S:-580}
 source "$(dirname "$0")/../gpu_common.sh"
-python3 -m pip install -q --no-index --no-deps .whl/gguf-*.whl > "$L/pip.log" 2>&1
-F=/tmp/random-llama2-7b-cb4.cbk
-python3 -c "from trapetum.kernels import cuda_ext; assert cuda_ext.load() is not None, cuda_ext.error()" > "$L/build_main.log" 2>&1 &
-B1=$!
-python3 -c "from trapetum.kernels import codebook_gemm_wgmma as m; assert m.EXT.load() is not None, m.EXT.error()" > "$L/build_wg.log" 2>&1 &
-B2=$!
-( s=$(date +%s); python3 -m trapetum.eval.random_cbk --shape llama2-7b --format cb4 --tokenizer xfer/smollm2-tokenizer/tokenizer.json \
-    --out "$F" --device cuda; echo "rc=$? process wall $(( $(date +%s) - s )) s" ) > "$L/random_cbk.log" 2>&1 &
-CBK=$!
+start_batch_builds
 rc=0; wait $B1 || rc=3; wait $B2 || rc=3
 echo "builds rc=$rc ($(since))"
 [ $rc = 0 ] || { tail -c 3000 "$L"/build_*.log; tar czf "$OUT/logs.tgz" -C "$L" .; exit 3; }
