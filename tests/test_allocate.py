@@ -110,3 +110,58 @@ def test_target_options_validated():
         Recipe(target_bpw=4, target_mb=10).validate()
     with pytest.raises(ConfigError, match="--target-bpw must be a positive number"):
         Recipe(target_bpw=-1).validate()
+
+
+def test_post_norm_scales_weight_the_sensitivity_of_o_and_down(tmp_path):
+    """Sandwich norms (Gemma-3): o and down reach the residual stream through RMSNorm(y) (offset + w), so their
+    measured error is per row g_r^2 / mean-square(y) times the E[x^2]-weighted error, in float64 as written here;
+    scaling the post-norm weights by 10 scales exactly those projections' sensitivity by ~100 and leaves q's; a
+    family without sandwich norms gets no scales."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import tiny_models
+    from trapetum.formats.detect import load_checkpoint
+    from trapetum.quant.allocate import measure, post_norm_scales
+    from trapetum.quant.codebook_fit import fit_rows
+    from trapetum.quant.quantize import Recipe, plan_quantization
+
+    tiny_models.build("gemma3", tmp_path / "g")
+    ck = load_checkpoint(str(tmp_path / "g"))
+    cfg = ck.config
+    scales = post_norm_scales(ck)
+    L = cfg.num_layers
+    assert set(scales) == {f"model.layers.{i}.{p}" for i in range(L) for p in ("self_attn.o_proj", "mlp.down_proj")}
+    w = ck.tensors["model.layers.0.post_feedforward_layernorm.weight"].double()
+    assert torch.equal(scales["model.layers.0.mlp.down_proj"], w + cfg.norm_offset)
+
+    recipe = Recipe(iters=3, alloc_bits=(2, 4))
+    jobs = [j for j in plan_quantization(ck, recipe).jobs if j.kind == "proj" and j.layer == 0]
+    stats = {j.imp: torch.rand(ck.tensors[j.src].shape[1], generator=torch.Generator().manual_seed(1)) + 0.5
+             for j in jobs}
+    base = measure(ck, jobs, recipe, stats)
+    down = next(j for j in jobs if j.out.endswith("down_proj"))
+    W, imp = ck.tensors[down.src].float(), stats[down.imp]
+    book, codes, _, _ = fit_rows(W, 2, imp, storage=recipe.storage_for(2), group_rows=recipe.head_group_rows,
+                                 iters=min(recipe.iters, 20), starts=recipe.starts)
+    d = W.double() - torch.gather(book.double(), 1, codes.long())
+    g = scales[down.out]
+    ms_y = float((W.double() ** 2 * imp.double()).sum()) / W.shape[0]
+    want = float(((d * d * imp.double()).sum(1) * g * g / ms_y).sum())
+    assert base[down.out][2] == pytest.approx(want, rel=1e-9)
+
+    tensors = dict(ck.tensors)
+    for name in ("post_attention_layernorm", "post_feedforward_layernorm"):  # g -> 10 g
+        t = tensors[f"model.layers.0.{name}.weight"]
+        tensors[f"model.layers.0.{name}.weight"] = (t + cfg.norm_offset) * 10 - cfg.norm_offset
+    big = measure(SimpleNamespace(config=cfg, tensors=tensors), jobs, recipe, stats)
+    for j in jobs:
+        ratio = big[j.out][2] / base[j.out][2]
+        if j.out.endswith(("o_proj", "down_proj")):
+            assert ratio == pytest.approx(100.0, rel=1e-6), j.out
+        else:
+            assert ratio == pytest.approx(1.0, rel=1e-9), j.out
+
+    tiny_models.build("llama2", tmp_path / "l")
+    assert post_norm_scales(load_checkpoint(str(tmp_path / "l"))) == {}
