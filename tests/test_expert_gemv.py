@@ -2,6 +2,8 @@
 against their float64 references over random shapes (awkward K / F / D, E, k, M up to 16, bits 2 / 4 / 8 and fp16),
 and the contracts bitwise: row m of an M-row call equals the one-row call on row m (rows choosing the same and
 different experts), reruns identical, the slot order fixed."""
+import zlib
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ CASES = [  # scheme, bits, E, k, M, K, F, D
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_expert_gemvs_match_float64_reference(case):
     scheme, bits, E, k, M, K, F, D = case
-    g = torch.Generator().manual_seed(hash(case) % 2 ** 31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))  # not hash(): salted per process
     (gw, gc), (dw, dc) = stacks(scheme, E, K, F, D, bits, g)
     x = torch.randn(M, K, generator=g).half().to(DEV)
     idx, w = routing(M, E, k, g)

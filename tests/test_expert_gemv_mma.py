@@ -3,6 +3,8 @@ and down against the float64 references over random shapes (awkward E, k, f, D; 
 divide them), canonical and tiled codes, with and without residual; each (row, slot) bitwise the dense one-row mma
 GEMV of its expert; row m of an M-row call (M = 1..16) bitwise its one-row call with other rows holding other data
 and routing; CUDA-graph replays bitwise. The requirements' ValueErrors run everywhere (checked before the device)."""
+import zlib
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def _tiled(gw, dw):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_cuda_expert_gemvs_match_float64_reference(case):
     bits, E, k, M, K, F, D = case
-    g = torch.Generator().manual_seed(hash(case) % 2 ** 31)
+    g = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))  # not hash(): salted per process
     (gw, gc), (dw, dc) = stacks("codebook", E, K, F, D, bits, g)
     x = torch.randn(M, K, generator=g).half().cuda()
     idx, w = routing(M, E, k, g)
