@@ -8,13 +8,8 @@ its expected output error under the calibration's E[x^2]:
     D_p(b) = sum_r sum_j E[x_j^2] (W[r, j] - Q_b[r, j])^2      (the diagonal part of E || (W - Q_b) x ||^2)
 
 an absolute figure (not relative to the weights), so a projection whose error reaches the residual stream in
-large amounts counts more than one whose error is small in absolute terms. Where a norm rescales the projection's
-output before it reaches the residual stream (the sandwich norms of Gemma-2/3 after o and down: RMSNorm(y) g),
-the error that arrives is g_r e_r / rms(y), so row r of D is weighted by g_r^2 / E[mean_r y_r^2], the output's
-mean square from the same diagonal model (``post_norm_scales``). Without it, Gemma's down projections, whose
-outputs are small and scaled up by post-norm weights of tens, measured 100-1000x less sensitive than q and all
-went to 2 bits (QUALITY.md, session 20). Cost: one fit per projection and width (k-means with at most 20 Lloyd
-iterations), i.e. a few times the k-means of the plain recipe.
+large amounts counts more than one whose error is small in absolute terms. Cost: one fit per projection and
+width (k-means with at most 20 Lloyd iterations), i.e. a few times the k-means of the plain recipe.
 
 Allocation (``allocate``): every projection starts at the smallest width; the greedy step takes, among all
 projections and all wider widths, the upgrade of largest error decrease per added byte that still fits the
@@ -36,7 +31,6 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError
-from ..models import schema
 from ..schemes import registry
 from ..schemes.record import QuantRecord
 from .codebook_fit import fit_rows
@@ -57,51 +51,22 @@ def pinned(recipe, name: str) -> bool:
         fnmatch.fnmatchcase(name, p) for p, _ in recipe.bits_overrides)
 
 
-def post_norm_scales(ckpt) -> dict[str, torch.Tensor]:
-    """{projection: g} (float64 [out], the norm's applied scale ``norm_offset + w``) for every projection whose
-    output a norm rescales before the residual add: o and down under sandwich norms; empty for other families."""
-    cfg, out = ckpt.config, {}
-    if not cfg.sandwich_norms:
-        return out
-    for i in range(cfg.num_layers):
-        kinds = cfg.block_kinds(i)
-        pairs = []
-        if kinds[0] == "attention":
-            a = schema.attention_names(cfg, i)
-            pairs.append((a["o"], a["post_norm"]))
-        if kinds[1] == "mlp":
-            m = schema.mlp_names(cfg, i)
-            pairs.append((m["down"], m["post_norm"]))
-        for proj, norm in pairs:
-            t = ckpt.tensors.get(f"{norm}.weight") if norm else None
-            if t is not None:
-                t = registry.dequantize(t, torch.float32) if isinstance(t, QuantRecord) else t
-                out[proj] = t.double().flatten() + cfg.norm_offset
-    return out
-
-
 def measure(ckpt, jobs: list, recipe, stats: dict | None, device: str = "cpu",
             progress: Callable[[int, int], None] | None = None) -> dict[str, dict[int, float]]:
     """{projection: {bits: D_p(bits)}} for the layer jobs of a plan (``quantize._Job``)."""
     out: dict[str, dict[int, float]] = {}
     T = ckpt.tensors
-    scales = post_norm_scales(ckpt)
     for k, j in enumerate(jobs):
         x = T[j.src]
         W = (registry.dequantize(x, torch.float32) if isinstance(x, QuantRecord) else x).float()
         imp = None if stats is None or not recipe.weighted else stats.get(j.imp)
         w = torch.ones(W.shape[1], dtype=torch.float64) if imp is None else imp.double()
-        rows = torch.ones(W.shape[0], dtype=torch.float64)
-        g = scales.get(j.out)
-        if g is not None and g.numel() == W.shape[0]:  # error after the post-norm: g_r e_r / rms(y)
-            ms_y = float((W.double() ** 2 * w).sum()) / W.shape[0]
-            rows = g * g / max(ms_y, 1e-30)
         row: dict[int, float] = {}
         for b in recipe.alloc_bits:
             book, codes, _, _ = fit_rows(W, b, imp, storage=recipe.storage_for(b), group_rows=recipe.head_group_rows,
                                          iters=min(recipe.iters, 20), starts=recipe.starts, device=device)
             d = W.double() - torch.gather(book.double(), 1, codes.long())
-            row[b] = float(((d * d * w).sum(1) * rows).sum())
+            row[b] = float((d * d * w).sum())
         out[j.out] = row
         if progress is not None:
             progress(k + 1, len(jobs))
