@@ -20,7 +20,7 @@ interface as runtime/paged_ops.CpuBatchRunner (``kv``, ``prefill``, ``decode``, 
         groups of the batched GEMVs, where ``prefill`` dequantizes every weight of the model (NOTES-serving.md,
         session 12).
     row_group   the scheduler's ``row_group``: 64 where the wgmma GEMV runs (its cost steps by 64-row groups, each
-        dequantizing every weight: a step of 65 rows costs what 128 do), else None.
+        dequantizing every weight: a step of 65 rows costs what 128 do), else 0 (no limit).
 
 PagedEngineOps (EngineOps, DECODE rows): projections through the schemes' batch-invariant GEMVs, written straight
 into their outputs (the residual add fused into o / down with ``Options.fuse``), all rows in one call where they
@@ -160,7 +160,7 @@ class GpuBatchRunner:
         self.eng, self.cfg = eng, cfg
         # the many-row GEMV's extension (Hopper), built now rather than inside the first step's graph capture
         wgmma = codebook_gemm_wgmma.ready(eng.device, eng.options.kernels)
-        self.row_group = codebook_gemm_wgmma.ROW_GROUP if wgmma else None
+        self.row_group = codebook_gemm_wgmma.ROW_GROUP if wgmma else 0
         self.kv = PagedKV(cfg, num_blocks, block_size, torch.float16, eng.device, spare_blocks=1)
         self.pad_block = num_blocks  # the spare block: padding rows write and read there
         self.width = (eng.max_len + block_size - 1) // block_size  # block-table width (the engine's context)
