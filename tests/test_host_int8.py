@@ -1,5 +1,5 @@
-"""The int8 numerics of the 4-bit host GEMV (Options.host_numerics "int8"; kernels/host/codebook_host_q8.c,
-host_gemv.Int8Tables): against the float64 reference of the same quantized formulation over 240 random shapes
+"""The int8 numerics of the host GEMV (Options.host_numerics "int8"; kernels/host/codebook_host_q8.c,
+host_gemv.Int8Tables for 4-bit codes, Int8Weights, the dense form, for 8-bit ones): against the float64 reference of the same quantized formulation over 240 random shapes
 (awkward sizes, M = 1..16), within the activation and codebook quantization's bound of the fp32 reference, every
 code path the CPU runs bitwise the portable C (AVX-512 with and without VNNI too), batch invariant, the same bits
 for every thread count and run to run; the fused GEMVs and the CPU step in this mode; the default unchanged."""
@@ -141,7 +141,7 @@ def test_zero_rows_and_zero_inputs():
         assert torch.equal(_gemv(torch.zeros(1, K), codes, hg.int8_tables(cb2, 4), K, path), torch.zeros(1, N))
 
 
-def test_int8_takes_4_bit_only_and_fused_gemvs_one_numerics():
+def test_int8_tables_take_4_bit_only_and_fused_gemvs_one_numerics():
     cb8 = torch.randn(4, 256).to(torch.float16)
     with pytest.raises(ValueError):
         hg.int8_tables(cb8, 8)
@@ -150,6 +150,101 @@ def test_int8_takes_4_bit_only_and_fused_gemvs_one_numerics():
     t8 = hg.int8_tables(cb, 4)
     with pytest.raises(ValueError):
         ho.FusedGemv([(codes, t8, None), (codes, cb, None)], 4, K)
+    c8, cbb = _case8(1, 9, K, seed=2)[1:]
+    with pytest.raises(ValueError):  # the dense form stands for 8-bit codes only
+        hg.codebook_gemv_host(x, codes, hg.int8_weights(c8, cbb, K), 4, K)
+    w8 = hg.int8_weights(c8, cbb, K)
+    with pytest.raises(ValueError):  # its weights checked: shape
+        hg.codebook_gemv_host(x, c8, hg.Int8Weights(w8.w[:, :64].contiguous(), w8.scale, cbb), 8, K)
+
+
+# ---------------------------------------------------------------- 8-bit: the dense form (hg.Int8Weights)
+def _case8(M, N, K, seed, shared=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 256, (N, K), generator=g)
+    x = torch.randn(M, K, generator=g) * torch.exp(torch.randn(M, 1, generator=g))
+    if K > 40:
+        x[:, K // 3] *= 30
+        x[:, :min(32, K // 2)] = 0
+    if shared:
+        G = 4
+        tables = hg.SharedTables(torch.randn(-(-N // G), 256, generator=g).to(torch.float16),
+                                 (torch.rand(N, generator=g) + 0.5).to(torch.float16), G)
+    else:
+        tables = (torch.randn(N, 256, generator=g) * torch.exp(torch.randn(N, 1, generator=g))).to(torch.float16)
+    return x, pack_codes(idx, 8), tables
+
+
+SHAPES8 = _shapes(240, seed=8)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_int8_8bit_dense_form_matches_its_float64_reference_on_every_path_bitwise(chunk):
+    lib = hg.library()
+    for i, (M, N, K) in enumerate(SHAPES8[chunk::4]):
+        x, codes, tables = _case8(M, N, K, seed=20000 + chunk * 1000 + i, shared=i % 5 == 0)
+        w8 = hg.int8_weights(codes, tables, K, rows=37)  # looked up in blocks of rows that do not divide N
+        ref = hg.reference_int8(x, codes, w8, K)
+        xq, d = hg.quantize_x(x)
+        wabs = hg.HostGemv(codes, w8, 8, K).dequantize().double().abs()
+        xd = (xq.double() * d.double().repeat_interleave(32, 1)[:, :K]).abs()
+        tol = (K / 256 + 8) * 1.2e-7 * (xd @ wabs.T) + 1e-30
+        y = hg.codebook_gemv_host(x, codes, w8, 8, K, path="c")
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        assert bool(((y.double() - ref).abs() <= tol).all()), (M, N, K, float((y.double() - ref).abs().max()))
+        for path in PATHS[1:]:  # exact integers: every path gives the portable C's bits
+            assert torch.equal(hg.codebook_gemv_host(x, codes, w8, 8, K, path=path), y), (M, N, K, path)
+        if PATHS[-1] in ("avx512", "avx512vbmi", "avx512fp16"):
+            lib.tp_q8_no_vnni(1)
+            try:
+                assert torch.equal(hg.codebook_gemv_host(x, codes, w8, 8, K, path=PATHS[-1]), y), (M, N, K)
+            finally:
+                lib.tp_q8_no_vnni(0)
+        for m in range(M):  # batch invariance
+            assert torch.equal(hg.codebook_gemv_host(x[m:m + 1], codes, w8, 8, K), y[m:m + 1]), (M, N, K, m)
+        for t in (2, 3):
+            assert torch.equal(hg.codebook_gemv_host(x, codes, w8, 8, K, threads=t), y), (M, N, K, t)
+
+
+def test_int8_8bit_dense_form_is_the_int8_tables_looked_up():
+    """w[n, k] = q[n, idx(n, k)] with q, s rounded as the 4-bit tables are (per row s = max |c| / 127), in the q8
+    order, zero past K; within the rounding bound of the fp32 reference."""
+    for i, (M, N, K) in enumerate(SHAPES8[:40]):
+        x, codes, tables = _case8(M, N, K, seed=30000 + i, shared=i % 3 == 0)
+        w8 = hg.int8_weights(codes, tables, K)
+        c = hg.row_centroids(tables, N, 8)
+        s = c.abs().amax(1) / 127.0
+        assert torch.equal(w8.scale, s)
+        q = torch.where(s.unsqueeze(1) > 0, torch.round(c / s.unsqueeze(1).clamp_min(1e-38)), torch.zeros(()))
+        want = torch.gather(q, 1, unpack_codes(codes, 8, K).long())
+        order = hg.q8_order(K)
+        assert sorted(order.tolist()) == list(range(order.numel())) and order.numel() % 128 == 0
+        natural = torch.empty(w8.w.shape, dtype=torch.float32)
+        natural[:, order] = w8.w.float()
+        assert torch.equal(natural[:, :K], want) and not bool(natural[:, K:].any())
+        y = hg.codebook_gemv_host(x, codes, w8, 8, K)
+        ref = hg.reference(x, codes, tables, 8, K)
+        wq = want.double() * s.double().unsqueeze(1)
+        cw = torch.gather(c.double(), 1, unpack_codes(codes, 8, K).long())
+        xq, d = hg.quantize_x(x)
+        xd = xq.double() * d.double().repeat_interleave(32, 1)[:, :K]
+        bound = x.double().abs() @ (cw - wq).abs().T + (x.double() - xd).abs() @ wq.abs().T
+        slack = 1e-5 * (x.double().abs() @ cw.abs().T) + 1e-30
+        assert bool(((y.double() - ref).abs() <= bound + slack).all()), (M, N, K)
+
+
+def test_int8_8bit_fused_call_and_prefill_matmul():
+    K, N = 300, 41
+    x, codes, tables = _case8(3, N, K, seed=77)
+    w8 = hg.int8_weights(codes, tables, K)
+    h = hg.HostGemv(codes, w8, 8, K)
+    assert h.int8 and h.nbytes == w8.w.numel() + 4 * N  # the codes are not read
+    y = h(x, threads=2)
+    assert torch.equal(y, hg.codebook_gemv_host(x, codes, w8, 8, K))
+    f = ho.FusedGemv([(codes, w8, None)], 8, K)
+    assert f.int8 and torch.equal(f(x, threads=3), y)
+    mm = h.matmul(x)  # prefill: x quantized as the GEMV does, times the dequantized int8 weights
+    assert torch.allclose(mm, y, rtol=1e-5, atol=1e-5 * float(y.abs().max()))
 
 
 def test_fused_int8_gemv_is_bitwise_the_single_gemvs_plus_epilogue():
@@ -192,7 +287,8 @@ def test_model_in_int8_mode_step_threads_and_reference_ops(llama):
     m8 = trapetum.load(llama, options=Options(host_numerics="int8"))
     dec = m8.decoder
     mods = [mod for mod in dec.modules() if getattr(mod, "host", None) is not None]
-    assert any(mod.host.int8 for mod in mods) and all(mod.host.int8 == (mod.bits == 4) for mod in mods)
+    assert all(mod.host.int8 for mod in mods) and {mod.bits for mod in mods} == {4, 8}  # the 8-bit head too
+    assert all(isinstance(mod.host.tables, hg.Int8Weights) == (mod.bits == 8) for mod in mods)
     got = _run(dec, TOKENS)
     for t in (2, 3):  # the same bits at every thread count
         assert torch.equal(_run(dec, TOKENS, threads=t), got)
@@ -212,6 +308,6 @@ def test_default_options_keep_the_fp32_numerics(llama):
     dec = trapetum.load(llama).decoder
     mods = [mod for mod in dec.modules() if getattr(mod, "host", None) is not None]
     assert mods and not any(mod.host.int8 for mod in mods)
-    assert not any(isinstance(mod.host.tables, hg.Int8Tables) for mod in mods)
+    assert not any(isinstance(mod.host.tables, (hg.Int8Tables, hg.Int8Weights)) for mod in mods)
     with pytest.raises(Exception):
         Options(host_numerics="int4")

@@ -38,9 +38,10 @@ times them: at 64 rows 2 took 0.82-0.88x the time of 1 on the H200, 4 measured s
 projections with the host GEMV (kernels/host_gemv.py) instead of dequantize-and-multiply; ``cpu_step`` (True,
 with ``host_kernels``): passes of 1..16 rows run the CPU executor (models/cpu_ops.py: fused GEMVs, the step's
 small ops in C) instead of the reference decoder's torch ops; ``host_numerics`` ("fp32"): the numbers of the host
-GEMV of 4-bit codebooks, "fp32" (fp32 x times the fp16 centroids) or "int8" (an opt-in mode of other numbers: each
-row's centroids as int8 times a row scale, x as int8 per 32 columns times a block scale, integer dots:
-kernels/host/codebook_host_q8.c; the 8-bit head stays fp32; CLI ``--host-numerics``; prompts of more than 16 rows
+GEMV of 4- and 8-bit codebooks, "fp32" (fp32 x times the fp16 centroids) or "int8" (an opt-in mode of other numbers:
+each row's centroids as int8 times a row scale, x as int8 per 32 columns times a block scale, integer dots:
+kernels/host/codebook_host_q8.c; the 8-bit head's int8 table is looked up once at load into int8 weights of the
+codes' size; CLI ``--host-numerics``; prompts of more than 16 rows
 multiply the same int8 weights and activations in fp32); ``mla`` ("expanded"): the GPU engine's latent attention
 caches per-head keys and values ("expanded") or the compressed latent and attends in the absorbed form ("latent":
 runtime/engine_latent.py); ``prefill_graph`` (True): the default prefill of a prompt (last-row logits, CUDA) runs padded

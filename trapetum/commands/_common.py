@@ -46,9 +46,10 @@ def add_kernel_options(p: argparse.ArgumentParser) -> None:
 def add_host_numerics(p: argparse.ArgumentParser) -> None:
     """The CPU's host GEMV numerics (settings.Options.host_numerics)."""
     p.add_argument("--host-numerics", default=None, choices=HOST_NUMERICS,
-                   help="on the CPU, the 4-bit codebook GEMV's numbers: 'fp32' (default: fp32 activations times "
+                   help="on the CPU, the codebook GEMV's numbers: 'fp32' (default: fp32 activations times "
                         "the fp16 centroids) or 'int8' (opt-in, other numbers: centroids and activations as int8 "
-                        "with scales, integer dots; faster where the CPU lacks AVX-512; the 8-bit head stays fp32)")
+                        "with scales, integer dots, the 8-bit head's weights looked up once at load; faster where "
+                        "the CPU lacks AVX-512)")
 
 
 def options_of(args: argparse.Namespace):

@@ -9,7 +9,7 @@ Measured, each round alternating every (threads, path) so that a busy machine sl
     token excluded), for each of ``--paths``: torch (``Options(host_kernels=False)``: dense copies of the
     codebook weights, fp32 matmul), host (``Options(cpu_step=False)``: the reference decoder's ops with
     kernels/host_gemv.py on the stored codes), step (the default: the CPU executor, models/cpu_ops.py) and
-    step-int8 (the step with ``Options(host_numerics="int8")``: the 4-bit projections' int8 dot, other numbers;
+    step-int8 (the step with ``Options(host_numerics="int8")``: the int8 dot of the 4-bit projections and the 8-bit head, other numbers;
     ``--paths step,step-int8`` compares the two modes in one run, with "step-int8 GEMV GB/s" its step GEMV pass);
   * host GEMV GB/s: every 4/8-bit projection of the model once, M = 1, in model order (run back to back by one C
     call, ``host_ops.GemvPass``; before session 16 each from Python), over the bytes a decode
@@ -214,7 +214,8 @@ def run_args(a: argparse.Namespace) -> int:
             runs.setdefault(f"gemv ms t={t}", []).append(ms)
             if steps:
                 runs.setdefault(f"step gemv GB/s t={t}", []).append(step_gemv_bandwidth(steps, t))
-            if steps8:  # over the bytes the int8 pass reads (its int8 tables and scales: 20 bytes a row)
+            if steps8:  # over the bytes the int8 pass reads (4-bit: the codes and 20 bytes a row; the 8-bit head:
+                # its int8 weights, K rounded up to 128, and 4 bytes a row; HostGemv.nbytes)
                 runs.setdefault(f"step-int8 gemv GB/s t={t}", []).append(step_gemv_bandwidth(steps8, t))
             runs.setdefault(f"read GB/s t={t}", []).append(read_bandwidth(t, a.bw_mb))
         print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)

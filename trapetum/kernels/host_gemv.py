@@ -209,12 +209,67 @@ class Int8Tables(NamedTuple):
     source: object
 
 
-def row_centroids(tables, N: int, bits: int) -> torch.Tensor:
-    """fp32 [N, 2**bits]: each row's centroids (shared storage: fp16(scale * shared) as the C forms them)."""
+class Int8Weights(NamedTuple):
+    """An 8-bit weight in the int8 numerics (host/codebook_host_q8.c's file comment, its dense form): its 256-entry
+    tables rounded to int8 as ``Int8Tables`` rounds 16-entry ones (q, scale), then looked up once when the weight is
+    loaded (``int8_weights``) into ``w[n, k] = q[n, idx(n, k)]``, int8 [N, Kq] (Kq: K rounded up to 128, zeros
+    past K) in the q8 order (per 128 columns the 64 even then the 64 odd: ``q8_order``): the same bytes as the
+    codes, read by an int8 dot with no lookup (the codes are not read). ``source``: the tables they were made from."""
+    w: torch.Tensor  # int8 [N, Kq]
+    scale: torch.Tensor  # fp32 [N]
+    source: object
+
+
+def q8_order(K: int) -> torch.Tensor:
+    """int64 [Kq]: the natural column at each place of the q8 order (Kq = K rounded up to 128; per 128 columns the
+    64 even columns, then the 64 odd ones)."""
+    Kq = -(-K // 128) * 128
+    p = torch.arange(Kq)
+    return (p // 128) * 128 + (p % 128 % 64) * 2 + (p % 128) // 64
+
+
+def _int8_rows(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, s fp32 [N]) of fp32 centroids c [N, E]: s = max |c| / 127, q = round(c / s) (0 where s is 0)."""
+    s = c.abs().amax(1) / 127.0
+    q = torch.where(s.unsqueeze(1) > 0, torch.round(c / s.unsqueeze(1).clamp_min(torch.finfo(torch.float32).tiny)),
+                    torch.zeros(()))
+    return q.clamp(-127, 127).to(torch.int8).contiguous(), s.contiguous()
+
+
+def int8_weights(codes: torch.Tensor, tables, in_features: int, rows: int = 4096) -> Int8Weights:
+    """The int8 numerics' dense form of an 8-bit weight (``Int8Weights``), looked up ``rows`` rows at a time."""
+    K, N = int(in_features), int(codes.shape[0])
+    check_weight(codes, tables, 8, K)
+    order = q8_order(K)
+    Kq = order.numel()
+    w = torch.zeros(N, Kq, dtype=torch.int8)
+    scale = torch.empty(N, dtype=torch.float32)
+    valid = order < K
+    src = order.clamp_max(K - 1)
+    for n0 in range(0, N, rows):
+        n1 = min(n0 + rows, N)
+        q, scale[n0:n1] = _int8_rows(row_centroids(tables, N, 8, n0, n1))
+        idx = codes[n0:n1, :K].long()
+        wn = torch.gather(q, 1, idx)  # [rows, K] natural order
+        w[n0:n1] = torch.where(valid, wn[:, src], torch.zeros((), dtype=torch.int8))
+    return Int8Weights(w, scale, tables)
+
+
+def int8_form(codes: torch.Tensor, tables, bits: int, in_features: int):
+    """The int8 numerics' form of a weight: ``Int8Tables`` (4-bit) or ``Int8Weights`` (8-bit)."""
+    if bits == 8:
+        return int8_weights(codes, tables, in_features)
+    return int8_tables(tables, bits)
+
+
+def row_centroids(tables, N: int, bits: int, n0: int = 0, n1: int | None = None) -> torch.Tensor:
+    """fp32 [n1 - n0, 2**bits]: rows n0 .. n1 - 1's centroids (default all N; shared storage: fp16(scale * shared)
+    as the C forms them)."""
+    n1 = N if n1 is None else n1
     if isinstance(tables, SharedTables):
-        g = torch.arange(N) // tables.group_rows
-        return (tables.scale.float().unsqueeze(1) * tables.shared.float()[g]).to(torch.float16).float()
-    return tables.float()
+        g = torch.arange(n0, n1) // tables.group_rows
+        return (tables.scale[n0:n1].float().unsqueeze(1) * tables.shared.float()[g]).to(torch.float16).float()
+    return tables[n0:n1].float()
 
 
 def int8_tables(tables, bits: int) -> Int8Tables:
@@ -223,11 +278,8 @@ def int8_tables(tables, bits: int) -> Int8Tables:
     if bits != 4:
         raise ValueError(f"host GEMV: the int8 numerics take 4-bit codebooks, got {bits}-bit")
     N = int(tables.scale.shape[0] if isinstance(tables, SharedTables) else tables.shape[0])
-    c = row_centroids(tables, N, bits)
-    s = c.abs().amax(1) / 127.0
-    q = torch.where(s.unsqueeze(1) > 0, torch.round(c / s.unsqueeze(1).clamp_min(torch.finfo(torch.float32).tiny)),
-                    torch.zeros(()))
-    return Int8Tables(q.clamp(-127, 127).to(torch.int8).contiguous(), s.contiguous(), tables)
+    q, s = _int8_rows(row_centroids(tables, N, bits))
+    return Int8Tables(q, s, tables)
 
 
 def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +299,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def table_bytes(tables) -> int:
     """Bytes of ``tables`` as stored (what a pass over the weight reads beside its codes)."""
-    ts = tables[:2] if isinstance(tables, (SharedTables, Int8Tables)) else (tables,)
+    ts = tables[:2] if isinstance(tables, (SharedTables, Int8Tables, Int8Weights)) else (tables,)
     return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -264,6 +316,9 @@ def segment(codes: torch.Tensor, tables) -> list[int]:
     if isinstance(tables, Int8Tables):
         return [codes.data_ptr(), codes.stride(0), 0, int(codes.shape[0]), 0, 0, tables.q.data_ptr(),
                 tables.scale.data_ptr()]
+    if isinstance(tables, Int8Weights):  # the dense form: its weights stand for the codes
+        w = tables.w
+        return [w.data_ptr(), w.stride(0), 0, int(w.shape[0]), 0, 0, w.data_ptr(), tables.scale.data_ptr()]
     tab, scale, G = table_args(tables)
     return [codes.data_ptr(), codes.stride(0), tab, int(codes.shape[0]), scale or 0, G, 0, 0]
 
@@ -298,6 +353,16 @@ def check_weight(codes: torch.Tensor, tables, bits: int, in_features: int) -> in
                 or tuple(sc.shape) != (N,) or not sc.is_contiguous():
             raise ValueError(f"host GEMV: int8 tables must be contiguous int8 [{N}, 16] and fp32 [{N}]")
         if q.device.type != "cpu" or sc.device.type != "cpu":
+            raise ValueError("host GEMV: tensors must be on the CPU")
+    elif isinstance(tables, Int8Weights):
+        if bits != 8:
+            raise ValueError(f"host GEMV: int8 dense weights stand for 8-bit codes, got {bits}-bit")
+        w, sc, Kq = tables.w, tables.scale, -(-K // 128) * 128
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.int8 or tuple(w.shape) != (N, Kq) \
+                or not w.is_contiguous() or not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32 \
+                or tuple(sc.shape) != (N,) or not sc.is_contiguous():
+            raise ValueError(f"host GEMV: int8 weights must be contiguous int8 [{N}, {Kq}] and fp32 [{N}]")
+        if w.device.type != "cpu" or sc.device.type != "cpu":
             raise ValueError("host GEMV: tensors must be on the CPU")
     elif isinstance(tables, SharedTables):
         G = tables.group_rows
@@ -336,7 +401,7 @@ def codebook_gemv_host(x: torch.Tensor, codes: torch.Tensor, tables, bits: int,
     if t < 1:
         raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
     p = -1 if path is None else PATHS.index(path)
-    if isinstance(tables, Int8Tables):
+    if isinstance(tables, (Int8Tables, Int8Weights)):
         segs = (ctypes.c_long * 8)(*segment(codes, tables))
         rc = lib.tp_gemv_multi(x.data_ptr(), x.stride(0), M, K, 1, segs, bits, out.data_ptr(), out.stride(0), None,
                                None, 0, 0, t, p)
@@ -361,9 +426,9 @@ class HostGemv:
         check_weight(codes, tables, bits, K)
         self.codes, self.tables, self.bits, self.in_features = codes, tables, bits, K
         self.out_features = int(codes.shape[0])
-        self.nbytes = codes.numel() + table_bytes(tables)
+        self.nbytes = (0 if isinstance(tables, Int8Weights) else codes.numel()) + table_bytes(tables)
         self._fn, self._dq = lib.tp_codebook_gemv, lib.tp_codebook_dequant
-        self.int8 = isinstance(tables, Int8Tables)
+        self.int8 = isinstance(tables, (Int8Tables, Int8Weights))
         if self.int8:  # one segment of tp_gemv_multi (the int8 numerics)
             self._fn, self._prep = lib.tp_gemv_multi, lib.tp_q8_prepare
             self._segs = (ctypes.c_long * 8)(*segment(codes, tables))
@@ -382,8 +447,8 @@ class HostGemv:
             raise ValueError(f"host GEMV: threads must be at least 1, got {t}")
         out = torch.empty(M, self.out_features, dtype=torch.float32)
         if self.int8:
-            rc = self._fn(x.data_ptr(), x.stride(0), M, K, 1, self._segs, 4, out.data_ptr(), self.out_features, None,
-                          None, 0, 0, t, -1)
+            rc = self._fn(x.data_ptr(), x.stride(0), M, K, 1, self._segs, self.bits, out.data_ptr(),
+                          self.out_features, None, None, 0, 0, t, -1)
         else:
             c, ldc, cb, sc, G, n, bits = self._args
             rc = self._fn(x.data_ptr(), x.stride(0), M, K, c, ldc, cb, sc, G, n, bits, out.data_ptr(),
@@ -397,6 +462,11 @@ class HostGemv:
         n1 = self.out_features if n1 is None else n1
         if not 0 <= n0 <= n1 <= self.out_features:
             raise ValueError(f"host GEMV: rows {n0}..{n1} outside 0..{self.out_features}")
+        if isinstance(self.tables, Int8Weights):  # s[n] * w[n, k] in the natural order (fp32 products)
+            t, K = self.tables, self.in_features
+            w = torch.empty(n1 - n0, t.w.shape[1], dtype=torch.float32)
+            w[:, q8_order(K)] = t.w[n0:n1].float()
+            return w[:, :K] * t.scale[n0:n1].unsqueeze(1)
         if self.int8:  # the int8 numerics' weights s[n] * q[n, e] (fp32 products)
             t = self.tables
             idx = unpack_codes(self.codes[n0:n1], 4, self.in_features).long()
@@ -431,14 +501,20 @@ class HostGemv:
         return xq[:, :K].float() * dg.repeat_interleave(8, 1)[:, :K]
 
 
-def reference_int8(x: torch.Tensor, codes: torch.Tensor, tables: Int8Tables,
+def reference_int8(x: torch.Tensor, codes: torch.Tensor, tables,
                    in_features: int | None = None) -> torch.Tensor:
     """float64 reference of the int8 numerics: y[m, n] = s[n] * sum_k d[m, k // 32] * xq[m, k] * q[n, idx(n, k)]
-    (``quantize_x``'s xq and d, the tables' q and s) -> [M, N]."""
+    (``quantize_x``'s xq and d, the tables' q and s; ``Int8Tables`` of 4-bit codes, or ``Int8Weights``, whose
+    weights w stand for q[n, idx(n, k)]) -> [M, N]."""
     K = int(in_features if in_features is not None else x.shape[-1])
     xq, d = quantize_x(x)
-    idx = unpack_codes(codes.contiguous(), 4, K).long()
-    w = torch.gather(tables.q.double(), 1, idx)  # [N, K] integers
+    if isinstance(tables, Int8Weights):
+        w = torch.empty(tables.w.shape, dtype=torch.float64)
+        w[:, q8_order(K)] = tables.w.double()
+        w = w[:, :K]
+    else:
+        idx = unpack_codes(codes.contiguous(), 4, K).long()
+        w = torch.gather(tables.q.double(), 1, idx)  # [N, K] integers
     xd = xq.double() * d.double().repeat_interleave(32, 1)[:, :K]
     return (xd @ w.T) * tables.scale.double().unsqueeze(0)
 

@@ -48,7 +48,7 @@ def _check_rows(name: str, t: torch.Tensor, cols: int) -> None:
 
 class FusedGemv:
     """y = x [W_0; W_1; ...]^T in one call. ``parts``: (codes uint8 [N_i, packed], tables (fp16 [N_i, 2**bits],
-    ``hg.SharedTables``, or for the int8 numerics ``hg.Int8Tables``: every part or none), bias fp32 [N_i] or
+    ``hg.SharedTables``, or for the int8 numerics ``hg.Int8Tables`` / 8-bit ``hg.Int8Weights``: every part or none), bias fp32 [N_i] or
     None) of one bit width and ``in_features``; referenced, not copied
     (the codes stay where they were loaded). ``act``: None, or "silu" / "gelu_tanh" over two parts of equal N (gate, up)."""
 
@@ -67,7 +67,7 @@ class FusedGemv:
         self.parts, self.bits, self.in_features = list(parts), int(bits), K
         self.n = sum(int(c.shape[0]) for c, _, _ in parts)
         self.out_features = self.n // 2 if self.act else self.n
-        int8 = [isinstance(cb, hg.Int8Tables) for _, cb, _ in parts]
+        int8 = [isinstance(cb, (hg.Int8Tables, hg.Int8Weights)) for _, cb, _ in parts]
         if any(int8) and not all(int8):
             raise ValueError("host ops: a fused GEMV's weights take one numerics (all int8 tables or none)")
         self.int8 = all(int8)

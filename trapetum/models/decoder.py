@@ -208,7 +208,7 @@ class Decoder(nn.Module):
         (``CodebookLinear.use_host``; their dense copies dropped); ``threads``: None follows
         ``torch.get_num_threads()``. ``step``: passes of 1..16 rows over an fp32 CPU cache then run the CPU
         executor (models/cpu_ops.py: fused GEMVs, the small ops in C) where the model is dense (attention + MLP
-        blocks). ``numerics``: "fp32" or "int8" (``Options.host_numerics``: the 4-bit projections' int8 dot).
+        blocks). ``numerics``: "fp32" or "int8" (``Options.host_numerics``: the int8 dot, 4- and 8-bit).
         Returns how many projections use the host GEMV."""
         n = sum(1 for m in self.modules() if hasattr(m, "use_host") and m.use_host(threads, numerics=numerics))
         self.cpu_step = CpuStep(self.config, (self.rope_global, self.rope_local), threads) if n and step else None

@@ -73,7 +73,8 @@ class CodebookLinear(nn.Module):
         """Multiply fp32 inputs on the CPU by the host GEMV (kernels/host_gemv.py: the codes decoded in place,
         batch-invariant rows, the same bits for every thread count) and drop the dense copy; ``threads``: None is
         ``torch.get_num_threads()`` at each call. ``numerics`` "int8" (``Options.host_numerics``): a 4-bit weight
-        runs the int8 dot (``hg.int8_tables``, made here once; other numbers); other widths stay fp32. False
+        runs the int8 dot on int8 tables, an 8-bit one on int8 weights looked up once (``hg.int8_form``, made
+        here; other numbers). False
         (nothing changes) where it does not apply: other bit widths, codes not on the CPU, the kernels unavailable
         (no compiler: warned once)."""
         if numerics not in hg.NUMERICS:
@@ -81,8 +82,8 @@ class CodebookLinear(nn.Module):
         if not hg.supports(self.bits) or self.codes.device.type != "cpu" or not hg.available():
             return False
         tables = self.tables()
-        if numerics == "int8" and self.bits == 4:
-            tables = hg.int8_tables(tables, self.bits)
+        if numerics == "int8":
+            tables = hg.int8_form(self.codes, tables, self.bits, self.in_features)
         self.host, self.host_threads = hg.HostGemv(self.codes, tables, self.bits, self.in_features), threads
         self.__dict__.pop("_dense", None)
         return True
@@ -105,7 +106,7 @@ class CodebookLinear(nn.Module):
         if h is None or h.codes is not self.codes:
             return False
         t = h.tables
-        if isinstance(t, hg.Int8Tables):  # the int8 tables were made from these
+        if isinstance(t, (hg.Int8Tables, hg.Int8Weights)):  # the int8 form was made from these
             t = t.source
         if self.group_rows is None:
             return t is self.codebook

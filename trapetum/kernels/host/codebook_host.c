@@ -349,7 +349,8 @@ static float act_f(float g, int act) {
 /* Several weights of one input in one call: their output rows side by side, y fp32 [M, N_0 + .. + N_{n-1}].
    segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G, int8 table pointer or 0, int8
    row-scale pointer or 0) as longs (the two storages of tp_codebook_gemv, per segment; an int8 table: the int8
-   numerics of codebook_host_q8.c, 4-bit only, every segment or none; its fp16 table pointer is not read);
+   numerics of codebook_host_q8.c, every segment or none, its fp16 table pointer not read; 8-bit: the codes and
+   the int8 table pointer both the dense form's int8 weights, ldc >= K rounded up to 128);
    every segment has `bits`, K columns.
    Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
      act 0: y = res[m, n] + y (res NULL: none)
@@ -367,7 +368,7 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
     if (g[1] < (bits == 4 ? (K + 1) / 2 : K) || g[3] < 0 || (g[4] && g[5] < 1)) return -1;
-    if ((g[6] != 0) != q8 || (q8 && (bits != 4 || !g[7]))) return -1;
+    if ((g[6] != 0) != q8 || (q8 && !g[7]) || (q8 && bits == 8 && g[1] < (K + 127) / 128 * 128)) return -1;
     mj.off[s] = N; N += g[3];
   }
   mj.off[nseg] = N; mj.nseg = nseg; mj.N = N;
@@ -383,7 +384,8 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
     dg = (float *)malloc((size_t)(M * Kq / 8) * sizeof(float));
     xc = (int32_t *)malloc((size_t)(M * Kq / 8) * sizeof(int32_t));
     if (!xq || !dg || !xc) { free(xq); free(dg); free(xc); return -2; }
-    tp_q8_prepare(x, ldx, M, K, path, xq, dg, xc);
+    if (bits == 8) tp_q8_prepare_span(x, ldx, M, K, 128, xq, dg, xc); /* the dense form's q8 order */
+    else tp_q8_prepare(x, ldx, M, K, path, xq, dg, xc);
   } else {
     xp = prepare_x(x, ldx, M, K, bits, path, &Kp);
     if (!xp) return -2;

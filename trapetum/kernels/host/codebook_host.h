@@ -64,7 +64,8 @@ typedef struct {
   float *y; long ldy; int bits, path;
   const uint16_t *scale; long G;   /* shared storage: row scales [N], G rows a group (scale NULL: per-row cb) */
   /* the int8 numerics (codebook_host_q8.c; qt NULL: the fp32 mode above): the rows' int8 tables qt [N, 16] and
-     scales qs [N]; x quantized once per call: xq [M, Kq] in the path's order, dg / xc [M, Kq / 8] per octet */
+     scales qs [N] (8-bit: qt the dense int8 weights [N, ldc >= Kq] in the q8 order, codes unused); x quantized
+     once per call: xq [M, Kq] in the path's order (8-bit: the q8 order), dg / xc [M, Kq / 8] per octet */
   const int8_t *qt; const float *qs;
   const int8_t *xq; const float *dg; const int32_t *xc; long Kq;
 } job_t;
@@ -95,6 +96,7 @@ typedef struct {
 
 /* the int8 numerics (codebook_host_q8.c): x quantized once per call, then the output rows n0 .. n1 - 1 */
 int tp_q8_prepare(const float *x, long ldx, long M, long K, int path, int8_t *xq, float *dg, int32_t *xc);
+int tp_q8_prepare_span(const float *x, long ldx, long M, long K, long span, int8_t *xq, float *dg, int32_t *xc);
 void tp_rows_q8(const job_t *j, long n0, long n1);
 
 #if TP_X86

@@ -1,5 +1,6 @@
-/* The int8 numerics of the 4-bit host GEMV (Options.host_numerics "int8"; kernels/host_gemv.py Int8Tables):
-   an opt-in mode with numbers of its own, not a code path (the default fp32 mode of codebook_host.c is untouched).
+/* The int8 numerics of the host GEMV (Options.host_numerics "int8"; kernels/host_gemv.py Int8Tables for 4-bit
+   codes, Int8Weights for 8-bit ones): an opt-in mode with numbers of its own, not a code path (the default fp32
+   mode of codebook_host.c is untouched).
 
    Quantities (every one an exact integer or a value fixed before the row loop):
    - per weight row n (made once when the weight is loaded, host_gemv.Int8Tables): the int8 table
@@ -25,6 +26,13 @@
      two vpdpbusd on the table's unsigned form q + 128 (one xor) starting from -128 * sum(xq of the octet)
      (prepared per call), without VNNI vpmaddubsw / vpmaddwd on |w| and xq negated where w < 0; chunk c into
      accumulator c % 2 (16 lanes each = the 32 lanes above); a last 64-column chunk as a masked half.
+   8-bit codes (the LM head), the dense form: a 256-entry table has no one-instruction lookup on AVX2 (the fp32
+   mode's scalar loads ran 4.4 GB/s a core), so the int8 table q (rounded as above) is looked up once when the
+   weight is loaded, into int8 weights w[n, k] = q[n, idx(n, k)] [N, Kq] (the same bytes as the codes, which are
+   then not read), stored in the q8 order: per 128 columns the 64 even columns, then the 64 odd ones (x prepared
+   in the same order on every path, tp_q8_prepare_span). P[g] as above over every octet g < Kq / 8 (the octets
+   past K are zeros in w and x: they add +0 and change no bit); AVX2: 64 columns a step (32 even + 32 odd bytes
+   of one 128-column group), AVX-512: a whole group (with VNNI on w + 128 from the xc offset, as above).
    Bits: vpmaddubsw cannot saturate (|w| * |xq| * 2 <= 32258). Build: codebook_host.c's flags. */
 #include "codebook_host.h"
 
@@ -42,8 +50,13 @@ static inline float q8_tree(const float *a) {
    block scale d), xc int32 [M, Kq / 8] (-128 * the octet's sum of xq: the VNNI form's offset). Kq: K rounded up
    to 128. Portable, one thread: every path and thread count reads the same values. */
 int tp_q8_prepare(const float *x, long ldx, long M, long K, int path, int8_t *xq, float *dg, int32_t *xc) {
+  return tp_q8_prepare_span(x, ldx, M, K, path >= PATH_AVX512 ? 128 : path == PATH_AVX2 ? 64 : 1, xq, dg, xc);
+}
+
+/* the same in the column order of groups of `span` columns (1: natural; 64 or 128: [the even columns | the odd]):
+   the 4-bit codes' order is the path's (tp_q8_prepare), the 8-bit dense weights' always 128 (q8 order) */
+int tp_q8_prepare_span(const float *x, long ldx, long M, long K, long span, int8_t *xq, float *dg, int32_t *xc) {
   const long Kq = (K + 127) / 128 * 128, ng = Kq / 8;
-  const long span = path >= PATH_AVX512 ? 128 : path == PATH_AVX2 ? 64 : 1;  /* column-order group */
   memset(xq, 0, (size_t)(M * Kq));
   for (long m = 0; m < M; m++) {
     const float *src = x + m * ldx;
@@ -84,6 +97,30 @@ static void rows_q8_c(const job_t *j, long n0, long n1) {
       for (long g = 0; g < G; g++) {
         int32_t p = 0;
         for (long k = 8 * g; k < 8 * g + 8 && k < j->K; k++) p += (int32_t)t[(c[k >> 1] >> ((k & 1) * 4)) & 15] * xq[k];
+        a[g % Q8_LANES] = fmaf(dg[g], (float)p, a[g % Q8_LANES]);
+      }
+      j->y[m * j->ldy + n] = j->qs[n] * q8_tree(a);
+    }
+  }
+}
+
+/* the 8-bit dense form: row n's int8 weights w[n, k] = q[n, idx(n, k)] at j->qt + n * j->ldc in the q8 order
+   (per 128 columns [the 64 even | the 64 odd], zero to Kq); every Kq / 8 octets (the zero ones add +0) */
+static void rows_q8w_c(const job_t *j, long n0, long n1) {
+  const long ng = j->Kq / 8;
+  for (long n = n0; n < n1; n++) {
+    const int8_t *w = j->qt + n * j->ldc;
+    for (long m = 0; m < j->M; m++) {
+      const int8_t *xq = j->xq + m * j->Kq;
+      const float *dg = j->dg + m * ng;
+      float a[Q8_LANES];
+      for (int i = 0; i < Q8_LANES; i++) a[i] = 0.0f;
+      for (long g = 0; g < ng; g++) {
+        int32_t p = 0;
+        for (long k = 8 * g; k < 8 * g + 8; k++) {
+          const long at = (k / 128) * 128 + (k & 1) * 64 + (k % 128) / 2;
+          p += (int32_t)w[at] * xq[at];
+        }
         a[g % Q8_LANES] = fmaf(dg[g], (float)p, a[g % Q8_LANES]);
       }
       j->y[m * j->ldy + n] = j->qs[n] * q8_tree(a);
@@ -141,6 +178,40 @@ __attribute__((target(TQ2))) static void rows_q8_avx2(const job_t *j, long n0, l
       if (ch + 1 < nc) CHUNK_AVX2(ch + 1, a1);
       if (ch + 2 < nc) CHUNK_AVX2(ch + 2, a2);
 #undef CHUNK_AVX2
+      j->y[m * j->ldy + n] = j->qs[n] * q8_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)));
+    }
+  }
+}
+
+/* the 8-bit dense form: 64 columns a step (chunk C: half C % 2 of 128-column group C / 2, its 32 even and 32 odd
+   columns), the octets' P as the 4-bit chunk forms them, the same float part */
+__attribute__((target(TQ2))) static void rows_q8w_avx2(const job_t *j, long n0, long n1) {
+  const long nc = j->Kq / 64, ng = j->Kq / 8;
+  const __m256i one16 = _mm256_set1_epi16(1);
+  for (long n = n0; n < n1; n++) {
+    const int8_t *w = j->qt + n * j->ldc;
+    for (long m = 0; m < j->M; m++) {
+      const int8_t *xq = j->xq + m * j->Kq;
+      const float *dg = j->dg + m * ng;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;  /* chunk c into a(c % 4) */
+#define CHUNKW_AVX2(C, A)                                                                                    \
+  do {                                                                                                       \
+    const long at = ((C) >> 1) * 128 + ((C) & 1) * 32;                                                       \
+    if (!((C) & 1)) _mm_prefetch((const char *)(w + at) + PF, _MM_HINT_T0);                                  \
+    if (!((C) & 1)) _mm_prefetch((const char *)(w + at) + PF + 64, _MM_HINT_T0);                             \
+    const __m256i we = _mm256_loadu_si256((const __m256i *)(w + at));                                        \
+    const __m256i wo = _mm256_loadu_si256((const __m256i *)(w + at + 64));                                   \
+    const __m256i xe = _mm256_loadu_si256((const __m256i *)(xq + at));                                       \
+    const __m256i xo = _mm256_loadu_si256((const __m256i *)(xq + at + 64));                                  \
+    const __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(we), _mm256_sign_epi8(xe, we)), one16); \
+    const __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wo), _mm256_sign_epi8(xo, wo)), one16); \
+    A = _mm256_fmadd_ps(_mm256_loadu_ps(dg + (C) * 8), _mm256_cvtepi32_ps(_mm256_add_epi32(pl, ph)), A);     \
+  } while (0)
+      long ch = 0;
+      for (; ch + 4 <= nc; ch += 4) { CHUNKW_AVX2(ch, a0); CHUNKW_AVX2(ch + 1, a1); CHUNKW_AVX2(ch + 2, a2); CHUNKW_AVX2(ch + 3, a3); }
+      if (ch < nc) CHUNKW_AVX2(ch, a0); /* nc is even: 0 or 2 chunks are left */
+      if (ch + 1 < nc) CHUNKW_AVX2(ch + 1, a1);
+#undef CHUNKW_AVX2
       j->y[m * j->ldy + n] = j->qs[n] * q8_hsum8(_mm256_add_ps(_mm256_add_ps(a0, a2), _mm256_add_ps(a1, a3)));
     }
   }
@@ -217,6 +288,57 @@ __attribute__((target(TQ5), always_inline)) static inline __m512i p16_bw(__m512i
 ROWS_Q8_512(rows_q8_512v, TQ5V, p16_vnni, 1)
 ROWS_Q8_512(rows_q8_512, TQ5, p16_bw, 0)
 #undef ROWS_Q8_512
+
+/* P of the 16 octets of one 128-column group of the 8-bit dense form (w: its 64 even | 64 odd int8 weights) */
+__attribute__((target(TQ5V), always_inline)) static inline __m512i pw16_vnni(const int8_t *w, const int8_t *x,
+                                                                            const int32_t *xc) {
+  const __m512i flip = _mm512_set1_epi8((char)0x80); /* w + 128, unsigned */
+  const __m512i ue = _mm512_xor_si512(_mm512_loadu_si512((const void *)w), flip);
+  const __m512i uo = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + 64)), flip);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_loadu_si512((const void *)xc), ue,
+                                                 _mm512_loadu_si512((const void *)x)),
+                             uo, _mm512_loadu_si512((const void *)(x + 64)));
+}
+
+__attribute__((target(TQ5), always_inline)) static inline __m512i pw16_bw(const int8_t *w, const int8_t *x,
+                                                                         const int32_t *xc) {
+  (void)xc;
+  const __m512i one16 = _mm512_set1_epi16(1), z = _mm512_setzero_si512();
+  const __m512i we = _mm512_loadu_si512((const void *)w), wo = _mm512_loadu_si512((const void *)(w + 64));
+  const __m512i xe = _mm512_loadu_si512((const void *)x), xo = _mm512_loadu_si512((const void *)(x + 64));
+  const __m512i se = _mm512_mask_sub_epi8(xe, _mm512_movepi8_mask(we), z, xe);
+  const __m512i so = _mm512_mask_sub_epi8(xo, _mm512_movepi8_mask(wo), z, xo);
+  return _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(we), se), one16),
+                          _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(wo), so), one16));
+}
+
+/* the 8-bit dense form, rows n0 .. n1 - 1: group c (128 columns) into accumulator c % 2 */
+#define ROWS_Q8W_512(NAME, TARGET, PFN)                                                                        \
+  __attribute__((target(TARGET))) static void NAME(const job_t *j, long n0, long n1) {                        \
+    const long nch = j->Kq / 128, ng = j->Kq / 8;                                                              \
+    for (long n = n0; n < n1; n++) {                                                                           \
+      const int8_t *w = j->qt + n * j->ldc;                                                                    \
+      for (long m = 0; m < j->M; m++) {                                                                        \
+        const int8_t *xq = j->xq + m * j->Kq;                                                                  \
+        const float *dg = j->dg + m * ng;                                                                      \
+        const int32_t *xc = j->xc + m * ng;                                                                    \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                              \
+        for (long ch = 0; ch < nch; ch++) {                                                                    \
+          _mm_prefetch((const char *)(w + ch * 128) + PF, _MM_HINT_T1);                                        \
+          _mm_prefetch((const char *)(w + ch * 128) + PF + 64, _MM_HINT_T1);                                   \
+          const __m512i p = PFN(w + ch * 128, xq + ch * 128, xc + ch * 16);                                    \
+          const __m512 f = _mm512_cvtepi32_ps(p), d = _mm512_loadu_ps(dg + ch * 16);                           \
+          if (ch & 1) a1 = _mm512_fmadd_ps(d, f, a1); else a0 = _mm512_fmadd_ps(d, f, a0);                     \
+        }                                                                                                      \
+        const __m512 h = _mm512_add_ps(a0, a1);                                                                \
+        j->y[m * j->ldy + n] = j->qs[n] * q8_hsum8(_mm256_add_ps(_mm512_castps512_ps256(h),                   \
+                                                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(h), 1)))); \
+      }                                                                                                        \
+    }                                                                                                          \
+  }
+ROWS_Q8W_512(rows_q8w_512v, TQ5V, pw16_vnni)
+ROWS_Q8W_512(rows_q8w_512, TQ5, pw16_bw)
+#undef ROWS_Q8W_512
 #endif
 
 static volatile int q8_no_vnni; /* tp_q8_no_vnni: the AVX-512 form without VNNI where VNNI is present (tests) */
@@ -235,6 +357,17 @@ int tp_q8_no_vnni(int on) {
 
 /* output rows n0 .. n1 - 1 of an int8 job (j->qt set): the path's form of the integers P */
 void tp_rows_q8(const job_t *j, long n0, long n1) {
+  if (j->bits == 8) { /* the dense form */
+#if TP_X86
+    if (j->path >= PATH_AVX512) {
+      if (!q8_no_vnni && __builtin_cpu_supports("avx512vnni")) rows_q8w_512v(j, n0, n1); else rows_q8w_512(j, n0, n1);
+      return;
+    }
+    if (j->path == PATH_AVX2) { rows_q8w_avx2(j, n0, n1); return; }
+#endif
+    rows_q8w_c(j, n0, n1);
+    return;
+  }
 #if TP_X86
   if (j->path >= PATH_AVX512) {
     if (!q8_no_vnni && __builtin_cpu_supports("avx512vnni")) rows_q8_512v(j, n0, n1); else rows_q8_512(j, n0, n1);
