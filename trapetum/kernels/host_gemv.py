@@ -44,8 +44,9 @@ from .pack import packed_width, unpack_codes
 
 SOURCE = Path(__file__).resolve().parent / "host" / "codebook_host.c"
 SOURCES = (SOURCE, SOURCE.parent / "codebook_host_512.c", SOURCE.parent / "codebook_host_q8.c",
-           SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c")  # one library: the GEMVs (codebook_host.h
-# shared; codebook_host_q8.c: the int8 numerics), their thread pool, the decode step's small ops
+           SOURCE.parent / "host_pool.c", SOURCE.parent / "cpu_step.c", SOURCE.parent / "ggml_host.c")  # one library:
+# the GEMVs (codebook_host.h shared; codebook_host_q8.c: the int8 numerics; ggml_host.c: GGUF's legacy block types,
+# kernels/ggml_host.py), their thread pool, the decode step's small ops
 FLAGS = ["-O3", "-shared", "-fPIC", "-pthread", "-ffp-contract=off"]
 PATHS = ("c", "avx2", "avx512", "avx512vbmi", "avx512fp16")
 NUMERICS = ("fp32", "int8")  # Options.host_numerics: fp32 x times the fp16 tables (the default), or the int8 dot  # index = the C side's path number (avx512vbmi:
@@ -131,6 +132,10 @@ def _build() -> ctypes.CDLL:
     lib.tp_rope_kv.argtypes = [P, L, P, L, P, L, L, L, L, L, L, I, P, P, P, P, L, L, L, P]
     lib.tp_attend.restype = I
     lib.tp_attend.argtypes = [P, L, P, L, P, L, L, L, L, L, L, I, P, P, P, P, L, L, L, L, F, F, P, P, L, I]
+    lib.tp_ggml_gemv.restype = I
+    lib.tp_ggml_gemv.argtypes = [P, L, L, L, P, L, I, L, P, L, I, I]
+    lib.tp_ggml_dequant.restype = I
+    lib.tp_ggml_dequant.argtypes = [P, L, I, L, L, L, P, L]
     return lib
 
 
