@@ -136,11 +136,19 @@ class Model:
     @property
     def decoder(self) -> Decoder:
         """The torch reference decoder (built on first use when the GPU engine runs the model: a second copy
-        of the weights, for checks and tools). On the CPU its 4/8-bit codebook projections run the host GEMV
-        (``Options.host_kernels``; ``threads``), without dense copies."""
+        of the weights, for checks and tools). On the CPU its 4/8-bit codebook projections and a GGUF's legacy
+        block-quantized ones (schemes/ggml.py) run the host GEMV (``Options.host_kernels``; ``threads``), without
+        dense copies."""
         if self._decoder is None:
-            dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device).eval()
-            if self.device == "cpu" and self.options.host_kernels:
+            host = self.device == "cpu" and self.options.host_kernels
+            # on the CPU a GGUF's legacy block-quantized projections stay as stored, read by the host GEMV
+            blocks = host and self.dtype == torch.float32 and self.checkpoint.source_format == "gguf"
+            if blocks:
+                from .kernels import ggml_host
+                blocks = ggml_host.available()
+            dec = Decoder.from_checkpoint(self.checkpoint, dtype=self.dtype, device=self.device,
+                                          blocks=blocks).eval()
+            if host:
                 dec.use_host_kernels(self.threads, step=self.options.cpu_step, numerics=self.options.host_numerics)
             dec.set_sparsity(self.sparsity)
             self._decoder = dec

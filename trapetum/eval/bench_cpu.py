@@ -1,6 +1,7 @@
-"""CPU decode benchmark of a .cbk model: the host GEMV path against dequantize-and-multiply, in one process.
+"""CPU decode benchmark of a .cbk model (or a GGUF, whose Q4_0 / Q4_1 / Q5_0 / Q8_0 projections the host GEMV reads
+in place: schemes/ggml.py): the host GEMV path against dequantize-and-multiply, in one process.
 
-    python -m trapetum.eval.bench_cpu MODEL.cbk [--threads 1,2] [--tokens 64] [--rounds 3] [--out DIR]
+    python -m trapetum.eval.bench_cpu MODEL.cbk|MODEL.gguf [--threads 1,2] [--tokens 64] [--rounds 3] [--out DIR]
                                       [--paths torch,host,step] [--llama-bench PATH --gguf FILE]
                                       [--host-path avx2]
 
@@ -74,8 +75,12 @@ def gemv_bandwidth(gemvs: list, threads: int, reps: int = 5) -> tuple[float, flo
 
     from ..kernels.host_ops import FusedGemv, GemvPass
 
-    # each projection as a one-part fused GEMV (the same kernel and bits), all run by one C call
-    one = [FusedGemv([(g.codes, g.tables, None)], g.bits, g.in_features) for g in gemvs]
+    from ..kernels import ggml_host as gh
+
+    # each projection as a one-part fused GEMV (the same kernel and bits), all run by one C call (a GGUF's block
+    # weights, kernels/ggml_host.HostGgml, as segments of bits gh.BITS)
+    one = [FusedGemv([(g.weight.blocks, g.weight, None)], gh.BITS, g.in_features) if isinstance(g, gh.HostGgml)
+           else FusedGemv([(g.codes, g.tables, None)], g.bits, g.in_features) for g in gemvs]
     run = GemvPass([(f, torch.randn(1, f.in_features), torch.empty(1, f.out_features)) for f in one], threads).run
     nbytes = sum(g.nbytes for g in gemvs)
     run()
@@ -196,7 +201,8 @@ def run_args(a: argparse.Namespace) -> int:
     ids = probe.encode(PROMPT)
     gemvs = host_gemvs(probe.decoder)
     if not gemvs:
-        raise TrapetumError(f"bench cpu: {a.model} has no 4/8-bit codebook projection")
+        raise TrapetumError(f"bench cpu: {a.model} has no projection on the host GEMV (4/8-bit codebooks, a GGUF's "
+                            "Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks)")
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
         decode_rate(m, ids, 4)
     steps = step_gemvs(models["step"].decoder) if "step" in models else []

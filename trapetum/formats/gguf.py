@@ -496,6 +496,45 @@ def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], tor
     return load
 
 
+# GGUF types whose rows the CPU reads in place (schemes/ggml.py; kernels/ggml_host.py): the legacy blocks of 32.
+# Per block the largest |weight| is at most |d| * QMAX (+ |m| for Q4_1), which the records' check bounds.
+BLOCK_TYPES = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q8_0": 128}
+
+
+def _block_rows(t: Any, where: str) -> Callable[[], torch.Tensor]:
+    """The loader of a block-quantized tensor's rows as stored: uint8 [rows, row bytes], a view of the mapped file
+    (read-only: nothing writes to it). Refuses what ``_dequantize`` refuses: scales that are not finite or can make
+    a weight past the fp16 range (bounded from the scales; only where the bound fails are the values computed)."""
+    def load() -> torch.Tensor:
+        import warnings
+
+        import torch
+
+        a = np.asarray(t.data)
+        rows = a.shape[0]
+        nb = a.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[t.tensor_type.name]
+        blk = a.reshape(rows * nb, -1)
+        d = np.abs(blk[:, 0:2].copy().view(np.float16).astype(np.float32))
+        bound = d * BLOCK_TYPES[t.tensor_type.name]
+        if t.tensor_type.name == "Q4_1":
+            bound = bound + np.abs(blk[:, 2:4].copy().view(np.float16).astype(np.float32))
+        if bound.size and not float(bound.max()) <= FP16_MAX:
+            _dequantize(t, where)  # raises where a value is really out of range or NaN
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # not writable: the tensor is only read
+            return torch.from_numpy(a)
+    return load
+
+
+def _record_getter(rows: Callable[[], torch.Tensor], r0: int, r1: int, qtype: str, cols: int) -> Callable[[], Any]:
+    """The QuantRecord ("ggml", schemes/ggml.py) of rows r0 .. r1 - 1 of a block-quantized tensor."""
+    def get():
+        from ..schemes.record import QuantRecord
+
+        return QuantRecord("ggml", (r1 - r0, cols), {"type": qtype}, {"blocks": rows()[r0:r1]})
+    return get
+
+
 def _supported_type(qtype: Any) -> bool:
     import gguf
     import gguf.quants
@@ -517,6 +556,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     cfg = config_from_gguf(meta, raw_shapes, config_tensors, where)
 
     getters: dict[str, Callable[[], torch.Tensor]] = {}
+    records: dict[str, Callable[[], Any]] = {}  # the projections' block rows as stored (BLOCK_TYPES)
     formats: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     ignored: list[str] = []
@@ -547,38 +587,47 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
                                    "which the gguf package cannot dequantize")
         shape = raw_shapes[t.name]
         load = _dequantizer(t, shape, where)
+        rows = None  # the block rows as stored, for projections of BLOCK_TYPES (un-permuted and split as load)
+        if t.tensor_type.name in BLOCK_TYPES and len(shape) == 2 and \
+                (canon.endswith("_proj.weight") or canon in ("lm_head.weight", "model.embed_tokens.weight")):
+            rows = _block_rows(t, where)
         if permute and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
             if shape[0] % (2 * heads):
                 raise ConfigError(f"{where}: tensor {t.name} has {shape[0]} rows, not a multiple of 2 x {heads} heads")
             load = (lambda f, h: lambda: _unpermute_rows(f(), h))(load, heads)
+            if rows is not None:
+                rows = (lambda f, h: lambda: _unpermute_rows(f(), h).contiguous())(rows, heads)
         if gemma and canon.endswith("norm.weight"):
             load = (lambda f: lambda: f() - 1.0)(load)
         tname = t.tensor_type.name
 
-        parts: dict[str, tuple[Callable[[], torch.Tensor], tuple[int, ...]]]
+        spans: dict[str, tuple[int, int]]  # canonical name -> its rows of the stored tensor
         if canon.endswith("self_attn.qkv_proj.weight"):
             if shape[0] != qd + 2 * kvd:
                 raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
                                   f"[{qd + 2 * kvd}, {cfg.hidden_size}] (q + k + v rows)")
             p = canon[: -len("qkv_proj.weight")]
-            parts = {p + "q_proj.weight": ((lambda f: lambda: f()[:qd].clone())(load), (qd,) + shape[1:]),
-                     p + "k_proj.weight": ((lambda f: lambda: f()[qd:qd + kvd].clone())(load), (kvd,) + shape[1:]),
-                     p + "v_proj.weight": ((lambda f: lambda: f()[qd + kvd:].clone())(load), (kvd,) + shape[1:])}
+            spans = {p + "q_proj.weight": (0, qd), p + "k_proj.weight": (qd, qd + kvd),
+                     p + "v_proj.weight": (qd + kvd, shape[0])}
         elif GGUF_ARCHS[arch].get("fused") and canon.endswith("mlp.up_proj.weight") and \
                 t.name.replace("ffn_up", "ffn_gate") not in by_name:
             if shape[0] != 2 * inter:
                 raise ConfigError(f"{where}: tensor {t.name} has shape {list(shape)}, expected "
                                   f"[{2 * inter}, {cfg.hidden_size}] (gate + up rows)")
             p = canon[: -len("up_proj.weight")]
-            parts = {p + "gate_proj.weight": ((lambda f: lambda: f()[:inter].clone())(load), (inter,) + shape[1:]),
-                     p + "up_proj.weight": ((lambda f: lambda: f()[inter:].clone())(load), (inter,) + shape[1:])}
+            spans = {p + "gate_proj.weight": (0, inter), p + "up_proj.weight": (inter, 2 * inter)}
         else:
-            parts = {canon: (load, shape)}
-        for n, (fn, shp) in parts.items():
+            spans = {canon: (0, shape[0])}
+        whole = len(spans) == 1
+        for n, (r0, r1) in spans.items():
             if n in getters:
                 raise FormatError(f"{where}: tensor {n} is given twice (last by {t.name})")
-            getters[n], shapes[n], formats[n] = fn, shp, tname
+            shp = (r1 - r0,) + tuple(shape[1:])
+            getters[n] = load if whole else (lambda f, a, b: lambda: f()[a:b].clone())(load, r0, r1)
+            shapes[n], formats[n] = shp, tname
+            if rows is not None:
+                records[n] = _record_getter(rows, r0, r1, t.tensor_type.name, int(shape[1]))
 
     for n, (fn, shp) in gguf_moe.join_kv_b(pending, cfg, where).items():
         getters[n], shapes[n], formats[n] = fn, shp, "F32"
@@ -594,7 +643,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         raise FormatError(f"{where}: the tokenizer metadata is invalid ({type(e).__name__}: {msg})") from None
     info = {"gguf_arch": arch, "name": meta.get("general.name"), "file_type": meta.get("general.file_type"),
             "ignored_tensors": ignored}
-    return Checkpoint(config=cfg, tensors=LazyTensors(getters, formats=formats, shapes=shapes), tokenizer=tok,
+    return Checkpoint(config=cfg, tensors=LazyTensors(getters, formats=formats, shapes=shapes, records=records), tokenizer=tok,
                       source=where, source_format="gguf", meta=info)
 
 

@@ -2,7 +2,8 @@
 kernels/host_gemv.py, built the same way): the CPU executor's (models/cpu_ops.py) few calls per layer.
 
     FusedGemv(parts)      several per-row codebook weights of one input in one call (q/k/v, gate/up; each part's
-                          tables in either storage of kernels/host_gemv.py): their
+                          tables in either storage of kernels/host_gemv.py; or, bits ggml_host.BITS, GGUF block
+                          weights of any legacy types, kernels/ggml_host.py): their
                           outputs side by side (per-row codebooks concatenate), then per element + bias, and
                           either + residual or act(gate) * up (SiLU, GELU tanh) -> fp32 [M, N] or [M, F];
                           ``norm=(w, eps, offset)``: of rmsnorm(x) instead of x, in the same call
@@ -29,6 +30,7 @@ import math
 import torch
 
 from . import host_gemv as hg
+from . import ggml_host as gh
 
 ACTS = {"silu": 1, "gelu_tanh": 2}
 
@@ -56,11 +58,17 @@ class FusedGemv:
         self._lib = _lib()
         if not 1 <= len(parts) <= 4:
             raise ValueError(f"host ops: a fused GEMV takes 1 to 4 weights, got {len(parts)}")
-        if bits not in hg.HOST_BITS:
+        blocks = bits == gh.BITS  # GGUF block weights (kernels/ggml_host.py): parts (blocks, GgmlWeight, bias)
+        if bits not in hg.HOST_BITS and not blocks:
             raise ValueError(f"host ops: {bits}-bit codes are not supported (supported: {hg.HOST_BITS})")
         K = int(in_features)
         for codes, cb, _ in parts:  # the single-weight checks (shapes, dtypes, strides)
-            hg.check_weight(codes, cb, bits, K)
+            if blocks:
+                if not isinstance(cb, gh.GgmlWeight) or cb.in_features != K or cb.blocks is not codes:
+                    raise ValueError(f"host ops: GGUF block parts are (blocks, GgmlWeight of K = {K}, bias)")
+                gh.check_weight(cb)
+            else:
+                hg.check_weight(codes, cb, bits, K)
         self.act = 0 if act is None else ACTS[act]
         if self.act and (len(parts) != 2 or parts[0][0].shape[0] != parts[1][0].shape[0]):
             raise ValueError("host ops: an activation takes two weights (gate, up) of equal rows")
@@ -73,7 +81,7 @@ class FusedGemv:
         self.int8 = all(int8)
         flat = []
         for codes, cb, _ in parts:  # tp_gemv_multi's segments (8 longs each)
-            flat += hg.segment(codes, cb)
+            flat += gh.segment(cb) if blocks else hg.segment(codes, cb)
         self._segs = (ctypes.c_long * len(flat))(*flat)
         if any(b is not None for _, _, b in parts):
             self.bias = torch.cat([(b if b is not None else torch.zeros(c.shape[0])).to(torch.float32)

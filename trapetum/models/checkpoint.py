@@ -22,10 +22,18 @@ class LazyTensors(Mapping[str, Any]):
     """
 
     def __init__(self, getters: dict[str, Callable[[], Any]], formats: dict[str, str] | None = None,
-                 shapes: dict[str, tuple[int, ...]] | None = None):
+                 shapes: dict[str, tuple[int, ...]] | None = None,
+                 records: dict[str, Callable[[], Any]] | None = None):
         self._getters = getters
         self.formats = formats or {}  # name -> storage format in the source ("F16", "Q4_K", ...)
         self.shapes = shapes or {}  # name -> logical shape, when known without loading
+        self._records = records or {}  # name -> the weight as stored (a QuantRecord), where the source offers it
+
+    def record(self, name: str) -> Any:
+        """The weight ``name`` as the source stores it (a QuantRecord: GGUF's block-quantized rows, scheme
+        "ggml"), or None where the source offers only the dequantized tensor."""
+        get = self._records.get(name)
+        return None if get is None else get()
 
     def __getitem__(self, name: str) -> Any:
         return self._getters[name]()

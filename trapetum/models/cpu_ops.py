@@ -29,6 +29,8 @@ import torch
 
 from ..errors import TrapetumError
 from ..kernels import host_ops as ho
+from ..kernels import ggml_host as gh
+from ..schemes.ggml import GgmlLinear
 from .batch import MAX_VERIFY_ROWS, ForwardBatch
 from .blocks import layer_forward
 from .blocks.attention import row_heads
@@ -43,13 +45,17 @@ def _host_parts(mods) -> tuple | None:
         host = getattr(m, "host", None)
         if host is None or not m.host_current():
             return None
-        if bits is not None and (m.bits != bits or m.in_features != k):
+        mb = gh.BITS if isinstance(m, GgmlLinear) else m.bits  # a GGUF's blocks: any legacy types together
+        if bits is not None and (mb != bits or m.in_features != k):
             return None
-        bits, k = m.bits, m.in_features
+        bits, k = mb, m.in_features
         b = m.bias
         if b is not None and b.dtype != torch.float32:
             return None
-        parts.append((m.codes, host.tables, b))  # either storage: the shared tables stay as stored
+        if isinstance(m, GgmlLinear):
+            parts.append((m.blocks, host.weight, b))
+        else:
+            parts.append((m.codes, host.tables, b))  # either storage: the shared tables stay as stored
     return parts, bits, k
 
 
@@ -98,8 +104,9 @@ class CpuStep:
         self._norms.clear()
 
     def fused(self, w, act: str | None = None):
-        """The FusedGemv of projection ``w`` (a module, or a tuple of modules of one input; the plan's objects,
-        so their ids are stable), or False where the host GEMV does not take it."""
+        """The FusedGemv of projection ``w`` (a module, or a tuple of modules of one input, codebooks of one
+        width or GGUF blocks, schemes/ggml.py; the plan's objects, so their ids are stable), or False where the
+        host GEMV does not take it."""
         f = self._fused.get(id(w))
         if f is None:
             mods = tuple(w[:2]) if act is not None else tuple(w) if isinstance(w, (tuple, list)) else (w,)

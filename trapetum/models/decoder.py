@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import FormatError
+from ..errors import ConfigError, FormatError
 from ..schemes import registry
 from ..schemes.dense import Embedding, Linear
 from .batch import ForwardBatch, Mode
@@ -227,15 +227,28 @@ class Decoder(nn.Module):
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> "Decoder":
+                        device: str | torch.device = "cpu", blocks: bool = False) -> "Decoder":
+        """The reference decoder of ``ckpt``. ``blocks``: projections (and a tied head) whose source offers the
+        weight as stored (``LazyTensors.record``: a GGUF's legacy block-quantized rows, schemes/ggml.py) keep
+        it so, not dequantized: the CPU's decode then reads the blocks (``use_host_kernels``)."""
         cfg = ckpt.config
         shapes = expected_shapes(cfg)
+        record = getattr(ckpt.tensors, "record", None) if blocks else None
 
         def get(name: str, required: bool = True):
             return fetch(ckpt, name, required, shapes)
 
+        def stored(name: str):
+            """The record of tensor ``name`` as stored, where ``blocks`` asks for it and the source has one."""
+            rec = record(name) if record is not None and name in ckpt.tensors else None
+            if rec is not None and tuple(rec.shape) != shapes.get(name, tuple(rec.shape)):
+                raise ConfigError(f"{ckpt.source}: tensor {name!r} has shape {list(rec.shape)} but the config "
+                                  f"implies {list(shapes[name])}")
+            return rec
+
         def proj(name: str) -> nn.Module:
-            w = get(name + ".weight")
+            w = stored(name + ".weight")
+            w = get(name + ".weight") if w is None else w
             return registry.reference_linear(w, get(name + ".bias", required=False), name + ".weight",
                                              dtype=dtype, device=device)
 
@@ -276,8 +289,11 @@ class Decoder(nn.Module):
                 mods["pre_ffn_norm"], mods["post_ffn_norm"] = norm(mn["norm"]), norm(mn["post_norm"])
             blocks.append(Block(cfg, i, mods))
         final_norm = norm("model.norm")
+        tied = stored("model.embed_tokens.weight") if cfg.tie_word_embeddings else None
         if "lm_head.weight" in ckpt.tensors:
             lm_head = proj("lm_head")
+        elif tied is not None:  # the head reads the embedding's blocks (the table stays dense for lookups)
+            lm_head = registry.reference_linear(tied, None, "model.embed_tokens.weight", dtype=dtype, device=device)
         elif cfg.tie_word_embeddings and isinstance(embed, Embedding):
             lm_head = Linear(embed.weight.data)
         elif cfg.tie_word_embeddings and hasattr(embed, "as_linear"):

@@ -21,10 +21,11 @@ from .aqlm import AQLM
 from .base import ConcatProjection, GateUp, Part, Projection, Scheme, SeparateGateUp
 from .codebook import CODEBOOK
 from .dense import DENSE
+from .ggml import GGML
 from .record import QuantRecord
 from .rtn import RTN
 
-SCHEMES: dict[str, Scheme] = {s.name: s for s in (DENSE, CODEBOOK, AQLM, RTN)}
+SCHEMES: dict[str, Scheme] = {s.name: s for s in (DENSE, CODEBOOK, AQLM, RTN, GGML)}
 
 
 def scheme_of(weight) -> Scheme:

@@ -239,6 +239,10 @@ int tp_limit_path(int limit) {
 }
 
 static void run_rows1(const job_t *j, long n0, long n1) {
+  if (j->bits == TP_BITS_GGML) { /* GGUF blocks (ggml_host.c): x as given (xp, row stride Kp), type in G */
+    tp_ggml_rows(j->xp, j->Kp, j->M, j->K, j->codes, j->ldc, (int)j->G, j->path, j->y, j->ldy, n0, n1);
+    return;
+  }
   if (j->qt) { tp_rows_q8(j, n0, n1); return; }  /* the int8 numerics (codebook_host_q8.c) */
 #if TP_X86
   if (j->path == PATH_FP16) { tp_rows_spr(j, n0, n1); return; }
@@ -350,7 +354,8 @@ static float act_f(float g, int act) {
    segs: nseg x (codes pointer, ldc, table pointer, N, row-scale pointer or 0, G, int8 table pointer or 0, int8
    row-scale pointer or 0) as longs (the two storages of tp_codebook_gemv, per segment; an int8 table: the int8
    numerics of codebook_host_q8.c, every segment or none, its fp16 table pointer not read; 8-bit: the codes and
-   the int8 table pointer both the dense form's int8 weights, ldc >= K rounded up to 128);
+   the int8 table pointer both the dense form's int8 weights, ldc >= K rounded up to 128; bits TP_BITS_GGML: GGUF
+   block rows, each segment (blocks, row bytes, 0, N, 0, its type, 0, 0), types may differ, ggml_host.c's kernel);
    every segment has `bits`, K columns.
    Epilogue, in this order, per element: + bias[n] (bias NULL: none); then
      act 0: y = res[m, n] + y (res NULL: none)
@@ -360,13 +365,21 @@ static float act_f(float g, int act) {
 #define SEG 8 /* longs per segment */
 int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long *segs, int bits, float *y,
                   long ldy, const float *bias, const float *res, long ldr, int act, int threads, int path) {
-  if ((bits != 4 && bits != 8) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
+  const int gg = bits == TP_BITS_GGML;
+  if ((bits != 4 && bits != 8 && !gg) || M < 0 || K < 1 || nseg < 1 || nseg > MAX_SEGS || ldx < K) return -1;
+  if (gg && K % 32) return -1;
   if (act < 0 || act > 2 || (act && (nseg != 2 || segs[3] != segs[SEG + 3]))) return -1;
   multi_t mj;
   long N = 0;
-  const int q8 = segs[6] != 0;
+  const int q8 = !gg && segs[6] != 0;
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
+    if (gg) { /* (blocks, row bytes, 0, N, 0, type, 0, 0) */
+      const int bb = tp_ggml_block_bytes((int)g[5]);
+      if (!g[0] || !bb || g[1] < K / 32 * bb || g[3] < 0 || g[6] || g[7]) return -1;
+      mj.off[s] = N; N += g[3];
+      continue;
+    }
     if (g[1] < (bits == 4 ? (K + 1) / 2 : K) || g[3] < 0 || (g[4] && g[5] < 1)) return -1;
     if ((g[6] != 0) != q8 || (q8 && !g[7]) || (q8 && bits == 8 && g[1] < (K + 127) / 128 * 128)) return -1;
     mj.off[s] = N; N += g[3];
@@ -379,7 +392,9 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
   float *xp = NULL, *dg = NULL;
   int8_t *xq = NULL;
   int32_t *xc = NULL;
-  if (q8) { /* x quantized once, for every row and thread */
+  if (gg) { /* the blocks' kernel reads x where it lies */
+    Kp = ldx;
+  } else if (q8) { /* x quantized once, for every row and thread */
     xq = (int8_t *)malloc((size_t)(M * Kq));
     dg = (float *)malloc((size_t)(M * Kq / 8) * sizeof(float));
     xc = (int32_t *)malloc((size_t)(M * Kq / 8) * sizeof(int32_t));
@@ -399,9 +414,9 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
   }
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
-    mj.seg[s] = (job_t){xp, M, K, Kp, (const uint8_t *)g[0], g[1], (const uint16_t *)g[2], g[3], out + mj.off[s],
-                        ldo, bits, path, (const uint16_t *)g[4], g[5], (const int8_t *)g[6], (const float *)g[7],
-                        xq, dg, xc, Kq};
+    mj.seg[s] = (job_t){gg ? x : xp, M, K, Kp, (const uint8_t *)g[0], g[1], (const uint16_t *)g[2], g[3],
+                        out + mj.off[s], ldo, bits, path, (const uint16_t *)g[4], g[5], (const int8_t *)g[6],
+                        (const float *)g[7], xq, dg, xc, Kq};
   }
   run_all(&mj, threads);
   free(xp); free(xq); free(dg); free(xc);

@@ -94,6 +94,13 @@ typedef struct {
    896 x 4864 matrix ran 8.8-9.4 GB/s against 12.2-12.4 with T1 (Zen 4, K = 896: the same within the noise;
    scripts/dev/s14_lib_mb.c, session 14) */
 
+/* GGUF's legacy blocks (ggml_host.c) as segments of tp_gemv_multi: `bits` TP_BITS_GGML, a segment (blocks pointer,
+   row bytes, 0, N, 0, type, 0, 0), its x the caller's fp32 rows as they are (no prepare) */
+#define TP_BITS_GGML 32
+void tp_ggml_rows(const float *x, long ldx, long M, long K, const uint8_t *blocks, long ldb, int type, int path,
+                  float *y, long ldy, long n0, long n1);
+int tp_ggml_block_bytes(int type);
+
 /* the int8 numerics (codebook_host_q8.c): x quantized once per call, then the output rows n0 .. n1 - 1 */
 int tp_q8_prepare(const float *x, long ldx, long M, long K, int path, int8_t *xq, float *dg, int32_t *xc);
 int tp_q8_prepare_span(const float *x, long ldx, long M, long K, long span, int8_t *xq, float *dg, int32_t *xc);
