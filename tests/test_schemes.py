@@ -98,6 +98,6 @@ def test_registry_maps_weights_to_schemes():
     from trapetum.schemes.dense import DENSE
     assert registry.scheme_of(torch.zeros(2, 2)) is DENSE
     assert registry.scheme_of(codebook_linear(torch.randn(8, 20), 4).to_record()) is CODEBOOK
-    assert set(registry.SCHEMES) == {"dense", "codebook", "aqlm", "rtn"}
+    assert set(registry.SCHEMES) == {"dense", "codebook", "aqlm", "rtn", "ggml"}
     with pytest.raises(FormatError, match="unknown quantization scheme 'dense'"):
         registry.scheme_of(QuantRecord("dense", (2, 2)))

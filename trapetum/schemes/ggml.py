@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
-from ..settings import DEFAULT_KERNELS
-from .base import Part, Scheme
-from .dense import DENSE
+from .dequantized import DequantizedScheme
 from .record import QuantRecord
 
 __all__ = ["GgmlLinear", "GGML"]
@@ -99,30 +97,9 @@ class GgmlLinear(nn.Module):
         return F.linear(x, self.dequantize(x.dtype), b)
 
 
-class GgmlScheme(Scheme):
+class GgmlScheme(DequantizedScheme):
     name = "ggml"
-
-    def check(self, record, name):
-        GgmlLinear.from_record(record, name)
-
-    def reference(self, weight, bias, name, dtype, device):
-        mod = GgmlLinear.from_record(weight, name)
-        if mod.bias is None and bias is not None:  # a GGUF keeps the bias as a tensor of its own
-            mod.bias = bias.contiguous()
-        if mod.bias is not None and dtype is not None:
-            mod.bias = mod.bias.to(dtype)
-        return mod.to(device) if device is not None else mod
-
-    def projection(self, parts: list[Part], device, kopts=DEFAULT_KERNELS, precise=False):
-        dense = [Part(p.name, self.dequantize(p.weight, torch.float32).to(device), p.bias) for p in parts]
-        return DENSE.projection(dense, device, kopts, precise)
-
-    def gate_up(self, gate, up, act, device, kopts=DEFAULT_KERNELS, precise=False):
-        dense = [Part(p.name, self.dequantize(p.weight, torch.float32).to(device), p.bias) for p in (gate, up)]
-        return DENSE.gate_up(dense[0], dense[1], act, device, kopts, precise)
-
-    def dequantize(self, weight, dtype=torch.float32):
-        return GgmlLinear.from_record(weight).dequantize(dtype)
+    module = GgmlLinear
 
 
 GGML = GgmlScheme()

@@ -12,9 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import FormatError
-from ..settings import DEFAULT_KERNELS
-from .base import Part, Scheme
-from .dense import DENSE
+from .dequantized import DequantizedScheme
 from .record import QuantRecord
 
 __all__ = ["RTNLinear", "rtn_dequantize", "rtn_bits_per_weight", "RTN"]
@@ -73,28 +71,9 @@ class RTNLinear(nn.Module):
         return rtn_bits_per_weight(self.bits, self.group)
 
 
-class RtnScheme(Scheme):
+class RtnScheme(DequantizedScheme):
     name = "rtn"
-
-    def check(self, record, name):
-        RTNLinear.from_record(record, name)
-
-    def reference(self, weight, bias, name, dtype, device):
-        mod = RTNLinear.from_record(weight, name)
-        if mod.bias is not None and dtype is not None:
-            mod.bias = mod.bias.to(dtype)
-        return mod.to(device) if device is not None else mod
-
-    def projection(self, parts: list[Part], device, kopts=DEFAULT_KERNELS, precise=False):
-        dense = [Part(p.name, self.dequantize(p.weight, torch.float32).to(device), p.bias) for p in parts]
-        return DENSE.projection(dense, device, kopts, precise)
-
-    def gate_up(self, gate, up, act, device, kopts=DEFAULT_KERNELS, precise=False):
-        dense = [Part(p.name, self.dequantize(p.weight, torch.float32).to(device), p.bias) for p in (gate, up)]
-        return DENSE.gate_up(dense[0], dense[1], act, device, kopts, precise)
-
-    def dequantize(self, weight, dtype=torch.float32):
-        return RTNLinear.from_record(weight).dequantize(dtype)
+    module = RTNLinear
 
 
 RTN = RtnScheme()
