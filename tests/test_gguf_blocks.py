@@ -168,3 +168,10 @@ def test_fused_block_gemv_of_mixed_types_is_the_single_gemvs_plus_epilogue():
         assert torch.allclose(act, torch.nn.functional.silu(singles[:, :N]) * singles[:, N:], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError):  # a block part must carry its own GgmlWeight
         ho.FusedGemv([(ws[0].blocks, ws[1], None)], ggml_host.BITS, K)
+
+
+def test_the_loader_offers_exactly_the_types_the_kernel_reads():
+    from trapetum.formats.gguf import BLOCK_TYPES
+
+    assert set(BLOCK_TYPES) == set(ggml_host.GGML_TYPES)
+    assert all(BLOCK_TYPES[t][0] == ggml_host.GGML_TYPES[t][1] for t in BLOCK_TYPES)  # bytes a block

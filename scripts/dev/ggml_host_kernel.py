@@ -1,10 +1,13 @@
-"""The host GEMV of GGUF legacy block types alone (kernels/ggml_host.py, host/ggml_host.c): random weights quantized
-by the gguf package at SmolLM2-135M's shapes (out x in; its 49152-row head in Q8_0) and one matrix larger than the
-L3 cache, one row of x, one thread, per code path: microseconds a call (the C entry point through ctypes with its
-arguments bound once, best of 5 x REPS calls; the weights stay in cache where they fit) and GB/s of block bytes
-read. ``read``: a one-thread torch sum over 256 MB in the same process, the memory speed to compare with.
+"""The host GEMV of GGUF block types alone (kernels/ggml_host.py, host/ggml_host.c): legacy types' random weights
+quantized by the gguf package at SmolLM2-135M's shapes (out x in; its 49152-row head in Q8_0) and one matrix larger
+than the L3 cache; the K-quants (Q4_K, Q6_K; gguf does not quantize them: random bytes with sane fp16 scales) at
+Qwen2.5-0.5B's ffn_down (896 x 4864, the one K-quant tensor of its GGUF: its gate / up have K = 896, not a multiple
+of 256), a 4864 x 1024 and Gemma-3-270M's ffn_down (640 x 2048), and one larger than the L3 cache. One row of x,
+one thread, per code path: microseconds a call (the C entry point through ctypes with its arguments bound once, best
+of 5 x REPS calls; the weights stay in cache where they fit) and GB/s of block bytes read. ``read``: a one-thread
+torch sum over 256 MB in the same process, the memory speed to compare with.
 
-    python3 scripts/dev/ggml_host_kernel.py [REPS] [TYPES, default Q4_0,Q4_1,Q5_0,Q8_0] [PATHS, default c,avx2,avx512]
+    python3 scripts/dev/ggml_host_kernel.py [REPS] [TYPES, default all of GGML_TYPES] [PATHS, default c,avx2,avx512]
 """
 import sys
 import time
@@ -18,7 +21,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trapetum.kernels import ggml_host as gh
 from trapetum.kernels import host_gemv as hg
 
-SHAPES = [(576, 576, None), (1536, 576, None), (576, 1536, None), (49152, 576, "Q8_0"), (16384, 4096, "Q4_0")]
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+KQUANT = ("Q4_K", "Q6_K")
+SHAPES = [(576, 576, LEGACY), (1536, 576, LEGACY), (576, 1536, LEGACY), (49152, 576, ("Q8_0",)),
+          (16384, 4096, ("Q4_0",)), (896, 4864, KQUANT), (4864, 1024, KQUANT), (640, 2048, KQUANT),
+          (16384, 4096, KQUANT)]
+
+
+def kquant_blocks(qt: str, n: int, k: int, rng) -> np.ndarray:
+    """Random Q4_K / Q6_K rows: random bytes, fp16 d (and Q4_K's dmin) of sane magnitudes."""
+    nb, bs = k // gh.BLOCK_ELEMS[qt], gh.GGML_TYPES[qt][1]
+    b = rng.integers(0, 256, (n, nb, bs), dtype=np.uint8)
+    d = (rng.standard_normal((n, nb, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if qt == "Q4_K":
+        b[..., 0:4] = d
+    else:
+        b[..., 208:210] = d[..., 0:2]
+    return b.reshape(n, nb * bs)
 
 
 def best_of(f, reps):
@@ -50,13 +69,15 @@ def main():
     print(f"read (torch sum, 1 thread, 256 MB): {read_gbs():.1f} GB/s")
     print(f"{'type':5} {'N x K':>11} {'MB':>6}  " + "  ".join(f"{p:>20}" for p in paths))
     for n, k, only in SHAPES:
-        if only and only not in types:
+        if not set(only) & set(types):
             continue
-        W = rng.standard_normal((n, k), dtype=np.float32)
+        W = rng.standard_normal((n, k), dtype=np.float32) if set(only) & set(LEGACY) else None
         for qt in types:
-            if only and qt != only:
+            if qt not in only:
                 continue
-            w = gh.GgmlWeight(qt, torch.from_numpy(quants.quantize(W, getattr(gguf.GGMLQuantizationType, qt))), k)
+            b = kquant_blocks(qt, n, k, rng) if qt in KQUANT \
+                else quants.quantize(W, getattr(gguf.GGMLQuantizationType, qt))
+            w = gh.GgmlWeight(qt, torch.from_numpy(b), k)
             gh.check_weight(w)
             x, out = torch.randn(1, k), torch.empty(1, n)
             row = []

@@ -202,7 +202,7 @@ def run_args(a: argparse.Namespace) -> int:
     gemvs = host_gemvs(probe.decoder)
     if not gemvs:
         raise TrapetumError(f"bench cpu: {a.model} has no projection on the host GEMV (4/8-bit codebooks, a GGUF's "
-                            "Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks)")
+                            "Q4_0 / Q4_1 / Q5_0 / Q8_0 / Q4_K / Q6_K blocks)")
     for m in models.values():  # warm up: dense copies, the kernels' first build, the thread pool
         decode_rate(m, ids, 4)
     steps = step_gemvs(models["step"].decoder) if "step" in models else []

@@ -496,9 +496,12 @@ def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], tor
     return load
 
 
-# GGUF types whose rows the CPU reads in place (schemes/ggml.py; kernels/ggml_host.py): the legacy blocks of 32.
-# Per block the largest |weight| is at most |d| * QMAX (+ |m| for Q4_1), which the records' check bounds.
-BLOCK_TYPES = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q8_0": 128}
+# GGUF types whose rows the CPU reads in place (schemes/ggml.py; kernels/ggml_host.GGML_TYPES, the same keys:
+# tests/test_gguf_blocks.py): bytes a block, and per block the largest |weight| as terms (byte offset of an fp16
+# scale, factor) summed: at most |d| * max|q| (Q4_K: |d| * 63 * 15 + |dmin| * 63, its 6-bit sub-block scales and
+# mins; Q6_K: |d| * 128 * 32, int8 scales; + |m| for Q4_1), which the records' check bounds.
+BLOCK_TYPES = {"Q4_0": (18, ((0, 8),)), "Q4_1": (20, ((0, 15), (2, 1))), "Q5_0": (22, ((0, 16),)),
+               "Q8_0": (34, ((0, 128),)), "Q4_K": (144, ((0, 63 * 15), (2, 63))), "Q6_K": (210, ((208, 128 * 32),))}
 
 
 def _block_rows(t: Any, where: str) -> Callable[[], torch.Tensor]:
@@ -511,13 +514,9 @@ def _block_rows(t: Any, where: str) -> Callable[[], torch.Tensor]:
         import torch
 
         a = np.asarray(t.data)
-        rows = a.shape[0]
-        nb = a.shape[1] // {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[t.tensor_type.name]
-        blk = a.reshape(rows * nb, -1)
-        d = np.abs(blk[:, 0:2].copy().view(np.float16).astype(np.float32))
-        bound = d * BLOCK_TYPES[t.tensor_type.name]
-        if t.tensor_type.name == "Q4_1":
-            bound = bound + np.abs(blk[:, 2:4].copy().view(np.float16).astype(np.float32))
+        nbytes, terms = BLOCK_TYPES[t.tensor_type.name]
+        blk = a.reshape(a.shape[0] * (a.shape[1] // nbytes), nbytes)
+        bound = sum(np.abs(blk[:, o:o + 2].copy().view(np.float16).astype(np.float32)) * f for o, f in terms)
         if bound.size and not float(bound.max()) <= FP16_MAX:
             _dequantize(t, where)  # raises where a value is really out of range or NaN
         with warnings.catch_warnings():

@@ -1,12 +1,13 @@
-"""Host (CPU) GEMV of GGUF "legacy" block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0), read in place.
+"""Host (CPU) GEMV of GGUF block-quantized weights, read in place: the legacy blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0)
+and the K-quant superblocks of 256 (Q4_K, Q6_K).
 
-    ggml_gemv_host(x [M, K] fp32, GgmlWeight(qtype, blocks uint8 [N, K // 32 * bytes], K)) -> y fp32 [M, N],
-    y[m, n] = sum_k x[m, k] * w[n, k]
+    ggml_gemv_host(x [M, K] fp32, GgmlWeight(qtype, blocks uint8 [N, K // E * bytes], K)) -> y fp32 [M, N],
+    y[m, n] = sum_k x[m, k] * w[n, k]        (E = BLOCK_ELEMS[qtype]: 32, or 256 for Q4_K / Q6_K)
 
-``blocks`` are a GGUF tensor's bytes as the file stores them (rows of blocks of 32 weights; layouts in
+``blocks`` are a GGUF tensor's bytes as the file stores them (rows of blocks of E weights; layouts in
 host/ggml_host.c's file comment, the same as the ``gguf`` package's), no copy and no dense weight. Every weight
 is its exact fp32 value (``HostGgml.dequantize``: bitwise ``gguf.quants.dequantize``). One fixed fp32 sequence
-per output element (host/ggml_host.c: 16 lane FMA accumulators over the blocks in order, then a fixed tree), the
+per output element (host/ggml_host.c: 16 lane FMA accumulators over the weights in order, then a fixed tree), the
 same on every code path (portable C, AVX2, AVX-512: ``path`` one of host_gemv.PATHS, capped at what the CPU
 runs; avx512vbmi and avx512fp16 run avx512), so results are bitwise identical across paths, thread counts
 (``threads``, default ``torch.get_num_threads()``), batch sizes (row m is the M = 1 result) and runs
@@ -22,15 +23,17 @@ import torch
 
 from . import host_gemv as hg
 
-GGML_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q5_0": (2, 22), "Q8_0": (3, 34)}  # (C type, bytes a block of 32)
-BLOCK = 32
+GGML_TYPES = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q5_0": (2, 22), "Q8_0": (3, 34),  # (C type, bytes a block)
+              "Q4_K": (4, 144), "Q6_K": (5, 210)}
+BLOCK_ELEMS = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "Q4_K": 256, "Q6_K": 256}  # weights a block
+BLOCK = 32  # the legacy types' block (BLOCK_ELEMS per type)
 BITS = 32  # host_ops.FusedGemv's / tp_gemv_multi's ``bits`` for GGUF block weights (codebook_host.h TP_BITS_GGML)
 
 
 class GgmlWeight(NamedTuple):
     qtype: str  # a key of GGML_TYPES
-    blocks: torch.Tensor  # uint8 [N, K // 32 * bytes], unit column stride
-    in_features: int  # K, a positive multiple of 32
+    blocks: torch.Tensor  # uint8 [N, K // BLOCK_ELEMS[qtype] * bytes], unit column stride
+    in_features: int  # K, a positive multiple of BLOCK_ELEMS[qtype] (32; Q4_K, Q6_K: 256)
 
 
 def available() -> bool:
@@ -51,11 +54,11 @@ def check_weight(w: GgmlWeight) -> int:
         raise ValueError(f"ggml host GEMV: expected a GgmlWeight, got {type(w).__name__}")  # noqa: TRY004
     if w.qtype not in GGML_TYPES:
         raise ValueError(f"ggml host GEMV: unknown block type {w.qtype!r} (supported: {', '.join(GGML_TYPES)})")
-    K = w.in_features
-    if not isinstance(K, int) or isinstance(K, bool) or K < BLOCK or K % BLOCK:
-        raise ValueError(f"ggml host GEMV: in_features must be a positive multiple of {BLOCK}, got {K!r}")
+    K, E = w.in_features, BLOCK_ELEMS[w.qtype]
+    if not isinstance(K, int) or isinstance(K, bool) or K < E or K % E:
+        raise ValueError(f"ggml host GEMV: {w.qtype} in_features must be a positive multiple of {E}, got {K!r}")
     b = w.blocks
-    width = K // BLOCK * GGML_TYPES[w.qtype][1]
+    width = K // E * GGML_TYPES[w.qtype][1]
     if not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.dim() != 2 or b.shape[1] != width \
             or b.stride(1) != 1 or (b.shape[0] > 1 and b.stride(0) < width):
         raise ValueError(f"ggml host GEMV: {w.qtype} blocks of K = {K} must be uint8 [N, {width}] with unit column "
@@ -174,8 +177,29 @@ def dequantize_reference(w: GgmlWeight) -> torch.Tensor:
     """float64 [N, K]: the weights decoded from the block bytes by numpy (the layouts of host/ggml_host.c),
     independent of the C."""
     N = check_weight(w)
-    K, bs = w.in_features, GGML_TYPES[w.qtype][1]
-    b = np.ascontiguousarray(w.blocks.numpy()).reshape(N, K // BLOCK, bs)
+    K, bs, E = w.in_features, GGML_TYPES[w.qtype][1], BLOCK_ELEMS[w.qtype]
+    b = np.ascontiguousarray(w.blocks.numpy()).reshape(N, K // E, bs)
+    if w.qtype == "Q4_K":
+        d = b[..., 0:2].copy().view("<f2").astype(np.float64)  # [N, nb, 1]
+        dmin = b[..., 2:4].copy().view("<f2").astype(np.float64)
+        s = b[..., 4:16].astype(np.int64)  # [N, nb, 12]
+        j = np.arange(4)
+        sc = np.concatenate([s[..., j] & 63, (s[..., j + 8] & 15) | (s[..., j] >> 6) << 4], axis=-1)  # [N, nb, 8]
+        mn = np.concatenate([s[..., j + 4] & 63, (s[..., j + 8] >> 4) | (s[..., j + 4] >> 6) << 4], axis=-1)
+        qs = b[..., 16:].reshape(N, K // E, 4, 32).astype(np.int64)  # pairs of sub-blocks: low, high nibbles
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(N, K // E, 8, 32)  # sub-block j = 2 i + (high)
+        v = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+        return torch.from_numpy(v.reshape(N, K))
+    if w.qtype == "Q6_K":
+        ql = b[..., 0:128].reshape(N, K // E, 2, 64).astype(np.int64)  # halves of 128 weights
+        qh = b[..., 128:192].reshape(N, K // E, 2, 32).astype(np.int64)
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float64)  # [N, nb, 16]
+        d = b[..., 208:210].copy().view("<f2").astype(np.float64)
+        lo = np.concatenate([ql & 15, ql >> 4], axis=-1)  # [N, nb, 2, 128]: element 32 s + l of the half
+        hi = np.concatenate([(qh >> (2 * s)) & 3 for s in range(4)], axis=-1)
+        q = (lo | hi << 4).reshape(N, K // E, 16, 16) - 32
+        v = (d * sc)[..., None] * q
+        return torch.from_numpy(v.reshape(N, K))
     d = b[..., 0:2].copy().view("<f2").astype(np.float64)  # [N, nb, 1]
     if w.qtype == "Q8_0":
         q = b[..., 2:].copy().view(np.int8).astype(np.float64)

@@ -1,13 +1,14 @@
 """GGUF's block-quantized weights kept as stored (scheme "ggml"): the CPU's decode of a GGUF file reads them in place.
 
-Record (``QuantRecord("ggml", (out, in), {"type": T}, {"blocks": uint8 [out, in / 32 * bytes]})``), T one of
-``kernels/ggml_host.GGML_TYPES`` (llama.cpp's legacy blocks of 32 weights: Q4_0, Q4_1, Q5_0, Q8_0), each row the
+Record (``QuantRecord("ggml", (out, in), {"type": T}, {"blocks": uint8 [out, in / elems * bytes]})``), T one of
+``kernels/ggml_host.GGML_TYPES`` (llama.cpp's legacy blocks of 32 weights, Q4_0, Q4_1, Q5_0, Q8_0, and the
+K-quant superblocks of 256, Q4_K, Q6_K), each row the
 file's block bytes (formats/gguf.py ``LazyTensors.record``; the rows of q / k un-permuted as the dense tensors are).
 The weight is exactly what gguf's dequantization gives, so the numbers are the dense fp32 path's up to the order of
 the sums. Only the CPU reference decoder asks for these records (``Decoder.from_checkpoint(..., blocks=True)``):
 rows up to ``host_gemv.GEMV_ROWS`` run the host GEMV on the blocks (kernels/ggml_host.py: batch-invariant rows, the
 same bits for every thread count), more rows (prefill) multiply blocks of dequantized rows; the GPU engine takes the
-dequantized fp16 weight as a dense projection. Other GGUF types (K-quants, ...) stay dense.
+dequantized fp16 weight as a dense projection. Other GGUF types (F16, Q5_1, Q5_K, ...) stay dense.
 """
 from __future__ import annotations
 

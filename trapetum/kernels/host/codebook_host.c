@@ -375,8 +375,8 @@ int tp_gemv_multi(const float *x, long ldx, long M, long K, int nseg, const long
   for (int s = 0; s < nseg; s++) {
     const long *g = segs + SEG * s;
     if (gg) { /* (blocks, row bytes, 0, N, 0, type, 0, 0) */
-      const int bb = tp_ggml_block_bytes((int)g[5]);
-      if (!g[0] || !bb || g[1] < K / 32 * bb || g[3] < 0 || g[6] || g[7]) return -1;
+      const int bb = tp_ggml_block_bytes((int)g[5]), be = tp_ggml_block_elems((int)g[5]);
+      if (!g[0] || !bb || K % be || g[1] < K / be * bb || g[3] < 0 || g[6] || g[7]) return -1;
       mj.off[s] = N; N += g[3];
       continue;
     }

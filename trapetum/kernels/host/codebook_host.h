@@ -99,7 +99,8 @@ typedef struct {
 #define TP_BITS_GGML 32
 void tp_ggml_rows(const float *x, long ldx, long M, long K, const uint8_t *blocks, long ldb, int type, int path,
                   float *y, long ldy, long n0, long n1);
-int tp_ggml_block_bytes(int type);
+int tp_ggml_block_bytes(int type);  /* bytes a block of the type, 0: not one ggml_host.c reads */
+int tp_ggml_block_elems(int type);  /* weights a block: 32 (legacy types), 256 (Q4_K, Q6_K) */
 
 /* the int8 numerics (codebook_host_q8.c): x quantized once per call, then the output rows n0 .. n1 - 1 */
 int tp_q8_prepare(const float *x, long ldx, long M, long K, int path, int8_t *xq, float *dg, int32_t *xc);
