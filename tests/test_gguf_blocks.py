@@ -175,3 +175,15 @@ def test_the_loader_offers_exactly_the_types_the_kernel_reads():
 
     assert set(BLOCK_TYPES) == set(ggml_host.GGML_TYPES)
     assert all(BLOCK_TYPES[t][0] == ggml_host.GGML_TYPES[t][1] for t in BLOCK_TYPES)  # bytes a block
+
+
+def test_the_scheme_check_refuses_blocks_whose_weights_leave_the_fp16_range():
+    """A ggml record from elsewhere (a .cbk layer) is checked as the GGUF loader checks: finite, within fp16."""
+    from trapetum.schemes.ggml import GGML
+    from trapetum.schemes.record import QuantRecord
+
+    b = torch.from_numpy(gguf.quants.quantize(np.ones((2, 64), np.float32), Q.Q8_0).copy())
+    GGML.check(QuantRecord("ggml", (2, 64), {"type": "Q8_0"}, {"blocks": b}), "w")
+    b[0, 0:2] = torch.from_numpy(np.array([0x7C00], np.uint16).view(np.uint8))  # d = inf
+    with pytest.raises(FormatError, match="out-of-range"):
+        GGML.check(QuantRecord("ggml", (2, 64), {"type": "Q8_0"}, {"blocks": b}), "w")

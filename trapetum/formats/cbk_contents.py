@@ -28,7 +28,7 @@ from ..schemes.codebook_storage import ROLES, STORAGES, storage_of
 from .cbk_header import CbkHeader
 from .cbk_spec import FLOAT_DTYPES, IO_CHUNK, LayerEntry
 
-TORCH_SCHEMES = ("aqlm", "rtn")  # checked by the torch check only (with "codebook" and "dense": registry.SCHEMES)
+TORCH_SCHEMES = ("aqlm", "rtn", "ggml")  # checked by the torch check only (with "codebook" and "dense": registry.SCHEMES)
 DECODE_MARGIN = 65000.0  # |decoded centroid| below this: finite in fp16 whatever the float32 rounding
 _NUMPY = {"U8": np.uint8, "F16": np.float16, "F32": np.float32, "F64": np.float64, "BF16": np.uint16}
 _ROWS = 1 << 16  # rows per step of a compact codebook's decode

@@ -102,5 +102,15 @@ class GgmlScheme(DequantizedScheme):
     name = "ggml"
     module = GgmlLinear
 
+    def check(self, record, name):
+        """The record's structure, and its weights (decoded in float64, independent of the C) finite and within
+        the fp16 range the engine stores them in (what the GGUF loader refuses too)."""
+        gh = _host()
+        mod = GgmlLinear.from_record(record, name)
+        w = gh.dequantize_reference(gh.GgmlWeight(mod.qtype, mod.blocks.cpu(), mod.in_features))
+        if w.numel() and not float(w.abs().max()) <= 65504.0:
+            raise FormatError(f"quantized tensor {name}: {mod.qtype} blocks hold NaN, infinite or out-of-range "
+                              "weights (beyond +-65504)")
+
 
 GGML = GgmlScheme()
