@@ -187,3 +187,13 @@ def test_the_scheme_check_refuses_blocks_whose_weights_leave_the_fp16_range():
     b[0, 0:2] = torch.from_numpy(np.array([0x7C00], np.uint16).view(np.uint8))  # d = inf
     with pytest.raises(FormatError, match="out-of-range"):
         GGML.check(QuantRecord("ggml", (2, 64), {"type": "Q8_0"}, {"blocks": b}), "w")
+
+
+def test_batched_decode_of_a_gguf_gives_each_request_its_tokens_alone(tmp_path):
+    """The CPU scheduler's forwards run the blocks' fused GEMVs over every row (batch-invariant for any M)."""
+    ref = hf_tensors("llama")
+    m = trapetum.load(str(write_gguf(tmp_path / "b.gguf", "llama", ref, qtypes=_quantized("llama", ref))))
+    prompts = [[1, 5, 9], [2, 7, 11, 13, 4], [3], [8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 20]]
+    got = m.generate_batch(prompts, max_new_tokens=6, ignore_eos=True)
+    for p, c in zip(prompts, got):
+        assert c.token_ids == m.generate(p, max_new_tokens=6, ignore_eos=True).token_ids
