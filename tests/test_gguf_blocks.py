@@ -174,7 +174,7 @@ def test_the_loader_offers_exactly_the_types_the_kernel_reads():
     from trapetum.formats.gguf import BLOCK_TYPES
 
     assert set(BLOCK_TYPES) == set(ggml_host.GGML_TYPES)
-    assert all(BLOCK_TYPES[t][0] == ggml_host.GGML_TYPES[t][1] for t in BLOCK_TYPES)  # bytes a block
+    assert all(BLOCK_TYPES[t] == ggml_host.GGML_TYPES[t][1] for t in BLOCK_TYPES)  # bytes a block
 
 
 def test_the_scheme_check_refuses_blocks_whose_weights_leave_the_fp16_range():

@@ -496,32 +496,28 @@ def _dequantizer(t: Any, shape: tuple[int, ...], where: str) -> Callable[[], tor
     return load
 
 
-# GGUF types whose rows the CPU reads in place (schemes/ggml.py; kernels/ggml_host.GGML_TYPES, the same keys:
-# tests/test_gguf_blocks.py): bytes a block, and per block the largest |weight| as terms (byte offset of an fp16
-# scale, factor) summed: at most |d| * max|q| (Q4_K: |d| * 63 * 15 + |dmin| * 63, its 6-bit sub-block scales and
-# mins; Q6_K: |d| * 128 * 32, int8 scales; + |m| for Q4_1), which the records' check bounds.
-BLOCK_TYPES = {"Q4_0": (18, ((0, 8),)), "Q4_1": (20, ((0, 15), (2, 1))), "Q5_0": (22, ((0, 16),)),
-               "Q8_0": (34, ((0, 128),)), "Q4_K": (144, ((0, 63 * 15), (2, 63))), "Q6_K": (210, ((208, 128 * 32),))}
+# GGUF types whose rows the CPU reads in place (schemes/ggml.py), with their bytes a block: kernels/ggml_host's
+# GGML_TYPES (tests/test_gguf_blocks.py), named here so that reading a header imports no torch
+BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 
 
 def _block_rows(t: Any, where: str) -> Callable[[], torch.Tensor]:
     """The loader of a block-quantized tensor's rows as stored: uint8 [rows, row bytes], a view of the mapped file
-    (read-only: nothing writes to it). Refuses what ``_dequantize`` refuses: scales that are not finite or can make
-    a weight past the fp16 range (bounded from the scales; only where the bound fails are the values computed)."""
+    (read-only: nothing writes to it). Refuses what ``_dequantize`` refuses, naming the tensor: weights that are not
+    finite or past the fp16 range (``ggml_host.fits_fp16``)."""
     def load() -> torch.Tensor:
         import warnings
 
         import torch
 
-        a = np.asarray(t.data)
-        nbytes, terms = BLOCK_TYPES[t.tensor_type.name]
-        blk = a.reshape(a.shape[0] * (a.shape[1] // nbytes), nbytes)
-        bound = sum(np.abs(blk[:, o:o + 2].copy().view(np.float16).astype(np.float32)) * f for o, f in terms)
-        if bound.size and not float(bound.max()) <= FP16_MAX:
-            _dequantize(t, where)  # raises where a value is really out of range or NaN
+        from ..kernels import ggml_host as gh
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # not writable: the tensor is only read
-            return torch.from_numpy(a)
+            rows = torch.from_numpy(np.asarray(t.data))
+        if not gh.fits_fp16(gh.GgmlWeight(t.tensor_type.name, rows, int(t.shape[-1]))):
+            _dequantize(t, where)  # raises: the value check of the dense path, naming the tensor
+        return rows
     return load
 
 

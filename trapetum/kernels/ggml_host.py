@@ -173,6 +173,29 @@ class HostGgml:
         return out
 
 
+# per block, the largest |weight| as terms (byte offset of an fp16 scale, factor) summed: |d| * max|q| (+ |m| for
+# Q4_1; Q4_K: |d| * 63 * 15 + |dmin| * 63, its 6-bit sub-block scales and mins; Q6_K: |d| * 128 * 32, int8 scales)
+_BOUND = {"Q4_0": ((0, 8),), "Q4_1": ((0, 15), (2, 1)), "Q5_0": ((0, 16),), "Q8_0": ((0, 128),),
+          "Q4_K": ((0, 63 * 15), (2, 63)), "Q6_K": ((208, 128 * 32),)}
+FP16_MAX = 65504.0
+
+
+def fits_fp16(w: GgmlWeight) -> bool:
+    """Whether every weight of ``w`` is finite and within the fp16 range (the engine stores them so; a GGUF's
+    loader and the scheme's check refuse the rest): bounded from the blocks' scales, and only where that bound fails
+    decoded (``dequantize_reference``)."""
+    N = check_weight(w)
+    bs = GGML_TYPES[w.qtype][1]
+    b = np.asarray(w.blocks.numpy()).reshape(N * (w.in_features // BLOCK_ELEMS[w.qtype]), bs)
+    if not b.size:
+        return True
+    bound = sum(np.abs(b[:, o:o + 2].copy().view(np.float16).astype(np.float32)) * f for o, f in _BOUND[w.qtype])
+    if float(bound.max()) <= FP16_MAX:
+        return True
+    v = dequantize_reference(w)
+    return bool(torch.isfinite(v).all()) and float(v.abs().max()) <= FP16_MAX
+
+
 def dequantize_reference(w: GgmlWeight) -> torch.Tensor:
     """float64 [N, K]: the weights decoded from the block bytes by numpy (the layouts of host/ggml_host.c),
     independent of the C."""

@@ -103,12 +103,11 @@ class GgmlScheme(DequantizedScheme):
     module = GgmlLinear
 
     def check(self, record, name):
-        """The record's structure, and its weights (decoded in float64, independent of the C) finite and within
-        the fp16 range the engine stores them in (what the GGUF loader refuses too)."""
+        """The record's structure, and its weights finite and within the fp16 range the engine stores them in
+        (``ggml_host.fits_fp16``, as the GGUF loader checks)."""
         gh = _host()
         mod = GgmlLinear.from_record(record, name)
-        w = gh.dequantize_reference(gh.GgmlWeight(mod.qtype, mod.blocks.cpu(), mod.in_features))
-        if w.numel() and not float(w.abs().max()) <= 65504.0:
+        if not gh.fits_fp16(gh.GgmlWeight(mod.qtype, mod.blocks.cpu(), mod.in_features)):
             raise FormatError(f"quantized tensor {name}: {mod.qtype} blocks hold NaN, infinite or out-of-range "
                               "weights (beyond +-65504)")
 
