@@ -46,7 +46,9 @@ def register(sub) -> None:
                    help="error-compensated codes (GPTQ with the per-row codebooks: input Hessians from calibration, "
                         "each column's error fed to the next) and Hessian-weighted codebook refits; needs calibration. "
                         "Default: on when quantizing on CUDA with calibration (seconds more there, 3-10%% lower "
-                        "perplexity at the same size: QUALITY.md, Session 14), off on the CPU (minutes more there)")
+                        "perplexity at the same size: QUALITY.md, Session 14), off on the CPU (minutes more there). "
+                        "With --scheme aqlm-2x8/aqlm-1x16: the additive codes and codebooks refined under the full "
+                        "Hessian (trapetum/quant/additive_gptq.py); default off there")
     p.add_argument("--gptq-rounds", type=int, default=2, metavar="N",
                    help="rounds of GPTQ assignments and codebook refits (default 2)")
     p.add_argument("--target-bpw", type=float, default=None, metavar="B",
@@ -104,14 +106,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_additive(args: argparse.Namespace, device: str, budget: float | None) -> int:
     """``--scheme aqlm-2x8|aqlm-1x16`` (trapetum/quant/additive_driver.py): uses --head-bits, --embed-bits,
-    --head-codebook, --head-group-rows, --calib, --calib-seqs, --device, --quiet; the scalar-only options do not
-    apply."""
+    --head-codebook, --head-group-rows, --calib, --calib-seqs, --gptq, --gptq-rounds, --device, --quiet; the
+    scalar-only options do not apply. ``--gptq`` is off unless given (the full-Hessian refinement)."""
     from ..quant.additive_driver import AdditiveRecipe, quantize_additive_to_cbk
 
     recipe = AdditiveRecipe(scheme=args.scheme, head_bits=bits_or_none(args.head_bits, "--head-bits"),
                             embed_bits=_embed_bits(args), weighted=args.calib != "none", calib=args.calib,
                             calib_seqs=args.calib_seqs, head_codebook=args.head_codebook,
-                            head_group_rows=args.head_group_rows).validate()
+                            head_group_rows=args.head_group_rows, gptq=bool(args.gptq),
+                            gptq_rounds=args.gptq_rounds).validate()
     path, qm = quantize_additive_to_cbk(args.src, args.output, recipe, device=device, progress=not args.quiet,
                                         mem_budget_gb=budget)
     _report(path, qm, "codebooks and scales included")

@@ -30,7 +30,10 @@ the same objective as the scalar codebooks, see ``kmeans.py``)::
    8 coordinates: per coordinate a [M*K, M*K] normal system built from code co-occurrence counts;
    unused entries are held by a small ridge towards their previous value);
 5. repeat 3-4 ``iters`` times; round codebooks to fp16, recompute codes against the rounded
-   codebooks, refit scales and round them to fp16.
+   codebooks, refit scales and round them to fp16;
+6. with ``hessian`` (E[x x^T] of the input, ``quantize --gptq``): the full objective sum_r (W_r - Q_r) H
+   (W_r - Q_r)^T instead of its diagonal, from the result of 1-5 (``additive_gptq.py``: error-compensated
+   codes, coordinate descent, Hessian least-squares codebooks and scales; never worse than that start under H).
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ class AdditiveResult:
     codes: torch.Tensor  # stored codes int8/int16 [out, in/8, M]
     codebooks: torch.Tensor  # fp16 [M, K, 1, 8]
     scales: torch.Tensor  # fp16 [out, 1, 1, 1]
-    history: list[float]  # relative weighted error after each iteration (fp32 codebooks)
+    history: list[float]  # relative weighted error after each iteration (fp32 codebooks); the last: what is stored
+    gptq: dict | None = None  # with a Hessian: additive_gptq_refine's info (objective_start, objective, per_round)
 
     def module(self, bias: torch.Tensor | None = None) -> AdditiveLinear:
         return AdditiveLinear(self.codes, self.codebooks, self.scales, bias)
@@ -187,7 +191,10 @@ def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *
     nbits (8), in_group_size (8), beam (4), iters (6), beam_steps (2), kmeans_iters (10), seed (0),
     device ("cpu"), chunk (vectors per beam-search block: 2^20 on CUDA with the Triton step, 65536 with
     torch's, 8192 on the CPU), search (beam-step scores and selection: "auto" = the Triton kernel on CUDA,
-    "torch", "triton"; kernels/beam_search.py). On CUDA the
+    "torch", "triton"; kernels/beam_search.py); hessian (E[x x^T] [in, in], None: the diagonal objective only)
+    with gptq_rounds (2), gptq_block (128), gptq_damp (0.01), gptq_cg_iters (25): the result above refined under
+    the full Hessian by additive_gptq.additive_gptq_refine (error-compensated codes, Hessian least-squares
+    codebooks and scales; never worse than the diagonal result under H). On CUDA the
     run uses PyTorch's deterministic algorithms (index_add_ without atomics), so a layer quantizes to the
     same bits every time (resumable runs)."""
     dev = torch.device(kw.get("device", "cpu"))
@@ -204,7 +211,9 @@ def quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *
 def _quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, *, num_codebooks: int = 2,
                       nbits: int = 8, in_group_size: int = 8, beam: int = 4, iters: int = 6, beam_steps: int = 2,
                       kmeans_iters: int = 10, seed: int = 0, device: str | torch.device = "cpu",
-                      chunk: int | None = None, search: str = "auto") -> AdditiveResult:
+                      chunk: int | None = None, search: str = "auto", hessian: torch.Tensor | None = None,
+                      gptq_rounds: int = 2, gptq_block: int = 128, gptq_damp: float = 0.01,
+                      gptq_cg_iters: int = 25) -> AdditiveResult:
     # vectors per beam-search block: a GPU needs large blocks to amortise the ~30 small kernels of a step
     # (H200, 11008x4096, torch scores: 14.6 s at 8192, 5.8 s at 65536, the same codes); the Triton step
     # keeps only [n, 2 * beam + 1] per block, so its blocks can be 16x larger; a CPU gains nothing past 8192
@@ -259,5 +268,15 @@ def _quantize_additive(W: torch.Tensor, importance: torch.Tensor | None = None, 
     s_new = torch.where((Q * Q).sum(1) > 0, s_new, s)
     s16 = s_new.to(torch.float16)
     history.append(rel_err(C16, idx, s16.float()))
+    info = None
+    if hessian is not None and gptq_rounds > 0:  # the full-Hessian refinement from this start
+        from .additive_gptq import additive_gptq_refine
+        idx3, C16, s32, info = additive_gptq_refine(
+            Wd, hessian.to(device=device, dtype=torch.float32), idx.view(out_f, G, M), C16, s16.float(),
+            rounds=gptq_rounds, block=gptq_block, damp=gptq_damp, beam=beam, beam_steps=beam_steps,
+            cg_iters=gptq_cg_iters, chunk=chunk, search=search)
+        idx, s16, C16 = idx3.reshape(out_f * G, M), s32.to(torch.float16), C16.contiguous()
+        history.append(rel_err(C16, idx, s16.float()))
     codes = index_to_codes(idx.view(out_f, G, M), nbits).cpu()
-    return AdditiveResult(codes, C16.to(torch.float16).view(M, K, 1, d).cpu(), s16.view(out_f, 1, 1, 1).cpu(), history)
+    return AdditiveResult(codes, C16.to(torch.float16).view(M, K, 1, d).cpu(), s16.view(out_f, 1, 1, 1).cpu(), history,
+                          info)

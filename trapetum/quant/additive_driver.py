@@ -70,6 +70,13 @@ class AdditiveRecipe:
     kmeans_iters: int = 10
     head_codebook: str = "shared"  # the scalar head's codebook storage, as quantize.Recipe.head_codebook
     head_group_rows: int = 512
+    gptq: bool = False  # the full-Hessian refinement (additive_gptq.py): needs calibration with Hessians
+    gptq_rounds: int = 2
+    gptq_block: int = 128
+    gptq_damp: float = 0.01
+    gptq_cg_iters: int = 25
+
+    GPTQ_FIELDS = ("gptq", "gptq_rounds", "gptq_block", "gptq_damp", "gptq_cg_iters")
 
     def validate(self) -> "AdditiveRecipe":
         if self.scheme not in SCHEMES:
@@ -79,15 +86,28 @@ class AdditiveRecipe:
                 raise ConfigError(f"{k} must be >= 1")
         if self.iters < 0:
             raise ConfigError("iters must be >= 0")
+        if self.gptq and (not self.weighted or self.calib == "none"):
+            raise ConfigError("--gptq needs calibration (its Hessians): not --calib none")
+        if self.gptq_rounds < 1 or self.gptq_block < 8 or not self.gptq_damp > 0 or self.gptq_cg_iters < 0:
+            raise ConfigError("--gptq-rounds must be >= 1, the block >= 8, the damping > 0, the CG iterations >= 0")
         self.scalar_recipe().validate()  # head_bits / embed_bits
         return self
 
-    def scalar_recipe(self) -> Recipe:
-        """The scalar recipe whose calibration (and LM head / embedding) this run shares."""
+    def scalar_recipe(self, hessians: bool = False) -> Recipe:
+        """The scalar recipe whose calibration (and LM head / embedding) this run shares; ``hessians``: its
+        calibration also collects the input Hessians (the scalar recipe's ``gptq``; only the calibration reads it
+        here: the head and embedding are quantized with ``hessians=False``)."""
         return Recipe(bits=4, head_bits=self.head_bits, embed_bits=self.embed_bits, weighted=self.weighted,
                       calib=self.calib, calib_seqs=self.calib_seqs, calib_len=self.calib_len,
                       calib_sample_len=self.calib_sample_len, seed=self.seed, head_codebook=self.head_codebook,
-                      head_group_rows=self.head_group_rows)
+                      head_group_rows=self.head_group_rows, gptq=hessians)
+
+    def fingerprint_settings(self) -> dict[str, Any]:
+        """The settings a layer part depends on: ``to_dict`` without the head layout (computed at every run);
+        without the GPTQ fields when it is off, so parts written before the option existed still resume."""
+        head_layout = ("head_bits", "embed_bits", "head_codebook", "head_group_rows")
+        skip = head_layout + (() if self.gptq else self.GPTQ_FIELDS)
+        return {k: v for k, v in self.to_dict().items() if k not in skip}
 
     def to_dict(self) -> dict[str, Any]:
         M, nb = SCHEMES[self.scheme]
@@ -95,8 +115,12 @@ class AdditiveRecipe:
         d["method"] = (f"additive codebooks {M}x{nb} (AQLM layout, in_group 8, per-row scales): residual k-means "
                        f"start, beam search (beam {self.beam}) and least-squares codebooks, "
                        + ("E[x^2]-weighted" if self.weighted and self.calib != "none" else "unweighted")
-                       + f", {self.iters} rounds; lm_head " + (f"{self.head_bits}-bit scalar codebook"
-                                                                if self.head_bits else "fp16"))
+                       + f", {self.iters} rounds"
+                       + (f"; then {self.gptq_rounds} rounds under the full input Hessian (calibration): "
+                          f"error-compensated codes (GPTQ sweep over groups of 8, damping {self.gptq_damp}, "
+                          "then exact per-group coordinate descent) and Hessian least-squares codebooks and scales, "
+                          "never worse than the start" if self.gptq else "")
+                       + "; lm_head " + (f"{self.head_bits}-bit scalar codebook" if self.head_bits else "fp16"))
         return d
 
 
@@ -127,6 +151,8 @@ def _calib_fingerprint(ckpt_fp: str, recipe: AdditiveRecipe) -> str:
     if recipe.calib and recipe.calib != "none":
         calib_file = hashlib.sha256(Path(recipe.calib).read_bytes()).hexdigest()
     keys = {k: getattr(recipe, k) for k in ("weighted", "calib_seqs", "calib_len", "calib_sample_len", "seed")}
+    if recipe.gptq:  # the cache then holds the Hessians too (and comes from the layer-by-layer collection)
+        keys["hessians"] = True
     return hashlib.sha256(json.dumps([ckpt_fp, calib_file, recipe.calib == "none", keys], sort_keys=True)
                           .encode()).hexdigest()
 
@@ -152,28 +178,48 @@ def _load_if(path: Path, fingerprint: str) -> tuple[dict[str, torch.Tensor], dic
         return None
 
 
+HESSIAN_PREFIX = "hessian:"  # cache keys of the Hessians (one tensor per distinct input; the aliases in metadata)
+
+
 def _stats(ckpt, recipe: AdditiveRecipe, work: Path, fp: str, device: str, progress: bool,
-           log, mem_budget_gb: float | None) -> dict[str, torch.Tensor] | None:
+           log, mem_budget_gb: float | None) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor]]:
+    """(E[x^2] per projection or None, the Hessians per projection: empty unless ``recipe.gptq``)."""
     if not recipe.weighted or recipe.calib == "none":
-        return None
+        return None, {}
     got = _load_if(work / CALIBRATION_CACHE, _calib_fingerprint(fp, recipe))
     if got is not None:
         log("calibration: reusing cached statistics")
-        return got[0]
-    stats = calibration_stats(ckpt, recipe.scalar_recipe(), device=device, progress=progress, log=log,
-                              mem_budget_gb=mem_budget_gb)
-    save_calibration(work, fp, recipe, stats)
-    return stats
+        tensors, meta = got
+        stats = {k: v for k, v in tensors.items() if not k.startswith(HESSIAN_PREFIX)}
+        alias = json.loads(meta.get("hessians", "{}"))
+        return stats, {name: tensors[HESSIAN_PREFIX + owner] for name, owner in alias.items()}
+    stats = calibration_stats(ckpt, recipe.scalar_recipe(hessians=recipe.gptq), device=device, progress=progress,
+                              log=log, mem_budget_gb=mem_budget_gb)
+    hessians = dict(getattr(stats, "hessians", None) or {}) if recipe.gptq else {}
+    save_calibration(work, fp, recipe, stats, hessians)
+    return stats, hessians
 
 
 def save_calibration(work_dir: str | Path, fingerprint: str, recipe: AdditiveRecipe,
-                     stats: dict[str, torch.Tensor]) -> None:
+                     stats: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor] | None = None) -> None:
     """Store ``stats`` (float32, on the CPU) as the calibration cache of ``work_dir`` for the model of
     ``fingerprint`` (``model_fingerprint``) and ``recipe``'s calibration settings: a run with the same model,
     data and settings reuses them instead of calibrating (the quantizer benchmark seeds its random
-    statistics this way)."""
-    _atomic_save({k: v.float().cpu() for k, v in stats.items()}, Path(work_dir) / CALIBRATION_CACHE,
-                 {"fingerprint": _calib_fingerprint(fingerprint, recipe)})
+    statistics this way). ``hessians`` (``recipe.gptq``): projection -> E[x x^T], stored once per distinct
+    tensor (q/k/v and gate/up share one)."""
+    tensors = {k: v.float().cpu() for k, v in stats.items()}
+    owner_of: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name in sorted(hessians or {}):
+        H = hessians[name]
+        owner = owner_of.setdefault(id(H), name)
+        alias[name] = owner
+        if owner == name:
+            tensors[HESSIAN_PREFIX + name] = H.float().cpu()
+    meta = {"fingerprint": _calib_fingerprint(fingerprint, recipe)}
+    if alias:
+        meta["hessians"] = json.dumps(alias, sort_keys=True)
+    _atomic_save(tensors, Path(work_dir) / CALIBRATION_CACHE, meta)
 
 
 def _layer_seed(seed: int, name: str) -> int:
@@ -196,10 +242,9 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fp = model_fingerprint(ckpt)
-    stats = _stats(ckpt, recipe, work, fp, device, progress, log, mem_budget_gb)
+    stats, hessians = _stats(ckpt, recipe, work, fp, device, progress, log, mem_budget_gb)
     # what a layer part depends on: not the head layout (head_bits, embed_bits, its storage), computed at every run
-    head_layout = ("head_bits", "embed_bits", "head_codebook", "head_group_rows")
-    settings = json.dumps({k: v for k, v in recipe.to_dict().items() if k not in head_layout}, sort_keys=True)
+    settings = json.dumps(recipe.fingerprint_settings(), sort_keys=True)
     cfg = ckpt.config
     T = ckpt.tensors
     dense: dict[str, torch.Tensor] = {}
@@ -223,16 +268,22 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
             tensors: dict[str, torch.Tensor] = {}
             errs: dict[str, float] = {}
             errs_w: dict[str, float] = {}
+            gains: dict[str, float] = {}  # --gptq: Hessian objective against the diagonal start's
             for suf in sufs:
                 name = f"model.layers.{i}.{suf}"
                 W = T[name + ".weight"]
                 if isinstance(W, QuantRecord):
                     W = registry.dequantize(W, torch.float32, name)
                 imp = None if stats is None else stats.get(name)
+                hess = hessians.get(name) if recipe.gptq else None  # experts have none: the diagonal objective
                 r = quantize_additive(W.float(), imp, num_codebooks=M, nbits=nbits, beam=recipe.beam,
                                       iters=recipe.iters, beam_steps=recipe.beam_steps,
                                       kmeans_iters=recipe.kmeans_iters, seed=_layer_seed(recipe.seed, name),
-                                      device=device)
+                                      device=device, hessian=hess, gptq_rounds=recipe.gptq_rounds,
+                                      gptq_block=recipe.gptq_block, gptq_damp=recipe.gptq_damp,
+                                      gptq_cg_iters=recipe.gptq_cg_iters)
+                if r.gptq is not None:
+                    gains[suf] = r.gptq["objective"] / max(r.gptq["objective_start"], 1e-300)
                 tensors[f"{suf}.codes"], tensors[f"{suf}.codebooks"], tensors[f"{suf}.scales"] = \
                     r.codes, r.codebooks, r.scales
                 # the two measures of the scalar report: plain and E[x^2]-weighted relative norm error
@@ -241,12 +292,13 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                 errs[suf] = float((Wf - Wq).norm() / Wf.norm().clamp_min(1e-30))
                 errs_w[suf] = r.history[-1] ** 0.5 if imp is not None else float("nan")
                 del W, Wf, Wq
-            meta = {"errors": json.dumps(errs), "errors_weighted": json.dumps(errs_w)}
+            meta = {"errors": json.dumps(errs), "errors_weighted": json.dumps(errs_w), "hessian_gain": json.dumps(gains)}
             _atomic_save(tensors, part, {"fingerprint": lfp, **meta})
             computed += 1
         else:
             tensors, meta = got
         errs, errs_w = json.loads(meta["errors"]), json.loads(meta["errors_weighted"])
+        gains = json.loads(meta.get("hessian_gain", "{}"))
         for suf in sufs:
             name = f"model.layers.{i}.{suf}"
             bias = T[name + ".bias"] if (name + ".bias") in T else None
@@ -254,12 +306,14 @@ def quantize_additive_checkpoint(ckpt, recipe: AdditiveRecipe, work_dir: str | P
                                  None if bias is None else bias.detach().to(torch.float16).cpu())
             quantized[name + ".weight"] = mod.to_record()
             report.append({"name": name, "scheme": recipe.scheme, "shape": [mod.out_features, mod.in_features],
-                           "rel_err": errs[suf], "rel_err_weighted": errs_w[suf]})
+                           "rel_err": errs[suf], "rel_err_weighted": errs_w[suf],
+                           **({"hessian_gain": gains[suf]} if suf in gains else {})})
         owned = {f"model.layers.{i}.{s}.{x}" for s in sufs for x in ("weight", "bias")}
         for key in T:
             if key.startswith(f"model.layers.{i}.") and key not in owned:
                 dense[key] = T[key].detach().float().cpu()  # norms, routers, the correction bias, shared gate
-        msg = "  ".join(f"{s.rsplit('.', 1)[-1]}:{errs[s]:.4f}" for s in sufs)
+        msg = "  ".join(f"{s.rsplit('.', 1)[-1]}:{errs[s]:.4f}" + (f"(H x{gains[s]:.2f})" if s in gains else "")
+                        for s in sufs)
         (tqdm.write if progress else log)(f"layer {i:3d}  rel. weight error  {msg}"
                                           + ("" if got is None else "  (resumed)"))
         if stop_after is not None and computed >= stop_after and i + 1 < cfg.num_layers:
