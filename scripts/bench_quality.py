@@ -24,7 +24,8 @@ For every model and source it builds the files and measures them with one harnes
   equal to the source reference's greedy continuation before the first difference, summed). llama.cpp's files
   are read by our GGUF loader (``gguf`` dequantizes every type these produce); ``--cross-check TYPES`` also runs
   ``llama-perplexity`` on the reference and those files (its own protocol: BOS, second half of each chunk
-  scored), for the ratio to the reference, as a check of the loader.
+  scored), for the ratio to the reference, as a check of the loader; ``--cross-check ''`` runs none, the
+  reference's included, and then ``llama-perplexity`` need not be built.
 
 The calibration text must not be the evaluation text (refused by path and by content). Results go to
 OUT/results.json (incremental; ``--reuse`` keeps finished rows and files) and OUT/quality.md; ``--write-quality
@@ -285,7 +286,7 @@ def run_source(model: str, src_kind: str, src: Path, args, results: dict, save) 
             row["bpw_file"] = row["file_bytes"] * 8 / n_src
             if v["kind"] == "ref":
                 ref_greedy = row["greedy"]
-            if args.llama_bin and (v["kind"] == "ref" or v.get("qtype") in args.cross_check):
+            if args.llama_bin and args.cross_check and (v["kind"] == "ref" or v.get("qtype") in args.cross_check):
                 row["llama_ppl"] = llama_ppl(args.llama_bin, path, args.text, args, path.with_suffix(".ppl.log"))
         except RuntimeError as e:
             row["error"] = str(e)
@@ -376,7 +377,8 @@ def parse_args(argv=None):
     p.add_argument("--imatrix-chunks", type=int, default=32)
     p.add_argument("--llama-bin", type=Path, default=None, help="directory of llama-quantize / llama-imatrix / "
                    "llama-perplexity (scripts/build_llamacpp_tools.sh)")
-    p.add_argument("--cross-check", default="Q4_K_M", help="types also scored by llama-perplexity ('' for none)")
+    p.add_argument("--cross-check", default="Q4_K_M", help="types also scored by llama-perplexity, beside the reference ('' for none, the reference's "
+                        "included)")
     p.add_argument("--device", default="cpu", help="device of the perplexity harness (default cpu)")
     p.add_argument("--quant-device", default=None, help="--device for trapetum quantize (default: its own)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -396,7 +398,7 @@ def parse_args(argv=None):
         raise BenchError("--llama-bin DIR is needed for the llama.cpp rows (bash scripts/build_llamacpp_tools.sh "
                          "builds them), or --llama ''")
     if a.llama_bin is not None:
-        for tool in ("llama-quantize", "llama-imatrix", "llama-perplexity"):
+        for tool in ("llama-quantize", "llama-imatrix") + (("llama-perplexity",) if a.cross_check else ()):
             if not (a.llama_bin / tool).is_file():
                 raise BenchError(f"--llama-bin {a.llama_bin}: no {tool} (bash scripts/build_llamacpp_tools.sh)")
     if a.windows < 1:

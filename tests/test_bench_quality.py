@@ -63,6 +63,19 @@ def test_argument_errors(args, msg):
     assert "Traceback" not in r.stderr
 
 
+def test_llama_perplexity_needed_only_for_a_cross_check(tmp_path):
+    """--cross-check '' scores no file with llama-perplexity (the reference neither), so the tool need not exist."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for t in ("llama-quantize", "llama-imatrix"):
+        (tools / t).write_text("#!/bin/sh\nexit 1\n")
+    base = ["--llama-bin", str(tools), "--model", "x=/nonexistent.gguf"]
+    r = _run(*base)  # the default cross-check (Q4_K_M) needs it
+    assert r.returncode == 2 and "no llama-perplexity" in r.stderr, r.stderr
+    r = _run(*base, "--cross-check", "")
+    assert r.returncode == 2 and "llama-perplexity" not in r.stderr and "file not found" in r.stderr, r.stderr
+
+
 def test_projection_bits_per_weight(tmp_path):
     """GGUF: the projections' stored bytes over their weights (Q4_0: 4.5 bits; F32 32); .cbk: codes + codebooks."""
     Q = gguf.GGMLQuantizationType

@@ -20,7 +20,7 @@ bq=${BQ:-/tmp/bq/$MODEL}
 python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/gguf-*.whl
 for f in xfer/[qsg].[0-9][0-9]; do [ -f "$f" ] && mv "$f" /tmp/m/; done
 [ -x /tmp/llb/bin/llama-quantize ] || { mkdir -p /tmp/llb && tar xzf xfer/llb.tgz -C /tmp/llb; }
-declare -A NAME=([smol]=SmolLM2-135M-Instruct [qwen]=Qwen2.5-Coder-0.5B-Instruct [gemma]=Gemma-3-270M)
+declare -A NAME=([smol]=SmolLM2-135M-Instruct [qwen]=Qwen25-Coder-05B-Instruct [gemma]=Gemma-3-270M)
 declare -A P=([smol]=s [qwen]=q [gemma]=g)
 declare -A SUM=([smol]=b179c952 [qwen]=1d961463 [gemma]=a5fd3b62)
 p=${P[$MODEL]}; n=${NAME[$MODEL]}; src=/tmp/m/$p.gguf

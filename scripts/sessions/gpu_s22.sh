@@ -7,7 +7,10 @@
 #                                                           copy of the tree, as job NAME (log /tmp/jobs/NAME.log)
 #   bash scripts/sessions/gpu_s22.sh wait SECONDS           until every job ended or SECONDS passed; each job's tail,
 #                                                           its results and logs as $OUT/NAME.tgz
-# Carry: .whl (gguf), xfer/wiki.test.raw, xfer/valid.txt, xfer/llb.tgz (static llama.cpp b11312 tools), the pieces.
+# Carry: .whl/gguf-*.whl, xfer/wiki.test.raw, xfer/valid.txt, xfer/llb.tgz (static llama.cpp b11312 llama-quantize and
+# llama-imatrix: `cmake ... -DBUILD_SHARED_LIBS=OFF -DGGML_OPENMP=OFF -DLLAMA_OPENSSL=OFF` with build_llamacpp_tools.sh's
+# other flags), the pieces (Qwen: a 50 MiB first piece beside the tools, then 62 MB ones: `split -b 62000000`).
+# Session 22's run: QUALITY.md "Session 22".
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p /tmp/m /tmp/jobs
@@ -23,7 +26,7 @@ start)
     for a in "$@"; do case $a in MODEL=smol) p=s;; MODEL=qwen) p=q;; MODEL=gemma) p=g;; esac; done
     [ -s /tmp/m/$p.gguf ] || cat /tmp/m/$p.[0-9][0-9] > /tmp/m/$p.gguf  # once, before any job reads it
     rm -rf /tmp/jobs/$name.tree && mkdir -p /tmp/jobs/$name.tree /tmp/jobs/$name.out
-    cp -r . /tmp/jobs/$name.tree/ && cp /tmp/m/tools/* /tmp/jobs/$name.tree/xfer/
+    cp -r . /tmp/jobs/$name.tree/ && mkdir -p /tmp/jobs/$name.tree/xfer && cp /tmp/m/tools/* /tmp/jobs/$name.tree/xfer/
     ( cd /tmp/jobs/$name.tree && setsid nohup env "$@" BQ=/tmp/bq/$name OUT=/tmp/jobs/$name.out bash scripts/sessions/gpu_quality_fair.sh \
         > /tmp/jobs/$name.log 2>&1 < /dev/null; echo $? > /tmp/jobs/$name.rc ) > /dev/null 2>&1 &
     sleep 2; echo "started $name: $*"; cat /tmp/jobs/$name.log ;;
