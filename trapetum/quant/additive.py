@@ -149,6 +149,18 @@ def _beam_search(v: torch.Tensor, h: torch.Tensor, C: torch.Tensor, idx: torch.T
     return out
 
 
+def cooccurrence(gidx: torch.Tensor, wt: torch.Tensor, MK: int) -> torch.Tensor:
+    """Per coordinate, the weighted code co-occurrence matrix [d, MK, MK] = sum_n wt[:, n] e_n e_n^T, e_n the sum of
+    the one-hots of vector n's global entry ids ``gidx`` [N, M] (entry + m * K); ``wt`` [d, N] float64. The normal
+    matrix of the codebooks' least squares under per-coordinate weights (``_refit_codebooks``; additive_gptq's
+    preconditioner)."""
+    A = torch.zeros(wt.shape[0], MK * MK, dtype=wt.dtype, device=wt.device)
+    for a in range(gidx.shape[1]):
+        for b in range(gidx.shape[1]):
+            A.index_add_(1, gidx[:, a] * MK + gidx[:, b], wt)
+    return A.view(wt.shape[0], MK, MK)
+
+
 def _refit_codebooks(v: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, C: torch.Tensor,
                      ridge: float = 1e-6) -> torch.Tensor:
     """Weighted least squares for the codebooks given codes: min sum_n,d w[n,d] (v[n,d] - sum_m C[m, idx[n,m], d])^2.
@@ -164,14 +176,11 @@ def _refit_codebooks(v: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, C: tor
         return torch.where(den > 0, num / den.clamp_min(1e-300), C[0].to(dt)).to(C.dtype).unsqueeze(0)
     MK = M * K
     gidx = idx + torch.arange(M, device=dev) * K  # [N, M] global entry ids
-    A = torch.zeros(d, MK * MK, dtype=dt, device=dev)
     rhs = torch.zeros(d, MK, dtype=dt, device=dev)
     wt, wvt = w.t().to(dt), (w * v).t().to(dt)  # [d, N]
     for a in range(M):
         rhs.index_add_(1, gidx[:, a], wvt)
-        for b in range(M):
-            A.index_add_(1, gidx[:, a] * MK + gidx[:, b], wt)
-    A = A.view(d, MK, MK)
+    A = cooccurrence(gidx, wt, MK)
     lam = ridge * (A.diagonal(dim1=1, dim2=2).mean(1) + 1e-30)  # [d]
     A = A + lam[:, None, None] * torch.eye(MK, dtype=dt, device=dev)
     rhs = rhs + lam[:, None] * C.permute(2, 0, 1).reshape(d, MK).to(dt)  # ridge towards the previous codebooks

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import torch
 
+from .additive import _beam_search, cooccurrence
 from .gptq import hessian_objective, inverse_cholesky
 
 __all__ = ["additive_gptq_refine", "gptq_codes", "descent_codes", "refit_codebooks_hessian", "refit_scales_hessian"]
@@ -110,11 +111,7 @@ def _preconditioner(idx: torch.Tensor, hdiag: torch.Tensor, s: torch.Tensor, M: 
         fill = float(D[D > 0].mean()) if bool((D > 0).any()) else 1.0
         D = torch.where(D > 0, D, torch.full_like(D, fill)).t().contiguous()  # [K, d]
         return lambda r: r / D
-    A = torch.zeros(d, MK * MK, dtype=dt, device=dev)
-    for a in range(M):
-        for b in range(M):
-            A.index_add_(1, flat[:, a] * MK + flat[:, b], w)
-    A = A.view(d, MK, MK)
+    A = cooccurrence(flat, w, MK)
     diag = A.diagonal(dim1=1, dim2=2)
     fill = diag.mean(1, keepdim=True).clamp_min(1e-30)
     A = A + torch.diag_embed(torch.where(diag > 0, 1e-6 * fill, fill))  # unused entries: identity-like rows
@@ -180,8 +177,6 @@ def gptq_codes(W: torch.Tensor, U: torch.Tensor, C: torch.Tensor, s: torch.Tenso
 
     U: ``gptq.inverse_cholesky(H, damp)`` [C, C] float64 on W's device; C [M, K, d] the codebooks (fp16
     values), s [R] the scales, idx [R, G, M] the incumbent codes (each group's search starts there)."""
-    from .additive import _beam_search
-
     R, Cin = W.shape
     M, K, d = C.shape
     dev = W.device
@@ -220,8 +215,6 @@ def descent_codes(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, s: torch.Te
     const + (q' - t) H_gg (q' - t)^T,  t = q + (e H)_g H_gg^-1,  so the group's search targets t / s_r under the
     metric H_gg (whitened by its Cholesky factor L: ||(q' - t) L||^2), starting from the incumbent; e H is kept
     current by a rank-8 update per group. H_gg gets a 1e-6 * mean(diag) jitter for the factorization."""
-    from .additive import _beam_search
-
     R, Cin = W.shape
     M, K, d = C.shape
     dev = W.device
